@@ -1,0 +1,170 @@
+"""The target's KV cache, owned by the engine (not hidden in modules).
+
+Full-attention layers share one preallocated tensor [layers, B, Hkv, capacity, D];
+sliding-window layers share one ring [layers, B, Hkv, R, D] with R = window +
+headroom, where headroom is the most tokens a single forward may add. The committed
+token at position p lives in full slot p and in ring slot p % R.
+
+A forward appends T *pending* tokens after the committed length L (full slots
+L..L+T-1, ring slots (L+i) % R). Then the caller either commits all of them
+(prefill, autoregressive decoding) or commits a subset — the accepted path of a
+speculative tree — which is compacted into slots L..L+a-1 for every layer with one
+gather/scatter per tensor; the rest are dropped.
+
+Why the ring never loses a needed key: a forward of T <= headroom tokens overwrites
+ring slots of positions <= L + T - 1 - R <= L - window, which no query at a
+position >= L can see (a query at p sees keys at positions > p - window).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from longspec.runtime.config import DecoderConfig
+
+_EMPTY_SLOT = -(2**62)  # position of ring slots holding nothing visible
+
+
+class KVCache:
+    def __init__(
+        self,
+        config: DecoderConfig,
+        capacity: int,
+        *,
+        batch_size: int = 1,
+        max_forward_tokens: int = 256,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if capacity < 1:
+            raise ValueError(f"cache capacity must be >= 1, got {capacity}")
+        if max_forward_tokens < 1:
+            raise ValueError(f"max_forward_tokens must be >= 1, got {max_forward_tokens}")
+        self.config = config
+        self.capacity = capacity
+        self.max_forward_tokens = max_forward_tokens
+        self.window = config.sliding_window
+        shape_tail = (batch_size, config.num_kv_heads)
+        D = config.head_dim
+        full_layers = [i for i, s in enumerate(config.layer_is_sliding) if not s]
+        ring_layers = [i for i, s in enumerate(config.layer_is_sliding) if s]
+        # layer index -> index within its group (full or ring)
+        self.group_index = {layer: j for j, layer in enumerate(full_layers)}
+        self.group_index.update({layer: j for j, layer in enumerate(ring_layers)})
+        self.full_k = torch.zeros((len(full_layers), *shape_tail, capacity, D), dtype=dtype, device=device)
+        self.full_v = torch.zeros_like(self.full_k)
+        self.ring_size = min(capacity, (self.window or 0) + max_forward_tokens) if ring_layers else 0
+        self.ring_k = torch.zeros((len(ring_layers), *shape_tail, self.ring_size, D), dtype=dtype, device=device)
+        self.ring_v = torch.zeros_like(self.ring_k)
+        self.ring_positions = torch.full((self.ring_size,), _EMPTY_SLOT, dtype=torch.long, device=device)
+        self.length = 0  # committed tokens
+        self.pending = 0  # tokens appended by the last forward, not yet committed or dropped
+        self._pending_ring_slots = torch.empty(0, dtype=torch.long)
+
+    # ---------------------------------------------------------------- forward side
+    def begin_forward(self, positions: torch.Tensor) -> None:
+        """Reserve slots for T new tokens at the given RoPE positions."""
+        T = positions.numel()
+        if self.pending:
+            raise RuntimeError("the previous forward's tokens were neither committed nor dropped")
+        if T > self.max_forward_tokens:
+            raise ValueError(
+                f"a forward of {T} tokens exceeds this cache's max_forward_tokens={self.max_forward_tokens}; "
+                "split the input into chunks"
+            )
+        if self.length + T > self.capacity:
+            raise ValueError(
+                f"cache is full: {self.length} committed + {T} new tokens > capacity {self.capacity}"
+            )
+        self.pending = T
+        if self.ring_size:
+            slots = (self.length + torch.arange(T, device=positions.device)) % self.ring_size
+            self._pending_ring_slots = slots
+            self.ring_positions[slots] = positions
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write this forward's K/V [B, Hkv, T, D] for one layer."""
+        j = self.group_index[layer]
+        if self.config.layer_is_sliding[layer]:
+            self.ring_k[j].index_copy_(2, self._pending_ring_slots, k)
+            self.ring_v[j].index_copy_(2, self._pending_ring_slots, v)
+        else:
+            L, T = self.length, self.pending
+            self.full_k[j, :, :, L : L + T] = k
+            self.full_v[j, :, :, L : L + T] = v
+
+    def prefix(self, layer: int, include_pending: bool = False):
+        """K/V views attended by this forward's queries: the committed prefix of a
+        full layer (optionally with the pending tokens), or a whole ring."""
+        j = self.group_index[layer]
+        if self.config.layer_is_sliding[layer]:
+            return self.ring_k[j], self.ring_v[j]
+        end = self.length + (self.pending if include_pending else 0)
+        return self.full_k[j, :, :, :end], self.full_v[j, :, :, :end]
+
+    def ring_prefix_mask(self, query_positions: torch.Tensor) -> torch.Tensor:
+        """[T, R] bool: ring slot visible to each query = committed and in its window."""
+        slot_pos = self.ring_positions
+        committed = slot_pos < self.length  # pending tokens sit at positions >= length
+        in_window = slot_pos.unsqueeze(0) > (query_positions.unsqueeze(1) - self.window)
+        return committed.unsqueeze(0) & in_window
+
+    # ----------------------------------------------------------------- commit side
+    def commit(self, kept: torch.Tensor | None = None) -> None:
+        """Keep pending tokens ``kept`` (indices into this forward's T tokens, in
+        sequence order) as positions length.. length+a-1; drop the others.
+        ``None`` keeps all of them in order."""
+        T, L = self.pending, self.length
+        if kept is None:
+            kept_count = T
+            in_place = True
+        else:
+            kept = kept.to(torch.long)
+            kept_count = kept.numel()
+            if kept_count > T or (kept_count and (int(kept.max()) >= T or int(kept.min()) < 0)):
+                raise ValueError(f"kept indices {kept.tolist()} out of range for {T} pending tokens")
+            in_place = bool((kept == torch.arange(kept_count)).all())
+        if not in_place:
+            src = L + kept
+            dst = L + torch.arange(kept_count)
+            if self.full_k.shape[0]:
+                self.full_k[:, :, :, dst] = self.full_k[:, :, :, src]
+                self.full_v[:, :, :, dst] = self.full_v[:, :, :, src]
+            if self.ring_size:
+                rsrc, rdst = src % self.ring_size, dst % self.ring_size
+                self.ring_k[:, :, :, rdst] = self.ring_k[:, :, :, rsrc]
+                self.ring_v[:, :, :, rdst] = self.ring_v[:, :, :, rsrc]
+        if self.ring_size and T:
+            self.ring_positions[self._pending_ring_slots] = _EMPTY_SLOT
+            kept_slots = (L + torch.arange(kept_count)) % self.ring_size
+            self.ring_positions[kept_slots] = L + torch.arange(kept_count)
+        self.length = L + kept_count
+        self.pending = 0
+
+    def drop_pending(self) -> None:
+        self.commit(torch.empty(0, dtype=torch.long))
+
+    def rollback(self, length: int) -> None:
+        """Forget committed tokens from ``length`` on."""
+        if self.pending:
+            raise RuntimeError("commit or drop the pending tokens before rolling back")
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back to {length}: cache holds {self.length} tokens")
+        if self.ring_size:
+            headroom = self.ring_size - self.window
+            if self.length - length > headroom and length > 0:
+                raise ValueError(
+                    f"sliding-window layers keep only {headroom} tokens beyond their window; "
+                    f"cannot roll back {self.length - length} tokens"
+                )
+            stale = self.ring_positions >= length
+            self.ring_positions[stale] = _EMPTY_SLOT
+        self.length = length
+
+    def reset(self) -> None:
+        self.pending = 0
+        self.rollback(0)
+
+    # ------------------------------------------------------------------ accounting
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.full_k, self.full_v, self.ring_k, self.ring_v))

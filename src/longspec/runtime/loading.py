@@ -1,0 +1,172 @@
+"""Building a `Decoder` from what users have: an HF checkpoint directory, a model id
+already in the local HF cache (offline), or a GGUF file."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from longspec.runtime.config import DecoderConfig, rope_tables
+from longspec.runtime.model import Decoder
+
+
+@dataclass
+class LoadedTarget:
+    model: Decoder
+    tokenizer: object  # a transformers tokenizer, or None when loaded from tensors only
+    hf_config: object
+    source: str
+
+
+def decoder_from_state_dict(hf_config, state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> Decoder:
+    """Map `transformers` parameter names onto our fused layout."""
+    config = DecoderConfig.from_hf(hf_config)
+    with torch.device("meta"):
+        model = Decoder(config, rope_tables(hf_config, config))
+    prefix = "model.language_model." if any(k.startswith("model.language_model.") for k in state_dict) else "model."
+
+    def take(name: str) -> torch.Tensor:
+        key = prefix + name
+        if key not in state_dict:
+            raise KeyError(f"checkpoint lacks tensor {key!r} needed by a {config.model_type} model")
+        return state_dict[key].to(dtype)
+
+    params: dict[str, torch.Tensor] = {"embed_weight": take("embed_tokens.weight"), "final_norm.weight": take("norm.weight")}
+    if not config.tie_word_embeddings:
+        head = state_dict.get("lm_head.weight")
+        if head is None:
+            raise KeyError("checkpoint lacks lm_head.weight and does not tie word embeddings")
+        params["lm_head_weight"] = head.to(dtype)
+    for i in range(config.num_layers):
+        p = f"layers.{i}."
+        params[p + "qkv_weight"] = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+        if config.attention_bias:
+            params[p + "qkv_bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+        params[p + "o_weight"] = take(p + "self_attn.o_proj.weight")
+        params[p + "gate_up_weight"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+        params[p + "down_weight"] = take(p + "mlp.down_proj.weight")
+        params[p + "input_norm.weight"] = take(p + "input_layernorm.weight")
+        if config.gemma_norms:
+            params[p + "post_attn_norm.weight"] = take(p + "post_attention_layernorm.weight")
+            params[p + "pre_mlp_norm.weight"] = take(p + "pre_feedforward_layernorm.weight")
+            params[p + "post_mlp_norm.weight"] = take(p + "post_feedforward_layernorm.weight")
+        else:
+            params[p + "pre_mlp_norm.weight"] = take(p + "post_attention_layernorm.weight")
+        if config.qk_norm:
+            params[p + "q_norm.weight"] = take(p + "self_attn.q_norm.weight")
+            params[p + "k_norm.weight"] = take(p + "self_attn.k_norm.weight")
+    model.load_state_dict(params, strict=False, assign=True)
+    for sliding, (inv_freq, _) in rope_tables(hf_config, config).items():
+        setattr(model, f"inv_freq_{'sliding' if sliding else 'full'}", inv_freq)
+    missing = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if missing:
+        raise KeyError(f"parameters not loaded: {missing[:5]}")
+    # Parameters default to requires_grad=False already; keep them frozen.
+    return model.eval()
+
+
+def load_target(source: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.bfloat16) -> LoadedTarget:
+    """Load a target model and its tokenizer.
+
+    source: None for the embedded default (Gemma 3 270M), a .gguf file, an HF
+    checkpoint directory (config.json + *.safetensors), or a model id in the local HF
+    cache (no network is used).
+    """
+    if source is None:
+        from longspec.runtime.default_model import default_checkpoint_dir
+
+        return load_checkpoint_dir(default_checkpoint_dir(), dtype=dtype)
+    text = str(source)
+    path = Path(text).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {path}")
+        return load_gguf(path, dtype=dtype)
+    if path.is_dir():
+        return load_checkpoint_dir(path, dtype=dtype)
+    if path.exists():
+        raise ValueError(f"{path} is neither a .gguf file nor a checkpoint directory")
+    cached = _local_hub_snapshot(text)
+    if cached is None:
+        raise FileNotFoundError(
+            f"model {text!r} is not a file, a directory, or a model id in the local Hugging Face cache "
+            "(longspec never downloads). Pass a checkpoint directory or a .gguf file, or omit --model "
+            "for the embedded Gemma 3 270M."
+        )
+    return load_checkpoint_dir(cached, dtype=dtype)
+
+
+def load_checkpoint_dir(directory: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16) -> LoadedTarget:
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    directory = Path(directory)
+    if not (directory / "config.json").is_file():
+        raise FileNotFoundError(f"{directory} has no config.json; is it a Hugging Face checkpoint directory?")
+    hf_config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    DecoderConfig.from_hf(hf_config)  # fail on unsupported families before reading weights
+    shards = sorted(directory.glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"{directory} holds no *.safetensors weights (PyTorch .bin files are not loaded)")
+    state_dict: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        state_dict.update(load_file(str(shard)))
+    model = decoder_from_state_dict(hf_config, state_dict, dtype)
+    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    return LoadedTarget(model, tokenizer, hf_config, str(directory))
+
+
+def load_gguf(path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16) -> LoadedTarget:
+    """Dequantize a GGUF file through `transformers`' converter."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path = Path(path)
+    try:
+        hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    except ValueError as error:
+        raise ValueError(f"cannot read {path}: {error}") from error
+    DecoderConfig.from_hf(hf_config)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(hf_config)
+    checkpoint = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)
+    model = decoder_from_state_dict(hf_config, checkpoint["tensors"], dtype)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    return LoadedTarget(model, tokenizer, hf_config, str(path))
+
+
+def convert_gguf_to_checkpoint(gguf_path: Path, out_dir: Path) -> Path:
+    """Write a GGUF file as an HF checkpoint directory (config.json, float32
+    safetensors, tokenizer) so later loads skip dequantization."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    hf_config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(hf_config)
+    checkpoint = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    tmp.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.contiguous() for k, v in checkpoint["tensors"].items()}
+    save_file(tensors, str(tmp / "model.safetensors"))
+    hf_config.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True).save_pretrained(tmp)
+    (tmp / "longspec-source.json").write_text(json.dumps({"gguf": gguf_path.name}))
+    tmp.rename(out_dir)  # atomic: a half-written directory is never mistaken for a checkpoint
+    return out_dir
+
+
+def _local_hub_snapshot(model_id: str) -> Path | None:
+    if model_id.count("/") > 1 or not model_id.strip():
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model_id, local_files_only=True))
+    except Exception:  # not in the cache (or not a valid id): the caller names the problem
+        return None

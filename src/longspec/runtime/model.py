@@ -1,0 +1,228 @@
+"""One config-driven decoder for the Llama, Mistral, Qwen2/2.5, Qwen3 and Gemma 3
+text families, in plain PyTorch, over an engine-owned `KVCache`.
+
+Weights keep the `transformers` parameter names on load; q/k/v and gate/up
+projections are fused into one matrix each at load time (fewer, larger matmuls).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from longspec.runtime.attention import AttentionBackend, fused_attention
+from longspec.runtime.cache import KVCache
+from longspec.runtime.config import DecoderConfig
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    logits: torch.Tensor  # [B, len(logits_rows), V]
+    hidden: torch.Tensor  # final normed hidden states of those rows [B, rows, H]
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm in float32. Gemma scales by (1 + w) in float32; Llama-style families
+    cast back to the activation dtype before scaling by w (as `transformers` does)."""
+
+    def __init__(self, dim: int, eps: float, gemma: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim), requires_grad=False)
+        self.eps = eps
+        self.gemma = gemma
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float() if x.dtype != torch.float64 else x
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            return (normed * (1.0 + self.weight.to(normed.dtype))).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: DecoderConfig, index: int) -> None:
+        super().__init__()
+        c = config
+        self.index = index
+        self.config = config
+        self.sliding = c.layer_is_sliding[index]
+        q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.qkv_weight = nn.Parameter(torch.empty(q_dim + 2 * kv_dim, c.hidden_size), requires_grad=False)
+        self.qkv_bias = (
+            nn.Parameter(torch.zeros(q_dim + 2 * kv_dim), requires_grad=False) if c.attention_bias else None
+        )
+        self.o_weight = nn.Parameter(torch.empty(c.hidden_size, q_dim), requires_grad=False)
+        self.gate_up_weight = nn.Parameter(torch.empty(2 * c.intermediate_size, c.hidden_size), requires_grad=False)
+        self.down_weight = nn.Parameter(torch.empty(c.hidden_size, c.intermediate_size), requires_grad=False)
+        g = c.gemma_norms
+        self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, g)
+        self.pre_mlp_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, g)
+        self.post_attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, g) if g else None
+        self.post_mlp_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, g) if g else None
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, g) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, g) if c.qk_norm else None
+        self.split = (q_dim, kv_dim, kv_dim)
+
+    def forward(self, x, rope, plan: "ForwardPlan", cache: KVCache, attention: AttentionBackend):
+        c = self.config
+        B, T, _ = x.shape
+        h = self.input_norm(x)
+        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv.split(self.split, dim=-1)
+        q = q.view(B, T, c.num_heads, c.head_dim)
+        k = k.view(B, T, c.num_kv_heads, c.head_dim)
+        v = v.view(B, T, c.num_kv_heads, c.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope
+        q = _apply_rope(q.transpose(1, 2), cos, sin)
+        k = _apply_rope(k.transpose(1, 2), cos, sin)
+        v = v.transpose(1, 2)
+        cache.store(self.index, k, v)
+        if self.sliding:
+            k_ring, v_ring = cache.prefix(self.index)
+            attn = attention(q, k_ring, v_ring, plan.ring_mask, k, v, plan.sliding_new_mask, c.attention_scale)
+        elif plan.single_token:
+            # One new token sees everything: attend the cache including itself, no mask.
+            k_all, v_all = cache.prefix(self.index, include_pending=True)
+            attn = attention(q, k_all, v_all, None, None, None, None, c.attention_scale)
+        else:
+            k_pre, v_pre = cache.prefix(self.index)
+            attn = attention(q, k_pre, v_pre, None, k, v, plan.new_mask, c.attention_scale)
+        attn = attn.transpose(1, 2).reshape(B, T, -1)
+        out = F.linear(attn, self.o_weight)
+        if self.post_attn_norm is not None:
+            out = self.post_attn_norm(out)
+        x = x + out
+        h = self.pre_mlp_norm(x)
+        gate, up = F.linear(h, self.gate_up_weight).chunk(2, dim=-1)
+        act = F.gelu(gate, approximate="tanh") if c.activation == "gelu_tanh" else F.silu(gate)
+        out = F.linear(act * up, self.down_weight)
+        if self.post_mlp_norm is not None:
+            out = self.post_mlp_norm(out)
+        return x + out
+
+
+@dataclass
+class ForwardPlan:
+    """Masks and positions shared by all layers of one forward."""
+
+    positions: torch.Tensor  # [T]
+    new_mask: torch.Tensor  # [T, T] visibility among the new tokens
+    sliding_new_mask: torch.Tensor | None  # new_mask within the window
+    ring_mask: torch.Tensor | None  # [T, R] committed ring slots within each query's window
+    single_token: bool
+
+
+class Decoder(nn.Module):
+    def __init__(self, config: DecoderConfig, rope_inv_freq: dict[bool, tuple[torch.Tensor, float]]) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_weight = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.gemma_norms)
+        self.lm_head_weight = (
+            None
+            if config.tie_word_embeddings
+            else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
+        )
+        for sliding, (inv_freq, scaling) in rope_inv_freq.items():
+            self.register_buffer(f"inv_freq_{'sliding' if sliding else 'full'}", inv_freq, persistent=False)
+        self.rope_scaling = {s: scaling for s, (_, scaling) in rope_inv_freq.items()}
+        self.attention: AttentionBackend = fused_attention
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_weight.dtype
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.embed_weight if self.lm_head_weight is None else self.lm_head_weight
+
+    def new_cache(self, capacity: int, *, batch_size: int = 1, max_forward_tokens: int = 256) -> KVCache:
+        return KVCache(
+            self.config,
+            capacity,
+            batch_size=batch_size,
+            max_forward_tokens=max_forward_tokens,
+            dtype=self.dtype,
+            device=self.embed_weight.device,
+        )
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = F.embedding(input_ids, self.embed_weight)
+        if self.config.embedding_scale is not None:
+            # transformers rounds the scale to the activation dtype first; so do we.
+            x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.head_weight)
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache,
+        *,
+        tree_mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        logits_rows: torch.Tensor | slice | None = None,
+    ) -> ForwardOutput:
+        """Run T new tokens [B, T] after the cache's committed prefix.
+
+        tree_mask: [T, T] bool ancestor mask (None: causal, i.e. a chain).
+        positions: [T] RoPE positions (None: consecutive after the prefix).
+        logits_rows: which of the T rows get logits (None: all).
+        The new tokens are left *pending* in the cache: call cache.commit(...).
+        """
+        B, T = input_ids.shape
+        if positions is None:
+            positions = cache.length + torch.arange(T)
+        cache.begin_forward(positions)
+        plan = self._plan(T, cache, tree_mask, positions)
+        rope = {s: self._rope(plan.positions, s) for s in set(self.config.layer_is_sliding)}
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x, rope[layer.sliding], plan, cache, self.attention)
+        if logits_rows is not None:
+            x = x[:, logits_rows]
+        hidden = self.final_norm(x)
+        return ForwardOutput(logits=self.logits(hidden), hidden=hidden)
+
+    def _plan(self, T, cache, tree_mask, positions) -> ForwardPlan:
+        if tree_mask is None:
+            new_mask = torch.ones((T, T), dtype=torch.bool).tril_()
+        else:
+            new_mask = tree_mask
+        sliding_new_mask = ring_mask = None
+        if any(self.config.layer_is_sliding):
+            window = self.config.sliding_window
+            distance = positions.unsqueeze(1) - positions.unsqueeze(0)
+            sliding_new_mask = new_mask & (distance < window)
+            ring_mask = cache.ring_prefix_mask(positions)
+        return ForwardPlan(positions, new_mask, sliding_new_mask, ring_mask, single_token=T == 1)
+
+    def _rope(self, positions: torch.Tensor, sliding: bool):
+        inv_freq = getattr(self, f"inv_freq_{'sliding' if sliding else 'full'}")
+        freqs = positions.float().unsqueeze(-1) * inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)
+        scaling = self.rope_scaling[sliding]
+        return (emb.cos() * scaling).to(self.dtype), (emb.sin() * scaling).to(self.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [B, H, T, D]; cos/sin [T, D]
+    return x * cos + _rotate_half(x) * sin

@@ -1,0 +1,47 @@
+"""The drafter protocol: what the engine asks of every drafter.
+
+A drafter proposes a `Tree` rooted at the current root token and is told which
+tokens were committed. It may read the target through the read-only `DraftContext`
+the engine hands it, and owns only bounded state of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from longspec.speculation.tree import Tree
+
+
+@dataclass(frozen=True)
+class DraftContext:
+    """Read-only view handed to drafters each round.
+
+    tokens: every committed token so far (prompt + output), 1-D int64; the last one
+        is the root of the next tree (its K/V is not yet in the target cache).
+    target: read-only view of the target model and cache (drafters that cross-attend
+        the target's K/V use it; n-gram drafters ignore it).
+    max_nodes: the most speculative nodes (root excluded) the engine will verify.
+    """
+
+    tokens: torch.Tensor
+    target: Any = None
+    max_nodes: int = 64
+
+    @property
+    def root(self) -> int:
+        return int(self.tokens[-1])
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    def begin(self, context: DraftContext) -> None:
+        """Start a new sequence (called once after prefill)."""
+
+    def propose(self, context: DraftContext) -> Tree:
+        """A tree rooted at ``context.root`` (a root-only tree proposes nothing)."""
+
+    def observe(self, committed: torch.Tensor) -> None:
+        """The tokens appended to the sequence this round (accepted nodes, then the bonus)."""

@@ -1,0 +1,155 @@
+"""Prompt lookup decoding (PLD): draft the tokens that followed an earlier
+occurrence of the sequence's last n tokens.
+
+Matching is served by an incremental hash index, one per n-gram size: n-gram tuple
+-> increasing list of the positions where that n-gram *ends*. Only n-grams followed
+by at least one committed token are indexed, so the current suffix (which ends at
+the root) never matches itself; a match may overlap the suffix, as in repetitive
+text, exactly like the windowed search of transformers' prompt lookup.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from longspec.speculation.drafters.base import DraftContext
+from longspec.speculation.drafters.ngram import _check_positive_int, chains_tree
+from longspec.speculation.tree import Tree
+
+
+class PromptLookupDrafter:
+    """Prompt lookup decoding over the whole committed sequence (prompt + output).
+
+    For n from ``max_ngram`` down to ``min_ngram``, the last n tokens (root
+    included) are looked up among earlier n-grams; the largest n with a match wins
+    and shorter n are not consulted. The draft is the (up to ``num_tokens``) tokens
+    that followed the **most recent** earlier occurrence. (transformers'
+    ``prompt_lookup`` takes the first, i.e. oldest, match; the most recent one is
+    usually closer in topic and format to what is being generated, so we prefer it.)
+
+    With ``max_candidates > 1`` the most recent occurrences whose continuations
+    differ are merged into one tree (most recent first, shared prefixes merged by
+    `Tree.with_chains`). At most ``scan_factor * max_candidates`` of the most
+    recent occurrences are examined, so a long run of identical continuations
+    cannot make ``propose`` scan the whole sequence.
+
+    The tree never has more than ``context.max_nodes`` speculative nodes; with no
+    match it is root-only.
+
+    Complexity, with L the sequence length, G = max_ngram - min_ngram + 1 and
+    c the tokens committed per round:
+      * ``begin``: O(L·G) dict insertions (once per sequence);
+      * ``observe``: O(c·G) (amortized O(1) per committed token);
+      * ``propose``: O(G·max_ngram + scan_factor·max_candidates·num_tokens),
+        independent of L;
+      * memory: O(L·G) positions.
+
+    The drafter keeps its own copy of the committed tokens, fed by ``begin`` and
+    ``observe``. ``propose`` checks it against the context (length and the token
+    at the last known position) and catches up from the context when they differ,
+    so it is also correct when ``observe`` is not called.
+    """
+
+    scan_factor = 8
+
+    def __init__(
+        self,
+        num_tokens: int = 10,
+        min_ngram: int = 1,
+        max_ngram: int = 3,
+        max_candidates: int = 1,
+    ) -> None:
+        self.num_tokens = _check_positive_int("num_tokens", num_tokens, 1)
+        self.min_ngram = _check_positive_int("min_ngram", min_ngram, 1)
+        self.max_ngram = _check_positive_int("max_ngram", max_ngram, 1)
+        if self.max_ngram < self.min_ngram:
+            raise ValueError(f"max_ngram ({max_ngram}) must be >= min_ngram ({min_ngram})")
+        self.max_candidates = _check_positive_int("max_candidates", max_candidates, 1)
+        self._reset()
+
+    # ------------------------------------------------------------------ state
+    def _reset(self) -> None:
+        self._tokens: list[int] = []
+        # n -> {n-gram tuple -> increasing end positions}
+        self._index: dict[int, dict[tuple[int, ...], list[int]]] = {
+            n: {} for n in range(self.min_ngram, self.max_ngram + 1)
+        }
+        self._next_end = 0  # n-grams ending before this position are indexed
+
+    def _extend(self, new: list[int]) -> None:
+        if not new:
+            return
+        toks = self._tokens
+        toks.extend(new)
+        stop = len(toks) - 1  # index ends e < stop: each has a following token
+        for n, index in self._index.items():
+            start = max(self._next_end, n - 1)
+            if start >= stop:
+                continue
+            columns = [toks[start - n + 1 + j : stop - n + 1 + j] for j in range(n)]
+            get = index.get
+            for end, key in zip(range(start, stop), zip(*columns)):
+                ends = get(key)
+                if ends is None:
+                    index[key] = [end]
+                else:
+                    ends.append(end)
+        self._next_end = max(self._next_end, stop)
+
+    def _sync(self, tokens: torch.Tensor) -> None:
+        seen = len(self._tokens)
+        total = tokens.numel()
+        if total < seen or (seen and int(tokens[seen - 1]) != self._tokens[-1]):
+            self._reset()
+            seen = 0
+        if total > seen:
+            self._extend(tokens[seen:].tolist())
+
+    # --------------------------------------------------------------- protocol
+    def begin(self, context: DraftContext) -> None:
+        self._reset()
+        self._extend(torch.as_tensor(context.tokens, dtype=torch.long).reshape(-1).tolist())
+
+    def observe(self, committed: torch.Tensor) -> None:
+        self._extend(torch.as_tensor(committed, dtype=torch.long).reshape(-1).tolist())
+
+    def propose(self, context: DraftContext) -> Tree:
+        tokens = torch.as_tensor(context.tokens, dtype=torch.long).reshape(-1)
+        self._sync(tokens)
+        root = int(tokens[-1])
+        limit = min(self.num_tokens, int(context.max_nodes))
+        if limit <= 0:
+            return Tree.chain(root, [])
+        chains = self.lookup(limit)
+        return chains_tree(root, chains, context.max_nodes)
+
+    # ----------------------------------------------------------------- lookup
+    def lookup(self, limit: int | None = None) -> list[list[int]]:
+        """Continuations (each at most ``limit`` tokens, default ``num_tokens``) of
+        the most recent earlier occurrences of the longest matching suffix, most
+        recent first, at most ``max_candidates`` distinct ones; ``[]`` if none."""
+        limit = self.num_tokens if limit is None else limit
+        toks = self._tokens
+        length = len(toks)
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if n > length - 1:
+                continue
+            ends = self._index[n].get(tuple(toks[length - n :]))
+            if not ends:
+                continue
+            if self.max_candidates == 1:
+                end = ends[-1]
+                return [toks[end + 1 : end + 1 + limit]]
+            chains: list[list[int]] = []
+            seen: set[tuple[int, ...]] = set()
+            scan = self.scan_factor * self.max_candidates
+            for i in range(len(ends) - 1, max(len(ends) - 1 - scan, -1), -1):
+                end = ends[i]
+                cont = tuple(toks[end + 1 : end + 1 + limit])
+                if cont not in seen:
+                    seen.add(cont)
+                    chains.append(list(cont))
+                    if len(chains) == self.max_candidates:
+                        break
+            return chains
+        return []

@@ -1,0 +1,260 @@
+"""Logits processors: pure, batched functions of (logits, per-row history, params).
+
+Speculative verification must score every tree node with exactly the distribution
+plain autoregressive decoding would have used at that point, or decoding is no
+longer lossless. The engine therefore applies these functions to all nodes at
+once, each row carrying the node's own token history (its ancestor path), and
+autoregressive decoding uses the same functions with a single row.
+
+The penalty and warpers reproduce, in order, what transformers' ``generate``
+applies for sampling: RepetitionPenaltyLogitsProcessor, then TemperatureLogitsWarper,
+TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper and EtaLogitsWarper (all with
+``min_tokens_to_keep=1``).
+
+Histories are ``[N, W]`` int64 with ``-1`` as padding. ``history_windows`` builds
+them right-aligned (left-padded), but padding may sit anywhere: only the row's
+non-padding tokens and their order matter.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+_NEG_INF = float("-inf")
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen from the target's logits.
+
+    temperature: 0 means greedy (argmax after the penalty); > 0 samples.
+    top_k: keep the k most likely tokens; None or 0 disables.
+    top_p: nucleus mass in (0, 1]; None (or 1.0) disables.
+    min_p: in [0, 1], drop tokens below min_p * p_max; None disables.
+    eta: eta-sampling epsilon in (0, 1); None disables.
+    penalty: contextual (repetition) penalty theta > 0, usually >= 1; 1.0 disables.
+    penalty_window: only the last W tokens of a row's history are penalized.
+    """
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    eta: float | None = None
+    penalty: float = 1.0
+    penalty_window: int = 1024
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if not (_is_real(t) and t >= 0 and math.isfinite(t)):
+            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {t!r}")
+        k = self.top_k
+        if k is not None and not (_is_int(k) and k >= 0):
+            raise ValueError(f"top_k must be an integer >= 0 or None (0 or None disables), got {k!r}")
+        p = self.top_p
+        if p is not None and not (_is_real(p) and 0 < p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+        m = self.min_p
+        if m is not None and not (_is_real(m) and 0 <= m <= 1):
+            raise ValueError(f"min_p must be in [0, 1], got {m!r}")
+        e = self.eta
+        if e is not None and not (_is_real(e) and 0 < e < 1):
+            raise ValueError(f"eta must be in (0, 1), got {e!r}")
+        th = self.penalty
+        if not (_is_real(th) and th > 0 and math.isfinite(th)):
+            raise ValueError(f"penalty must be > 0 (1.0 disables, usually >= 1), got {th!r}")
+        w = self.penalty_window
+        if not (_is_int(w) and w >= 1):
+            raise ValueError(f"penalty_window must be an integer >= 1, got {w!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def uses_history(self) -> bool:
+        return self.penalty != 1.0
+
+
+def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
+    # Half-precision softmax/cumsum would shift top-p and eta cut-offs.
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+def _check_logits(logits: torch.Tensor) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be 2-D [N, V], got shape {tuple(logits.shape)}")
+    if not logits.is_floating_point():
+        raise ValueError(f"logits must be a floating point tensor, got {logits.dtype}")
+
+
+def _check_histories(histories: torch.Tensor, n: int) -> None:
+    if histories.dim() != 2 or histories.shape[0] != n:
+        raise ValueError(f"histories must be [N={n}, W], got shape {tuple(histories.shape)}")
+    if histories.dtype.is_floating_point or histories.dtype == torch.bool:
+        raise ValueError(f"histories must be an integer tensor, got {histories.dtype}")
+
+
+def _last_tokens(histories: torch.Tensor, window: int) -> torch.Tensor:
+    """Keep only the last ``window`` non-padding tokens of each row (others -> -1)."""
+    if histories.shape[1] <= window:
+        return histories
+    valid = histories >= 0
+    # Count real tokens from the right, so padding may sit anywhere in the row.
+    from_right = valid.flip(-1).cumsum(-1).flip(-1)
+    return histories.masked_fill(~valid | (from_right > window), -1)
+
+
+def penalize(logits: torch.Tensor, histories: torch.Tensor, theta: float) -> torch.Tensor:
+    """Repetition penalty, once per distinct token of each row's history.
+
+    logits: [N, V]; histories: [N, W] integer, -1 (and any id outside [0, V)) ignored.
+    A token's logit is divided by theta when positive and multiplied otherwise.
+    Returns a new tensor in the compute dtype (float32, or float64 for float64 input).
+    """
+    _check_logits(logits)
+    _check_histories(histories, logits.shape[0])
+    scores = logits.to(_compute_dtype(logits), copy=True)
+    if theta == 1.0 or histories.shape[1] == 0:
+        return scores
+    n, v = scores.shape
+    hist = histories.to(device=scores.device, dtype=torch.long)
+    # Padding and out-of-vocab ids land in an extra column that is dropped, like HF.
+    idx = torch.where((hist >= 0) & (hist < v), hist, v)
+    seen = torch.zeros(n, v + 1, dtype=torch.bool, device=scores.device)
+    seen.scatter_(1, idx, True)
+    seen = seen[:, :v]
+    penalized = torch.where(scores < 0, scores * theta, scores / theta)
+    return torch.where(seen, penalized, scores)
+
+
+def history_windows(tokens: torch.Tensor, ends: torch.Tensor, window: int) -> torch.Tensor:
+    """Row r: the last ``window`` tokens of ``tokens[:ends[r]]``, left-padded with -1.
+
+    tokens: [T] int64; ends: [N] int64 with 0 <= ends[r] <= T. Returns [N, window] int64.
+    """
+    if tokens.dim() != 1:
+        raise ValueError(f"tokens must be 1-D [T], got shape {tuple(tokens.shape)}")
+    if ends.dim() != 1:
+        raise ValueError(f"ends must be 1-D [N], got shape {tuple(ends.shape)}")
+    if window < 0:
+        raise ValueError(f"window must be >= 0, got {window}")
+    # A leading -1 sentinel at index 0 turns every before-the-start position into
+    # padding by clamping, and makes an empty token stream safe to gather from.
+    padded = torch.cat([tokens.new_full((1,), -1, dtype=torch.long), tokens.to(torch.long)])
+    offsets = torch.arange(1 - window, 1, device=tokens.device, dtype=torch.long)
+    idx = (ends.to(device=tokens.device, dtype=torch.long)[:, None] + offsets[None, :]).clamp_(min=0)
+    return padded[idx]
+
+
+def _temperature(scores: torch.Tensor, temperature: float) -> torch.Tensor:
+    return scores / temperature
+
+
+def _top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
+    k = min(k, scores.shape[-1])
+    kth = torch.topk(scores, k, dim=-1).values[..., -1:]
+    # Ties with the k-th score survive, exactly as in TopKLogitsWarper.
+    return scores.masked_fill(scores < kth, _NEG_INF)
+
+
+def _top_p(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    # Same sort call as TopPLogitsWarper, so tied tokens at the cut fall the same way.
+    sorted_scores, sorted_idx = torch.sort(scores, descending=False)
+    cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+    remove_sorted = cumulative <= (1 - top_p)
+    remove_sorted[..., -1:] = False
+    remove = remove_sorted.scatter(1, sorted_idx, remove_sorted)
+    return scores.masked_fill(remove, _NEG_INF)
+
+
+def _min_p(scores: torch.Tensor, min_p: float) -> torch.Tensor:
+    probs = scores.softmax(dim=-1)
+    # min_p <= 1 means the top token always survives; no explicit keep-one needed.
+    remove = probs < min_p * probs.amax(dim=-1, keepdim=True)
+    return scores.masked_fill(remove, _NEG_INF)
+
+
+def _eta(scores: torch.Tensor, epsilon: float) -> torch.Tensor:
+    probs = scores.softmax(dim=-1)
+    log_probs = scores.log_softmax(dim=-1)
+    # Clamp -inf so removed tokens add 0 * finite, as torch.distributions.Categorical does.
+    log_probs = log_probs.clamp(min=torch.finfo(scores.dtype).min)
+    entropy = -(probs * log_probs).sum(dim=-1, keepdim=True)
+    cutoff = torch.clamp(math.sqrt(epsilon) * torch.exp(-entropy), max=epsilon)
+    keep_top = scores >= scores.amax(dim=-1, keepdim=True)
+    return scores.masked_fill((probs < cutoff) & ~keep_top, _NEG_INF)
+
+
+def _penalized(
+    logits: torch.Tensor, histories: torch.Tensor | None, params: SamplingParams
+) -> torch.Tensor:
+    _check_logits(logits)
+    if not params.uses_history:
+        return logits.to(_compute_dtype(logits), copy=True)
+    if histories is None:
+        raise ValueError(f"penalty={params.penalty} needs per-row histories, got None")
+    _check_histories(histories, logits.shape[0])
+    return penalize(logits, _last_tokens(histories, params.penalty_window), params.penalty)
+
+
+def processed_logits(
+    logits: torch.Tensor, histories: torch.Tensor | None, params: SamplingParams
+) -> torch.Tensor:
+    """Penalty, then temperature, top-k, top-p, min-p, eta; removed tokens are -inf.
+
+    Greedy params get the penalty only. Returns float32 (float64 for float64 input).
+    """
+    scores = _penalized(logits, histories, params)
+    if params.is_greedy:
+        return scores
+    # Each step is skipped exactly when generate() would not install its warper.
+    if params.temperature != 1.0:
+        scores = _temperature(scores, params.temperature)
+    if params.top_k:
+        scores = _top_k(scores, params.top_k)
+    if params.top_p is not None and params.top_p < 1.0:
+        scores = _top_p(scores, params.top_p)
+    if params.min_p is not None:
+        scores = _min_p(scores, params.min_p)
+    if params.eta is not None:
+        scores = _eta(scores, params.eta)
+    return scores
+
+
+def processed_probs(
+    logits: torch.Tensor, histories: torch.Tensor | None, params: SamplingParams
+) -> torch.Tensor:
+    """The distribution the next token is drawn from; one-hot of the argmax if greedy."""
+    scores = processed_logits(logits, histories, params)
+    if params.is_greedy:
+        one_hot = torch.zeros_like(scores)
+        return one_hot.scatter_(1, scores.argmax(dim=-1, keepdim=True), 1.0)
+    return scores.softmax(dim=-1)
+
+
+def greedy_tokens(
+    logits: torch.Tensor, histories: torch.Tensor | None, params: SamplingParams
+) -> torch.Tensor:
+    """Argmax after the penalty (ties -> lowest index). Returns [N] int64."""
+    return _penalized(logits, histories, params).argmax(dim=-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One draw per row of ``probs`` [N, V]. Returns [N] int64."""
+    if probs.dim() != 2:
+        raise ValueError(f"probs must be 2-D [N, V], got shape {tuple(probs.shape)}")
+    if probs.dtype not in (torch.float32, torch.float64):
+        probs = probs.float()
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
