@@ -152,10 +152,20 @@ class KVCache:
             raise ValueError(f"cannot roll back to {length}: cache holds {self.length} tokens")
         if self.ring_size:
             headroom = self.ring_size - self.window
-            if self.length - length > headroom and length > 0:
+            # A ring as large as the capacity never wraps, so it never loses a key.
+            wraps = self.ring_size < self.capacity
+            if wraps and self.length - length > headroom and length > 0:
                 raise ValueError(
                     f"sliding-window layers keep only {headroom} tokens beyond their window; "
                     f"cannot roll back {self.length - length} tokens"
+                )
+            # Exact check: a forward whose tokens were only partly kept (a tree) also
+            # overwrote ring slots, so the headroom rule alone does not suffice.
+            needed = torch.arange(max(0, length - self.window + 1), length, device=self.ring_positions.device)
+            if bool((self.ring_positions[needed % self.ring_size] != needed).any()):
+                raise ValueError(
+                    f"cannot roll back to {length}: sliding-window layers no longer hold the keys "
+                    f"of positions {needed[0].item()}..{length - 1} (overwritten by a later forward)"
                 )
             stale = self.ring_positions >= length
             self.ring_positions[stale] = _EMPTY_SLOT

@@ -25,8 +25,10 @@ class LoadedTarget:
 def decoder_from_state_dict(hf_config, state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> Decoder:
     """Map `transformers` parameter names onto our fused layout."""
     config = DecoderConfig.from_hf(hf_config)
+    # Outside the meta-device context: RoPE initialisers must compute real tensors.
+    tables = rope_tables(hf_config, config)
     with torch.device("meta"):
-        model = Decoder(config, rope_tables(hf_config, config))
+        model = Decoder(config, tables)
     prefix = "model.language_model." if any(k.startswith("model.language_model.") for k in state_dict) else "model."
 
     def take(name: str) -> torch.Tensor:
@@ -60,7 +62,7 @@ def decoder_from_state_dict(hf_config, state_dict: dict[str, torch.Tensor], dtyp
             params[p + "q_norm.weight"] = take(p + "self_attn.q_norm.weight")
             params[p + "k_norm.weight"] = take(p + "self_attn.k_norm.weight")
     model.load_state_dict(params, strict=False, assign=True)
-    for sliding, (inv_freq, _) in rope_tables(hf_config, config).items():
+    for sliding, (inv_freq, _) in tables.items():
         setattr(model, f"inv_freq_{'sliding' if sliding else 'full'}", inv_freq)
     missing = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if missing:

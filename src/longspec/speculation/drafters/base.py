@@ -45,3 +45,34 @@ class Drafter(Protocol):
 
     def observe(self, committed: torch.Tensor) -> None:
         """The tokens appended to the sequence this round (accepted nodes, then the bonus)."""
+
+
+class TargetView:
+    """Read-only access to the target for drafters: its config, its embedding/head
+    weights, and the committed part of its KV cache (never the pending tokens)."""
+
+    def __init__(self, model, cache) -> None:
+        self._model = model
+        self._cache = cache
+
+    @property
+    def config(self):
+        return self._model.config
+
+    @property
+    def committed_length(self) -> int:
+        return self._cache.length
+
+    @property
+    def embedding(self) -> torch.Tensor:
+        return self._model.embed_weight
+
+    @property
+    def head(self) -> torch.Tensor:
+        return self._model.head_weight
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Committed K/V [B, Hkv, length, D] of a full-attention layer, as views."""
+        if self._model.config.layer_is_sliding[layer]:
+            raise ValueError(f"layer {layer} is a sliding-window layer; its ring holds only a window")
+        return self._cache.prefix(layer)

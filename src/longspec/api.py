@@ -1,0 +1,176 @@
+"""The Python API: `longspec.load(...)` returns a model whose `generate` and
+`stream` take text or token ids, shaped like the ecosystem's generate calls."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from longspec.runtime.loading import LoadedTarget, load_target
+from longspec.speculation.drafters.base import Drafter
+from longspec.speculation.engine import EngineOptions, SpeculativeEngine
+from longspec.speculation.methods import make_drafter
+from longspec.speculation.metrics import GenerationStats
+from longspec.speculation.processors import SamplingParams
+from longspec.text import IncrementalDecoder
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
+          "float64": torch.float64, "float16": torch.float16}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    stats: GenerationStats
+
+
+@dataclass
+class StreamChunk:
+    text: str  # new text since the previous chunk (may be empty while a character is incomplete)
+    token_ids: list[int]
+
+
+@dataclass
+class TokenStream:
+    """Iterate for chunks; `text`, `token_ids` and `stats` are complete afterwards."""
+
+    _chunks: Iterator[StreamChunk]
+    stats: GenerationStats
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+
+    def __iter__(self) -> Iterator[StreamChunk]:
+        for chunk in self._chunks:
+            self.text += chunk.text
+            self.token_ids.extend(chunk.token_ids)
+            yield chunk
+
+
+def load(
+    model: str | os.PathLike | None = None,
+    *,
+    dtype: str | torch.dtype = "bfloat16",
+    engine: EngineOptions = EngineOptions(),
+) -> "LongSpecModel":
+    """Load a target: None for the embedded Gemma 3 270M, an HF checkpoint
+    directory, a .gguf file, or a model id already in the local HF cache."""
+    return LongSpecModel(load_target(model, dtype=parse_dtype(dtype)), engine)
+
+
+class LongSpecModel:
+    def __init__(self, target: LoadedTarget, engine: EngineOptions = EngineOptions()) -> None:
+        self.target = target
+        self.model = target.model
+        self.tokenizer = target.tokenizer
+        self.engine = SpeculativeEngine(target.model, engine)
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def encode(self, prompt: str | Sequence[int] | torch.Tensor, *, chat: bool = False) -> torch.Tensor:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            if chat:
+                if not getattr(self.tokenizer, "chat_template", None):
+                    raise ValueError("this model's tokenizer has no chat template; pass chat=False")
+                ids = self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+                )
+                ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+                return torch.tensor(ids, dtype=torch.long)
+            return torch.tensor(self.tokenizer(prompt).input_ids, dtype=torch.long)
+        ids = torch.as_tensor(prompt, dtype=torch.long).reshape(-1)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
+            raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}); got {int(ids.min())}..{int(ids.max())}")
+        return ids
+
+    def stream(
+        self,
+        prompt: str | Sequence[int] | torch.Tensor,
+        *,
+        max_new_tokens: int = 256,
+        method: str | Drafter = "ar",
+        method_options: dict[str, Any] | None = None,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
+        eta: float | None = None,
+        penalty: float = 1.0,
+        penalty_window: int = 1024,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        chat: bool = False,
+        ignore_eos: bool = False,
+    ) -> TokenStream:
+        params = SamplingParams(
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, eta=eta,
+            penalty=penalty, penalty_window=penalty_window,
+        )
+        ids = self.encode(prompt, chat=chat)
+        self.engine.check_request(ids.numel(), max_new_tokens)
+        if any(not s for s in stop):
+            raise ValueError("stop strings must be non-empty")
+        if isinstance(method, str):
+            drafter, name = make_drafter(method, **(method_options or {})), method
+        else:
+            drafter, name = method, type(method).__name__
+        generator = torch.Generator().manual_seed(seed) if seed is not None else torch.Generator().manual_seed(
+            int(torch.randint(0, 2**62, ()).item())
+        )
+        stats = GenerationStats(method=name)
+        rounds = self.engine.generate(
+            ids, params=params, max_new_tokens=max_new_tokens, drafter=drafter,
+            eos_token_ids=() if ignore_eos else self.config.eos_token_ids, generator=generator, stats=stats,
+        )
+        return TokenStream(self._chunks(rounds, stop, stats), stats)
+
+    def generate(self, prompt, **kwargs) -> GenerationResult:
+        stream = self.stream(prompt, **kwargs)
+        for _ in stream:
+            pass
+        return GenerationResult(stream.text, stream.token_ids, stream.stats)
+
+    def _chunks(self, rounds, stop: Sequence[str], stats: GenerationStats) -> Iterator[StreamChunk]:
+        """Text pieces per round. With stop strings, the last len(longest)-1
+        characters are held back until they cannot begin a stop string, so text
+        that is later cut never reaches the caller."""
+        decoder = IncrementalDecoder(self.tokenizer) if self.tokenizer is not None else None
+        holdback = max((len(s) for s in stop), default=1) - 1
+        text, emitted = "", 0
+        for new in rounds:
+            kept: list[int] = []
+            for token in new.tolist():
+                kept.append(token)
+                if decoder is None:
+                    continue
+                before = len(text)
+                text += decoder.push(token)
+                if stop and len(text) > before:
+                    search_from = max(0, before - holdback)
+                    hits = [i for i in (text.find(s, search_from) for s in stop) if i >= 0]
+                    if hits:
+                        stats.stop_reason = "stop"
+                        yield StreamChunk(text[emitted : min(hits)], kept)
+                        rounds.close()
+                        return
+            safe = max(emitted, len(text) - holdback)
+            yield StreamChunk(text[emitted:safe], kept)
+            emitted = safe
+        if emitted < len(text):
+            yield StreamChunk(text[emitted:], [])

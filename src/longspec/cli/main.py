@@ -1,0 +1,144 @@
+"""`longspec` command line: parses, calls the API, prints."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+
+from longspec.speculation.methods import METHODS
+
+
+def _generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate a continuation of a prompt")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("prompt", nargs="?", help="prompt text")
+    src.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
+    p.add_argument("--model", default=None, help="checkpoint dir, .gguf file or cached HF id (default: embedded Gemma 3 270M)")
+    p.add_argument("--method", default="ar", choices=sorted(METHODS), help="decoding method (default: ar)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--eta", type=float, default=None)
+    p.add_argument("--penalty", type=float, default=1.0, help="contextual repetition penalty theta (1 = off)")
+    p.add_argument("--penalty-window", type=int, default=1024, help="penalize tokens of the last W tokens")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default, fastest on CPU) | float32 | float64")
+    p.add_argument("--max-tree-nodes", type=int, default=None, help="speculative nodes per verification forward")
+    p.add_argument("--draft-tokens", type=int, default=None, help="pld: tokens per lookup candidate")
+    p.add_argument("--json", action="store_true", help="print one JSON object (text, ids, stats) instead of streaming")
+
+
+def _cmd_generate(args) -> int:
+    import longspec
+    from longspec.speculation.engine import EngineOptions
+
+    if args.prompt_file is not None:
+        if not args.prompt_file.is_file():
+            raise FileNotFoundError(f"prompt file not found: {args.prompt_file}")
+        prompt = args.prompt_file.read_text()
+    else:
+        prompt = args.prompt
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    options = {}
+    if args.draft_tokens is not None:
+        if args.method != "pld":
+            raise ValueError("--draft-tokens applies to --method pld only")
+        options["num_tokens"] = args.draft_tokens
+    engine = EngineOptions() if args.max_tree_nodes is None else EngineOptions(max_tree_nodes=args.max_tree_nodes)
+    # Validate everything cheap before loading weights.
+    from longspec.speculation.methods import make_drafter
+    from longspec.speculation.processors import SamplingParams
+
+    SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                   eta=args.eta, penalty=args.penalty, penalty_window=args.penalty_window)
+    make_drafter(args.method, **options)
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+
+    model = longspec.load(args.model, dtype=args.dtype, engine=engine)
+    stream = model.stream(
+        prompt, max_new_tokens=args.max_new_tokens, method=args.method, method_options=options,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, eta=args.eta,
+        penalty=args.penalty, penalty_window=args.penalty_window, seed=args.seed, stop=args.stop,
+        chat=args.chat, ignore_eos=args.ignore_eos,
+    )
+    for chunk in stream:
+        if not args.json:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+    stats = stream.stats
+    if args.json:
+        print(json.dumps({"text": stream.text, "token_ids": stream.token_ids, "stats": stats.to_dict()}))
+    else:
+        depth = " ".join(f"{a:.2f}" for a in stats.acceptance_by_depth[:8])
+        print(
+            f"\n\n[{stats.method}] prompt {stats.prompt_tokens} tok, prefill {stats.prefill_s:.2f} s "
+            f"({stats.prefill_tokens_per_s:.0f} tok/s) | {stats.new_tokens} new tok, decode "
+            f"{stats.decode_tokens_per_s:.1f} tok/s | tau {stats.tau:.2f} over {stats.target_forwards} forwards"
+            + (f" | acceptance by depth {depth}" if depth else "")
+            + f" | draft {stats.draft_s:.2f} s, verify {stats.verify_s:.2f} s, bookkeeping {stats.bookkeeping_s:.2f} s",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _info_parser(sub) -> None:
+    p = sub.add_parser("info", help="versions, device, and a model summary")
+    p.add_argument("--model", default=None, help="model to summarize (default: embedded Gemma 3 270M)")
+    p.add_argument("--no-model", action="store_true", help="skip loading a model")
+
+
+def _cmd_info(args) -> int:
+    import torch
+    import transformers
+
+    import longspec
+
+    print(f"longspec {longspec.__version__}; python {platform.python_version()}; torch {torch.__version__}; "
+          f"transformers {transformers.__version__}")
+    print(f"device: cpu ({torch.get_num_threads()} threads); cuda available: {torch.cuda.is_available()}")
+    print(f"methods: {', '.join(METHODS)}")
+    if args.no_model:
+        return 0
+    model = longspec.load(args.model)
+    c = model.config
+    params = sum(p.numel() for p in model.model.parameters())
+    sliding = sum(c.layer_is_sliding)
+    print(f"model: {model.target.source}")
+    print(f"  {c.model_type}: {params / 1e6:.0f}M parameters, {c.num_layers} layers ({sliding} sliding, window "
+          f"{c.sliding_window}), hidden {c.hidden_size}, heads {c.num_heads}/{c.num_kv_heads} kv, head dim "
+          f"{c.head_dim}, vocab {c.vocab_size}, context {c.max_position_embeddings}, dtype {model.model.dtype}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="longspec", description="Lossless speculative decoding for long contexts.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _generate_parser(sub)
+    _info_parser(sub)
+    return parser
+
+
+COMMANDS = {"generate": _cmd_generate, "info": _cmd_info}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except (ValueError, FileNotFoundError, KeyError) as error:
+        print(f"longspec: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""The speculative decoding loop (DESIGN.md §3), with autoregressive decoding as
+the drafter-less case.
+
+    prefill(prompt[:-1])            cache holds every token but the root
+    loop: tree = drafter.propose()  (AR: the root alone)
+          logits = target(tree)     one forward, hybrid tree attention
+          verdict = verify(...)     lossless rules, per-node histories
+          cache.commit(path)        compacted in place; bonus is the new root
+          drafter.observe(...)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from longspec.runtime.cache import KVCache
+from longspec.runtime.model import Decoder
+from longspec.speculation.drafters.base import DraftContext, Drafter, TargetView
+from longspec.speculation.metrics import GenerationStats
+from longspec.speculation.processors import SamplingParams
+from longspec.speculation.tree import Tree
+from longspec.speculation.verification import verify
+
+# Prompts longer than this show a prefill progress bar (when attached to a terminal).
+_PROGRESS_MIN_TOKENS = 4096
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    prefill_chunk: int = 256  # tokens per prefill forward: bounds activation memory
+    max_tree_nodes: int = 64  # speculative nodes per verification forward (root excluded)
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if self.max_tree_nodes < 0:
+            raise ValueError(f"max_tree_nodes must be >= 0, got {self.max_tree_nodes}")
+
+
+class SpeculativeEngine:
+    def __init__(self, model: Decoder, options: EngineOptions = EngineOptions()) -> None:
+        self.model = model
+        self.options = options
+
+    def check_request(self, prompt_length: int, max_new_tokens: int) -> None:
+        """Fail before any work on requests the model cannot serve."""
+        if prompt_length < 1:
+            raise ValueError("the prompt is empty: give at least one token")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        limit = self.model.config.max_position_embeddings
+        if prompt_length + max_new_tokens > limit:
+            raise ValueError(
+                f"prompt of {prompt_length} tokens + max_new_tokens={max_new_tokens} = "
+                f"{prompt_length + max_new_tokens} exceeds the model's context of {limit} tokens; "
+                f"shorten the prompt or lower max_new_tokens (at most {max(limit - prompt_length, 0)} here)"
+            )
+
+    def generate(
+        self,
+        prompt_ids: torch.Tensor | Sequence[int],
+        *,
+        params: SamplingParams = SamplingParams(),
+        max_new_tokens: int = 256,
+        drafter: Drafter | None = None,
+        eos_token_ids: Sequence[int] = (),
+        generator: torch.Generator | None = None,
+        stats: GenerationStats | None = None,
+    ) -> Iterator[torch.Tensor]:
+        """Yield the tokens committed each round (1-D int64), until EOS (included),
+        ``max_new_tokens`` or the caller stops iterating. Fills ``stats`` in place."""
+        prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)
+        self.check_request(prompt.numel(), max_new_tokens)
+        stats = stats if stats is not None else GenerationStats()
+        stats.prompt_tokens = prompt.numel()
+        opts = self.options
+        tree_budget = opts.max_tree_nodes if drafter is not None else 0
+        capacity = prompt.numel() + max_new_tokens + tree_budget + 1
+        cache = self.model.new_cache(capacity, max_forward_tokens=max(opts.prefill_chunk, tree_budget + 1))
+        tokens = torch.empty(capacity, dtype=torch.long)
+        tokens[: prompt.numel()] = prompt
+        length = prompt.numel()  # committed tokens, the root included
+        eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long)
+
+        start = time.perf_counter()
+        self._prefill(prompt[:-1], cache)
+        stats.prefill_s = time.perf_counter() - start
+
+        view = TargetView(self.model, cache)
+        if drafter is not None:
+            drafter.begin(DraftContext(tokens[:length], view, tree_budget))
+        produced = 0
+        while produced < max_new_tokens:
+            t0 = time.perf_counter()
+            if drafter is None:
+                tree = Tree.chain(int(tokens[length - 1]), [])
+            else:
+                tree = drafter.propose(DraftContext(tokens[:length], view, tree_budget))
+                self._check_tree(tree, int(tokens[length - 1]), tree_budget)
+            t1 = time.perf_counter()
+            verdict = self._verify_round(tree, tokens, length, cache, params, generator)
+            t2 = time.perf_counter()
+            cache.commit(verdict.path)
+            new = torch.cat([tree.tokens[verdict.path[1:]], torch.tensor([verdict.bonus])])
+            new, stop_reason = _truncate(new, eos, max_new_tokens - produced)
+            tokens[length : length + new.numel()] = new
+            length += new.numel()
+            produced += new.numel()
+            if drafter is not None and not stop_reason:
+                drafter.observe(new)
+            t3 = time.perf_counter()
+            stats.draft_s += t1 - t0
+            stats.verify_s += t2 - t1
+            stats.bookkeeping_s += t3 - t2
+            stats.new_tokens = produced
+            stats.record_round(tree.max_depth, verdict.accepted_tokens)
+            yield new
+            if stop_reason:
+                stats.stop_reason = stop_reason
+                return
+        stats.stop_reason = "length"
+
+    # ------------------------------------------------------------------ internals
+    def _prefill(self, ids: torch.Tensor, cache: KVCache) -> None:
+        chunk = self.options.prefill_chunk
+        show = self.options.progress and ids.numel() >= _PROGRESS_MIN_TOKENS
+        with tqdm(total=ids.numel(), desc="prefill", unit="tok", disable=None if show else True, leave=False) as bar:
+            for begin in range(0, ids.numel(), chunk):
+                piece = ids[begin : begin + chunk]
+                self.model(piece.unsqueeze(0), cache, logits_rows=slice(0, 0))
+                cache.commit()
+                bar.update(piece.numel())
+
+    def _verify_round(self, tree, tokens, length, cache, params, generator):
+        positions = cache.length + tree.depths
+        mask = None if tree.is_chain() else tree.ancestor_mask()
+        logits = self.model(tree.tokens.unsqueeze(0), cache, tree_mask=mask, positions=positions).logits[0]
+        histories = None
+        if params.uses_history:
+            histories = node_histories(tokens[:length], tree, params.penalty_window)
+        return verify(tree, logits, histories, params, generator)
+
+    @staticmethod
+    def _check_tree(tree: Tree, root: int, budget: int) -> None:
+        if int(tree.tokens[0]) != root:
+            raise ValueError(f"drafter proposed a tree rooted at token {int(tree.tokens[0])}, expected the root {root}")
+        if tree.size - 1 > budget:
+            raise ValueError(f"drafter proposed {tree.size - 1} nodes, more than max_tree_nodes={budget}")
+
+
+def node_histories(committed: torch.Tensor, tree: Tree, window: int) -> torch.Tensor:
+    """[n, window + max_depth] token histories, one per tree node: the last `window`
+    committed tokens followed by the node's own path below the root (-1 padded)."""
+    n, depth = tree.size, tree.max_depth
+    recent = committed[-window:]
+    shared = torch.full((window,), -1, dtype=torch.long)
+    shared[window - recent.numel() :] = recent
+    path_tokens = torch.full((n, depth), -1, dtype=torch.long)
+    if depth:
+        node, ancestor = torch.nonzero(tree.ancestor_mask() & (tree.depths > 0).unsqueeze(0), as_tuple=True)
+        path_tokens[node, tree.depths[ancestor] - 1] = tree.tokens[ancestor]
+    return torch.cat([shared.expand(n, window), path_tokens], dim=1)
+
+
+def _truncate(new: torch.Tensor, eos: torch.Tensor, room: int) -> tuple[torch.Tensor, str]:
+    if eos.numel():
+        hits = torch.nonzero(torch.isin(new, eos)).flatten()
+        if hits.numel() and int(hits[0]) < room:
+            return new[: int(hits[0]) + 1], "eos"
+    if new.numel() >= room:
+        return new[:room], "length"
+    return new, ""

@@ -1,0 +1,61 @@
+"""What every generation reports: speed, τ, acceptance by depth, time split."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    method: str = "ar"
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0  # target forward + verification
+    bookkeeping_s: float = 0.0  # cache commit, drafter updates, history
+    target_forwards: int = 0  # decode forwards (prefill excluded)
+    proposed_by_depth: list[int] = field(default_factory=list)  # rounds whose tree reached depth d+1
+    accepted_by_depth: list[int] = field(default_factory=list)  # rounds that accepted a node at depth d+1
+    stop_reason: str = ""
+
+    @property
+    def decode_s(self) -> float:
+        return self.draft_s + self.verify_s + self.bookkeeping_s
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per target forward, the bonus token included."""
+        return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.new_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def acceptance_by_depth(self) -> list[float]:
+        """P(node at depth d accepted | the tree reached depth d)."""
+        return [a / p if p else 0.0 for a, p in zip(self.accepted_by_depth, self.proposed_by_depth)]
+
+    def record_round(self, tree_depth: int, accepted: int) -> None:
+        self.target_forwards += 1
+        for counts, upto in ((self.proposed_by_depth, tree_depth), (self.accepted_by_depth, accepted)):
+            if len(counts) < upto:
+                counts.extend([0] * (upto - len(counts)))
+            for d in range(upto):
+                counts[d] += 1
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data.update(
+            decode_s=self.decode_s,
+            tau=self.tau,
+            decode_tokens_per_s=self.decode_tokens_per_s,
+            prefill_tokens_per_s=self.prefill_tokens_per_s,
+            acceptance_by_depth=self.acceptance_by_depth,
+        )
+        return data

@@ -1,0 +1,108 @@
+"""Lossless verification of a speculation tree against one target forward.
+
+`logits[i]` is the target's prediction for the token that follows node i (node 0 is
+the root). `histories[i]` is node i's own token history (committed tokens, then the
+tree tokens on the path from the root to i), so history-dependent processors such
+as the contextual penalty see exactly what autoregressive decoding would see.
+
+Rules (see DESIGN.md §5):
+* greedy: accept the deepest node all of whose path matches the target's argmax;
+* deterministic candidates (top-k, beams, n-grams), sampling: at each visited node
+  draw ONE token y ~ p; move to a child carrying y, else y is the bonus;
+* children sampled from q (a chain with q is the one-child case): multi-draft
+  recursive rejection — try children in order, accept c with prob min(1, p(c)/q(c)),
+  else p <- norm(max(p - q, 0)); if all are rejected the bonus is drawn from p.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from longspec.speculation.processors import SamplingParams, greedy_tokens, processed_probs, sample
+from longspec.speculation.tree import Tree
+
+
+@dataclass(frozen=True)
+class Verdict:
+    path: torch.Tensor  # accepted node indices from the root (node 0) on
+    bonus: int  # the token the target contributes after the last accepted node
+
+    @property
+    def accepted_tokens(self) -> int:
+        """Speculative tokens accepted (root excluded)."""
+        return self.path.numel() - 1
+
+
+def verify(
+    tree: Tree,
+    logits: torch.Tensor,
+    histories: torch.Tensor | None,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+) -> Verdict:
+    if params.is_greedy:
+        return verify_greedy(tree, logits, histories, params)
+    if tree.children_sampled:
+        return verify_sampled_children(tree, logits, histories, params, generator)
+    return verify_deterministic_candidates(tree, logits, histories, params, generator)
+
+
+def verify_greedy(tree: Tree, logits, histories, params) -> Verdict:
+    targets = greedy_tokens(logits, histories, params)
+    if tree.size == 1:
+        return Verdict(torch.zeros(1, dtype=torch.long), int(targets[0]))
+    matches = tree.tokens == targets[tree.parents.clamp(min=0)]
+    matches[0] = True
+    # A node is accepted when it and all its ancestors match.
+    accepted = ~(tree.ancestor_mask() & ~matches.unsqueeze(0)).any(dim=1)
+    score = torch.where(accepted, tree.depths, torch.full_like(tree.depths, -1))
+    deepest = int(torch.argmax(score))  # first (lowest index) among the deepest
+    return Verdict(tree.path_to(deepest), int(targets[deepest]))
+
+
+def verify_deterministic_candidates(tree: Tree, logits, histories, params, generator) -> Verdict:
+    node = 0
+    path = [0]
+    while True:
+        p = _node_probs(logits, histories, params, node)
+        y = int(sample(p.unsqueeze(0), generator)[0])
+        children = tree.children(node)
+        carrying = children[tree.tokens[children] == y]
+        if carrying.numel() == 0:
+            return Verdict(torch.tensor(path, dtype=torch.long), y)
+        # Siblings with equal tokens spell the same text; take the first.
+        node = int(carrying[0])
+        path.append(node)
+
+
+def verify_sampled_children(tree: Tree, logits, histories, params, generator) -> Verdict:
+    node = 0
+    path = [0]
+    while True:
+        p = _node_probs(logits, histories, params, node)
+        children = tree.children(node)
+        if children.numel() == 0:
+            return Verdict(torch.tensor(path, dtype=torch.long), int(sample(p.unsqueeze(0), generator)[0]))
+        q = tree.draft_probs[node].to(p.dtype)
+        accepted = None
+        for child in children.tolist():
+            x = int(tree.tokens[child])
+            u = float(torch.rand((), generator=generator, dtype=torch.float64))
+            if q[x] > 0 and u * float(q[x]) < float(p[x]):  # u < min(1, p/q) without dividing
+                accepted = child
+                break
+            residual = (p - q).clamp_(min=0)
+            total = residual.sum()
+            if total > 0:  # p == q leaves no residual, and then x could not have been rejected
+                p = residual / total
+        if accepted is None:
+            return Verdict(torch.tensor(path, dtype=torch.long), int(sample(p.unsqueeze(0), generator)[0]))
+        node = accepted
+        path.append(node)
+
+
+def _node_probs(logits, histories, params, node: int) -> torch.Tensor:
+    history = None if histories is None else histories[node : node + 1]
+    return processed_probs(logits[node : node + 1], history, params)[0]
