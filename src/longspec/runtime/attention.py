@@ -103,5 +103,5 @@ def _grouped_flash(q, k, v, mask, scale):
     lse = lse.reshape(B, Hq, T)
     if empty_rows is not None and bool(empty_rows.any()):
         # The kernel reports 0 for rows with no visible key; the merge needs -inf.
-        pass
+        lse = lse.masked_fill(empty_rows, float("-inf"))
     return out, lse
