@@ -59,7 +59,7 @@ class KVCache:
         self.ring_positions = torch.full((self.ring_size,), _EMPTY_SLOT, dtype=torch.long, device=device)
         self.length = 0  # committed tokens
         self.pending = 0  # tokens appended by the last forward, not yet committed or dropped
-        self._pending_ring_slots = torch.empty(0, dtype=torch.long)
+        self.pending_ring_slots = torch.empty(0, dtype=torch.long)
 
     # ---------------------------------------------------------------- forward side
     def begin_forward(self, positions: torch.Tensor) -> None:
@@ -79,15 +79,15 @@ class KVCache:
         self.pending = T
         if self.ring_size:
             slots = (self.length + torch.arange(T, device=positions.device)) % self.ring_size
-            self._pending_ring_slots = slots
+            self.pending_ring_slots = slots
             self.ring_positions[slots] = positions
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write this forward's K/V [B, Hkv, T, D] for one layer."""
         j = self.group_index[layer]
         if self.config.layer_is_sliding[layer]:
-            self.ring_k[j].index_copy_(2, self._pending_ring_slots, k)
-            self.ring_v[j].index_copy_(2, self._pending_ring_slots, v)
+            self.ring_k[j].index_copy_(2, self.pending_ring_slots, k)
+            self.ring_v[j].index_copy_(2, self.pending_ring_slots, v)
         else:
             L, T = self.length, self.pending
             self.full_k[j, :, :, L : L + T] = k
@@ -135,7 +135,7 @@ class KVCache:
                 self.ring_k[:, :, :, rdst] = self.ring_k[:, :, :, rsrc]
                 self.ring_v[:, :, :, rdst] = self.ring_v[:, :, :, rsrc]
         if self.ring_size and T:
-            self.ring_positions[self._pending_ring_slots] = _EMPTY_SLOT
+            self.ring_positions[self.pending_ring_slots] = _EMPTY_SLOT
             kept_slots = (L + torch.arange(kept_count)) % self.ring_size
             self.ring_positions[kept_slots] = L + torch.arange(kept_count)
         self.length = L + kept_count

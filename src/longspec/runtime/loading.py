@@ -59,8 +59,9 @@ def decoder_from_state_dict(hf_config, state_dict: dict[str, torch.Tensor], dtyp
         else:
             params[p + "pre_mlp_norm.weight"] = take(p + "post_attention_layernorm.weight")
         if config.qk_norm:
-            params[p + "q_norm.weight"] = take(p + "self_attn.q_norm.weight")
-            params[p + "k_norm.weight"] = take(p + "self_attn.k_norm.weight")
+            q_norm = take(p + "self_attn.q_norm.weight").expand(config.num_heads, -1)
+            k_norm = take(p + "self_attn.k_norm.weight").expand(config.num_kv_heads, -1)
+            params[p + "qk_norm.weight"] = torch.cat([q_norm, k_norm])
     model.load_state_dict(params, strict=False, assign=True)
     for sliding, (inv_freq, _) in tables.items():
         setattr(model, f"inv_freq_{'sliding' if sliding else 'full'}", inv_freq)
@@ -68,7 +69,7 @@ def decoder_from_state_dict(hf_config, state_dict: dict[str, torch.Tensor], dtyp
     if missing:
         raise KeyError(f"parameters not loaded: {missing[:5]}")
     # Parameters default to requires_grad=False already; keep them frozen.
-    return model.eval()
+    return model.eval().prepare()
 
 
 def load_target(source: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.bfloat16) -> LoadedTarget:

@@ -16,6 +16,7 @@ from torch import nn
 from longspec.runtime.attention import AttentionBackend, fused_attention
 from longspec.runtime.cache import KVCache
 from longspec.runtime.config import DecoderConfig
+from longspec.runtime.linear import packed_linear, prepack
 
 
 @dataclass(frozen=True)
@@ -25,20 +26,26 @@ class ForwardOutput:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm in float32. Gemma scales by (1 + w) in float32; Llama-style families
-    cast back to the activation dtype before scaling by w (as `transformers` does)."""
+    """RMSNorm in float32 (float64 stays float64). Gemma scales by (1 + w) in float32;
+    Llama-style families cast back to the activation dtype before scaling by w (as
+    `transformers` does). `shape` may be [heads, head_dim] for per-head q/k norms."""
 
-    def __init__(self, dim: int, eps: float, gemma: bool) -> None:
+    def __init__(self, shape, eps: float, gemma: bool) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim), requires_grad=False)
+        self.weight = nn.Parameter(torch.zeros(shape) if gemma else torch.ones(shape), requires_grad=False)
         self.eps = eps
         self.gemma = gemma
+        self.scale: torch.Tensor | None = None  # (1 + w) in float32, set by prepare()
+
+    def prepare(self) -> None:
+        self.scale = (1.0 + self.weight.float()) if self.gemma else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float() if x.dtype != torch.float64 else x
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        wide = x if x.dtype == torch.float64 else x.float()
+        normed = F.rms_norm(wide, (x.shape[-1],), eps=self.eps)
         if self.gemma:
-            return (normed * (1.0 + self.weight.to(normed.dtype))).to(x.dtype)
+            scale = self.scale if self.scale is not None and wide.dtype == torch.float32 else 1.0 + self.weight.to(wide.dtype)
+            return (normed * scale).to(x.dtype)
         return self.weight * normed.to(x.dtype)
 
 
@@ -62,29 +69,39 @@ class DecoderLayer(nn.Module):
         self.pre_mlp_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, g)
         self.post_attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, g) if g else None
         self.post_mlp_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, g) if g else None
-        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, g) if c.qk_norm else None
-        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, g) if c.qk_norm else None
-        self.split = (q_dim, kv_dim, kv_dim)
+        # q and k norms as one per-head norm over the q heads then the k heads.
+        heads = c.num_heads + c.num_kv_heads
+        self.qk_norm = RMSNorm((heads, c.head_dim), c.rms_norm_eps, g) if c.qk_norm else None
+        self.qk_dim = q_dim + kv_dim
+        self.packed: dict[str, torch.Tensor | None] = {}
+
+    def prepare(self) -> None:
+        """Load-time derived weights: prepacked matrices and norm scales."""
+        for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
+            self.packed[name] = prepack(getattr(self, name))
+        for norm in (self.input_norm, self.pre_mlp_norm, self.post_attn_norm, self.post_mlp_norm, self.qk_norm):
+            if norm is not None:
+                norm.prepare()
+
+    def _linear(self, x, name: str, bias=None):
+        return packed_linear(x, getattr(self, name), self.packed.get(name), bias)
 
     def forward(self, x, rope, plan: "ForwardPlan", cache: KVCache, attention: AttentionBackend):
         c = self.config
         B, T, _ = x.shape
-        h = self.input_norm(x)
-        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)
-        q, k, v = qkv.split(self.split, dim=-1)
-        q = q.view(B, T, c.num_heads, c.head_dim)
-        k = k.view(B, T, c.num_kv_heads, c.head_dim)
-        v = v.view(B, T, c.num_kv_heads, c.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope
-        q = _apply_rope(q.transpose(1, 2), cos, sin)
-        k = _apply_rope(k.transpose(1, 2), cos, sin)
-        v = v.transpose(1, 2)
+        qkv = self._linear(self.input_norm(x), "qkv_weight", self.qkv_bias)
+        qk = qkv[..., : self.qk_dim].view(B, T, c.num_heads + c.num_kv_heads, c.head_dim)
+        if self.qk_norm is not None:
+            qk = self.qk_norm(qk)
+        qk = _apply_rope(qk.transpose(1, 2), *rope)
+        q, k = qk.split((c.num_heads, c.num_kv_heads), dim=1)
+        v = qkv[..., self.qk_dim :].view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
         cache.store(self.index, k, v)
         if self.sliding:
+            # The ring holds this forward's tokens too; one masked call covers the
+            # window of committed keys and the tree visibility among new tokens.
             k_ring, v_ring = cache.prefix(self.index)
-            attn = attention(q, k_ring, v_ring, plan.ring_mask, k, v, plan.sliding_new_mask, c.attention_scale)
+            attn = attention(q, k_ring, v_ring, plan.ring_mask, None, None, None, c.attention_scale)
         elif plan.single_token:
             # One new token sees everything: attend the cache including itself, no mask.
             k_all, v_all = cache.prefix(self.index, include_pending=True)
@@ -92,15 +109,13 @@ class DecoderLayer(nn.Module):
         else:
             k_pre, v_pre = cache.prefix(self.index)
             attn = attention(q, k_pre, v_pre, None, k, v, plan.new_mask, c.attention_scale)
-        attn = attn.transpose(1, 2).reshape(B, T, -1)
-        out = F.linear(attn, self.o_weight)
+        out = self._linear(attn.transpose(1, 2).reshape(B, T, -1), "o_weight")
         if self.post_attn_norm is not None:
             out = self.post_attn_norm(out)
         x = x + out
-        h = self.pre_mlp_norm(x)
-        gate, up = F.linear(h, self.gate_up_weight).chunk(2, dim=-1)
+        gate, up = self._linear(self.pre_mlp_norm(x), "gate_up_weight").chunk(2, dim=-1)
         act = F.gelu(gate, approximate="tanh") if c.activation == "gelu_tanh" else F.silu(gate)
-        out = F.linear(act * up, self.down_weight)
+        out = self._linear(act * up, "down_weight")
         if self.post_mlp_norm is not None:
             out = self.post_mlp_norm(out)
         return x + out
@@ -112,8 +127,7 @@ class ForwardPlan:
 
     positions: torch.Tensor  # [T]
     new_mask: torch.Tensor  # [T, T] visibility among the new tokens
-    sliding_new_mask: torch.Tensor | None  # new_mask within the window
-    ring_mask: torch.Tensor | None  # [T, R] committed ring slots within each query's window
+    ring_mask: torch.Tensor | None  # [T, R] visible ring slots: committed in window, and new tokens per new_mask
     single_token: bool
 
 
@@ -133,6 +147,7 @@ class Decoder(nn.Module):
             self.register_buffer(f"inv_freq_{'sliding' if sliding else 'full'}", inv_freq, persistent=False)
         self.rope_scaling = {s: scaling for s, (_, scaling) in rope_inv_freq.items()}
         self.attention: AttentionBackend = fused_attention
+        self._packed_head: torch.Tensor | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -160,7 +175,7 @@ class Decoder(nn.Module):
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.head_weight)
+        logits = packed_linear(hidden, self.head_weight, self._packed_head)
         cap = self.config.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap
@@ -197,32 +212,42 @@ class Decoder(nn.Module):
         hidden = self.final_norm(x)
         return ForwardOutput(logits=self.logits(hidden), hidden=hidden)
 
+    def prepare(self) -> "Decoder":
+        """Derive inference-time weights (prepacked matrices, norm scales). Call after
+        loading or changing weights; the loaders do."""
+        for layer in self.layers:
+            layer.prepare()
+        self.final_norm.prepare()
+        self._packed_head = prepack(self.head_weight)
+        return self
+
     def _plan(self, T, cache, tree_mask, positions) -> ForwardPlan:
         if tree_mask is None:
             new_mask = torch.ones((T, T), dtype=torch.bool).tril_()
         else:
             new_mask = tree_mask
-        sliding_new_mask = ring_mask = None
+        ring_mask = None
         if any(self.config.layer_is_sliding):
             window = self.config.sliding_window
             distance = positions.unsqueeze(1) - positions.unsqueeze(0)
-            sliding_new_mask = new_mask & (distance < window)
             ring_mask = cache.ring_prefix_mask(positions)
-        return ForwardPlan(positions, new_mask, sliding_new_mask, ring_mask, single_token=T == 1)
+            ring_mask[:, cache.pending_ring_slots] = new_mask & (distance < window)
+        return ForwardPlan(positions, new_mask, ring_mask, single_token=T == 1)
 
     def _rope(self, positions: torch.Tensor, sliding: bool):
+        """cos and a sign-folded sin [T, D] in the activation dtype, computed in
+        float32 as `transformers` does."""
         inv_freq = getattr(self, f"inv_freq_{'sliding' if sliding else 'full'}")
         freqs = positions.float().unsqueeze(-1) * inv_freq
-        emb = torch.cat([freqs, freqs], dim=-1)
         scaling = self.rope_scaling[sliding]
-        return (emb.cos() * scaling).to(self.dtype), (emb.sin() * scaling).to(self.dtype)
+        cos = (torch.cat([freqs, freqs], dim=-1).cos() * scaling).to(self.dtype)
+        sin = (torch.cat([freqs, freqs], dim=-1).sin() * scaling).to(self.dtype)
+        half = sin.shape[-1] // 2
+        # rotate_half(x) * sin == roll(x, half) * [-sin_lo, sin_hi]
+        signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        return cos, signed_sin
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [B, H, T, D]; cos/sin [T, D]
-    return x * cos + _rotate_half(x) * sin
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    # x [B, H, T, D]; cos/signed_sin [T, D]
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
