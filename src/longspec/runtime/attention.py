@@ -13,8 +13,9 @@ computes the same thing the obvious way (concatenate, one masked softmax) and is
 the oracle in tests.
 
 Shapes: q [B, Hq, T, D]; k_prefix/v_prefix [B, Hkv, P, D] (P may be 0);
-prefix_mask bool [T, P] or None (all visible); k_new/v_new [B, Hkv, T, D] or None
-(no new part: the caller already wrote them into the prefix); new_mask bool [T, T].
+prefix_mask [T, P] or None (all visible); k_new/v_new [B, Hkv, T, D] or None
+(no new part: the caller already wrote them into the prefix); new_mask [T, T].
+Masks are bool tensors (True = visible) or `Mask` objects wrapping one.
 Hq must be a multiple of Hkv (grouped-query attention); K/V are never repeated.
 """
 
@@ -23,6 +24,29 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+
+
+class Mask:
+    """A [T, S] visibility mask (True = visible) that remembers the forms the fused
+    kernel needs, so a forward converts it once for all its layers, not per layer."""
+
+    def __init__(self, visible: torch.Tensor) -> None:
+        self.visible = visible
+        self.empty_rows = ~visible.any(dim=1)
+        self.has_empty_rows = bool(self.empty_rows.any())
+        self._bias: dict[tuple[torch.dtype, int], torch.Tensor] = {}
+
+    def bias(self, dtype: torch.dtype, group: int) -> torch.Tensor:
+        """Additive mask (0 / -inf) repeated for `group` stacked query heads."""
+        key = (dtype, group)
+        if key not in self._bias:
+            bias = torch.zeros(self.visible.shape, dtype=dtype).masked_fill_(~self.visible, float("-inf"))
+            self._bias[key] = bias.repeat(group, 1) if group > 1 else bias
+        return self._bias[key]
+
+
+def as_mask(mask: "Mask | torch.Tensor | None") -> "Mask | None":
+    return mask if mask is None or isinstance(mask, Mask) else Mask(mask)
 
 
 class AttentionBackend(Protocol):
@@ -44,11 +68,11 @@ def reference_attention(q, k_prefix, v_prefix, prefix_mask, k_new, v_new, new_ma
     group = Hq // k_prefix.shape[1]
     P = k_prefix.shape[2]
     keys, values = k_prefix, v_prefix
-    mask = prefix_mask if prefix_mask is not None else torch.ones((T, P), dtype=torch.bool, device=q.device)
+    mask = as_mask(prefix_mask).visible if prefix_mask is not None else torch.ones((T, P), dtype=torch.bool)
     if k_new is not None:
         keys = torch.cat([k_prefix, k_new], dim=2)
         values = torch.cat([v_prefix, v_new], dim=2)
-        mask = torch.cat([mask, new_mask], dim=1)
+        mask = torch.cat([mask, as_mask(new_mask).visible], dim=1)
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     keys = keys.repeat_interleave(group, dim=1).to(compute)
     values = values.repeat_interleave(group, dim=1).to(compute)
@@ -89,19 +113,16 @@ def _grouped_flash(q, k, v, mask, scale):
     Hkv = k.shape[1]
     group = Hq // Hkv
     stacked = q.reshape(B, Hkv, group * T, D)
-    additive = None
-    empty_rows = None
-    if mask is not None:
-        additive = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
-        if group > 1:
-            additive = additive.repeat(group, 1)
-        empty_rows = ~mask.any(dim=1)
+    mask = as_mask(mask)
+    additive = None if mask is None else mask.bias(q.dtype, group)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         stacked, k, v, 0.0, False, attn_mask=additive, scale=scale
     )
     out = out.reshape(B, Hq, T, D)
     lse = lse.reshape(B, Hq, T)
-    if empty_rows is not None and bool(empty_rows.any()):
-        # The kernel reports 0 for rows with no visible key; the merge needs -inf.
-        lse = lse.masked_fill(empty_rows, float("-inf"))
+    if mask is not None and mask.has_empty_rows:
+        # Rows with no visible key: the kernel's output there is undefined (0 or
+        # NaN depending on its blocking); the merge needs out 0 and lse -inf.
+        lse = lse.masked_fill(mask.empty_rows, float("-inf"))
+        out = out.masked_fill(mask.empty_rows.unsqueeze(-1), 0.0)
     return out, lse

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from longspec.runtime.attention import AttentionBackend, fused_attention
+from longspec.runtime.attention import AttentionBackend, Mask, fused_attention
 from longspec.runtime.cache import KVCache
 from longspec.runtime.config import DecoderConfig
 from longspec.runtime.linear import packed_linear, prepack
@@ -126,8 +126,8 @@ class ForwardPlan:
     """Masks and positions shared by all layers of one forward."""
 
     positions: torch.Tensor  # [T]
-    new_mask: torch.Tensor  # [T, T] visibility among the new tokens
-    ring_mask: torch.Tensor | None  # [T, R] visible ring slots: committed in window, and new tokens per new_mask
+    new_mask: Mask  # [T, T] visibility among the new tokens
+    ring_mask: Mask | None  # [T, R] visible ring slots: committed in window, and new tokens per new_mask
     single_token: bool
 
 
@@ -232,7 +232,8 @@ class Decoder(nn.Module):
             distance = positions.unsqueeze(1) - positions.unsqueeze(0)
             ring_mask = cache.ring_prefix_mask(positions)
             ring_mask[:, cache.pending_ring_slots] = new_mask & (distance < window)
-        return ForwardPlan(positions, new_mask, ring_mask, single_token=T == 1)
+            ring_mask = Mask(ring_mask)
+        return ForwardPlan(positions, Mask(new_mask), ring_mask, single_token=T == 1)
 
     def _rope(self, positions: torch.Tensor, sliding: bool):
         """cos and a sign-folded sin [T, D] in the activation dtype, computed in

@@ -32,7 +32,7 @@ _PROGRESS_MIN_TOKENS = 4096
 
 @dataclass(frozen=True)
 class EngineOptions:
-    prefill_chunk: int = 256  # tokens per prefill forward: bounds activation memory
+    prefill_chunk: int = 512  # tokens per prefill forward: bounds activation memory (512 measured fastest)
     max_tree_nodes: int = 64  # speculative nodes per verification forward (root excluded)
     progress: bool = True
 
