@@ -104,7 +104,8 @@ class SpeculativeEngine:
                 tree = drafter.propose(DraftContext(tokens[:length], view, tree_budget))
                 self._check_tree(tree, int(tokens[length - 1]), tree_budget)
             t1 = time.perf_counter()
-            verdict = self._verify_round(tree, tokens, length, cache, params, generator)
+            verdict, hidden = self._verify_round(tree, tokens, length, cache, params, generator)
+            view.last_hidden = hidden[verdict.path]
             t2 = time.perf_counter()
             cache.commit(verdict.path)
             new = torch.cat([tree.tokens[verdict.path[1:]], torch.tensor([verdict.bonus])])
@@ -140,11 +141,11 @@ class SpeculativeEngine:
     def _verify_round(self, tree, tokens, length, cache, params, generator):
         positions = cache.length + tree.depths
         mask = None if tree.is_chain() else tree.ancestor_mask()
-        logits = self.model(tree.tokens.unsqueeze(0), cache, tree_mask=mask, positions=positions).logits[0]
+        out = self.model(tree.tokens.unsqueeze(0), cache, tree_mask=mask, positions=positions)
         histories = None
         if params.uses_history:
             histories = node_histories(tokens[:length], tree, params.penalty_window)
-        return verify(tree, logits, histories, params, generator)
+        return verify(tree, out.logits[0], histories, params, generator), out.hidden[0]
 
     @staticmethod
     def _check_tree(tree: Tree, root: int, budget: int) -> None:

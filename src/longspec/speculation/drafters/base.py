@@ -54,6 +54,15 @@ class TargetView:
     def __init__(self, model, cache) -> None:
         self._model = model
         self._cache = cache
+        # Final-norm hidden states [a + 1, H] of the last verification's accepted
+        # path (root first), for drafters that read the target's features.
+        self.last_hidden: torch.Tensor | None = None
+
+    @property
+    def model(self):
+        """The target decoder, for self-drafting with a cache of the drafter's own.
+        Never pass it the engine's cache."""
+        return self._model
 
     @property
     def config(self):
