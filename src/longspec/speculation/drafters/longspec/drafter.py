@@ -1,0 +1,190 @@
+"""`LongSpecDrafter`: the draft network, its bounded state, a tree strategy and,
+optionally, retrieval candidates merged into the same tree.
+
+Each round:
+  1. catch up: run the draft over the tokens committed since the last round (the
+     root last), in order, writing their self-attention K/V into the ring; each
+     such token's queries see the target's K/V of the tokens before it, exactly
+     the visibility used in training with shift 1;
+  2. the strategy grows a tree from the root's distribution, each expansion one
+     draft forward over that depth's nodes (tree-masked among themselves; all of
+     them see the committed target prefix, never a pending token);
+  3. with a retrieval drafter, its chains (prompt lookup / n-grams) are merged
+     into the tree (shared prefixes merged, one verification forward for both).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from longspec.runtime.attention import fused_attention
+from longspec.speculation.drafters.base import DraftContext
+from longspec.speculation.drafters.longspec.checkpoint import load_draft
+from longspec.speculation.drafters.longspec.model import DraftModel, softcap, target_rope
+from longspec.speculation.drafters.longspec.state import DraftState
+from longspec.speculation.drafters.longspec.strategies import Proposal, SampledChainStrategy
+from longspec.speculation.tree import Tree
+
+
+class LongSpecDrafter:
+    def __init__(self, draft: DraftModel | str | Path, strategy, *, retrieval=None, retrieval_nodes: int = 10, seed: int | None = None) -> None:
+        if isinstance(draft, (str, Path)):
+            draft = load_draft(draft)
+        self.draft = draft.eval().requires_grad_(False)
+        self.strategy = strategy
+        self.sampled = isinstance(strategy, SampledChainStrategy)
+        if retrieval is not None and self.sampled:
+            raise ValueError(
+                "retrieval chains cannot join a tree of sampled children (their q would no longer be "
+                "the distribution they were drawn from); use a deterministic strategy with retrieval"
+            )
+        self.retrieval = retrieval
+        self.retrieval_nodes = retrieval_nodes
+        self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        self.state: DraftState | None = None
+        self._target = None
+        self._head_rows: torch.Tensor | None = None
+        self._root_logprobs: torch.Tensor | None = None
+        self._last_token: int | None = None
+
+    # --------------------------------------------------------------- protocol
+    def begin(self, context: DraftContext) -> None:
+        view = context.target
+        if view is None:
+            raise ValueError("the LongSpec drafter needs the target view (cross-attention reads the target's K/V)")
+        self.draft.config.check_fits(view.config)
+        dtype = view.model.dtype
+        if self._target is not view.model or self.state is None or self.state.ring_k.dtype != dtype:
+            self.draft.to(dtype)
+            self._head_rows = self.draft.head_rows(view.head)  # the shared head itself, or its V_d rows once
+        capacity = max(int(context.max_nodes), 1)
+        if self.state is None or self.state.capacity != capacity or self.state.ring_k.dtype != dtype:
+            self.state = DraftState(self.draft.config, capacity, dtype)
+        self.state.reset()
+        self._target = view.model
+        self._root_logprobs = None
+        self._last_token = None
+        if self.retrieval is not None:
+            self.retrieval.begin(context)
+
+    def observe(self, committed: torch.Tensor) -> None:
+        if self.retrieval is not None:
+            self.retrieval.observe(committed)
+
+    @torch.inference_mode()
+    def propose(self, context: DraftContext) -> Tree:
+        if self.state is None:
+            raise RuntimeError("call begin() before propose()")
+        view = context.target
+        tokens = context.tokens
+        budget = int(context.max_nodes)
+        root = context.root
+        if budget <= 0:
+            return Tree.chain(root, [])
+        retrieval_chains = self._retrieval_chains(context) if self.retrieval is not None else []
+        retrieval_size = len({tuple(c[: i + 1]) for c in retrieval_chains for i in range(len(c))})
+        self.state.drop_pending()
+        root_logprobs = self._catch_up(tokens, view)
+        root_position = tokens.numel() - 1
+        slot_of: dict[int, int] = {}  # tree node -> pending slot of the draft state
+        depth_of: dict[int, int] = {0: 0}
+
+        def expand(proposal: Proposal, nodes: list[int]) -> torch.Tensor:
+            # Tree node i (>= 1) is proposal entry i - 1.
+            parents = [proposal.parents[n - 1] for n in nodes]
+            for node, parent in zip(nodes, parents):
+                depth_of[node] = depth_of[parent] + 1
+            start = self.state.pending
+            visible = torch.zeros((len(nodes), start + len(nodes)), dtype=torch.bool)
+            for i, (node, parent) in enumerate(zip(nodes, parents)):
+                if parent in slot_of:  # the root lives in the ring, not in pending slots
+                    visible[i, :start] = self.state.pend_visible[slot_of[parent], :start]
+                visible[i, start + i] = True
+                slot_of[node] = start + i
+            draft_ids = torch.tensor([proposal.tokens[n - 1] for n in nodes], dtype=torch.long)
+            positions = root_position + torch.tensor([depth_of[n] for n in nodes], dtype=torch.long)
+            return self._forward(self.draft.to_full_vocab(draft_ids), positions, visible, view)
+
+        proposal = self.strategy.build(expand, root_logprobs, budget - retrieval_size, self.generator)
+        tree = self._to_tree(root, proposal)
+        if retrieval_chains:
+            tree = tree.with_chains([torch.tensor(c, dtype=torch.long) for c in retrieval_chains])
+        return tree
+
+    # ---------------------------------------------------------------- internals
+    def _retrieval_chains(self, context: DraftContext) -> list[list[int]]:
+        limited = DraftContext(context.tokens, context.target, min(self.retrieval_nodes, int(context.max_nodes)))
+        tree = self.retrieval.propose(limited)
+        leaves = [i for i in range(1, tree.size) if tree.children(i).numel() == 0]
+        return [tree.tokens[tree.path_to(leaf)[1:]].tolist() for leaf in leaves]
+
+    def _catch_up(self, tokens: torch.Tensor, view) -> torch.Tensor:
+        """Run the committed tokens the ring has not seen (the root last); returns
+        the root's next-token log-probs over the draft vocabulary."""
+        state = self.state
+        length = tokens.numel()
+        if state.committed > length or (state.committed and int(tokens[state.committed - 1]) != self._last_token):
+            state.reset()  # a different sequence: start over
+        start = max(state.committed, length - state.window)
+        if start >= length:  # nothing new since the last round (propose called twice)
+            return self._root_logprobs
+        hidden = None
+        for begin in range(start, length, state.capacity):
+            piece = tokens[begin : min(begin + state.capacity, length)]
+            positions = torch.arange(begin, begin + piece.numel())
+            causal = torch.ones((piece.numel(), piece.numel()), dtype=torch.bool).tril_()
+            hidden = self._hidden(piece, positions, causal, view)
+            state.commit_pending()
+        self._last_token = int(tokens[-1])
+        self._root_logprobs = self._logprobs(hidden[-1:])[0]
+        return self._root_logprobs
+
+    def _forward(self, full_ids, positions, visible, view) -> torch.Tensor:
+        return self._logprobs(self._hidden(full_ids, positions, visible, view))
+
+    def _hidden(self, full_ids, positions, visible, view) -> torch.Tensor:
+        model = view.model
+        self.state.prepare_forward(positions, visible)
+        x = model.embed(full_ids.unsqueeze(0)).to(self._head_rows.dtype)
+        rope = target_rope(model, positions, x.dtype)
+        committed = view.committed_length
+        scale = model.config.attention_scale
+        cross_kv = [view.layer_kv(layer) for layer in self.draft.config.target_layers]
+
+        def attend_cross(m: int, q: torch.Tensor) -> torch.Tensor:
+            k, v = cross_kv[m]
+            # A query at position p sees target keys at positions < p (the committed
+            # prefix holds positions < `committed`): keys before the first query's
+            # position are visible to all, the rest by position.
+            split = min(int(positions[0]), committed)
+            if committed == 0:
+                return torch.zeros_like(q)
+            if split == committed:
+                return fused_attention(q, k, v, None, None, None, None, scale)
+            key_pos = torch.arange(split, committed)
+            tail_mask = key_pos.unsqueeze(0) < positions.unsqueeze(1)
+            return fused_attention(q, k[:, :, :split], v[:, :, :split], None, k[:, :, split:], v[:, :, split:], tail_mask, scale)
+
+        return self.draft(x, positions, rope, self.state.attend, attend_cross)[0]
+
+    def _logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = softcap(F.linear(hidden, self._head_rows), self._target.config.final_logit_softcapping)
+        return torch.log_softmax(logits.float() if logits.dtype != torch.float64 else logits, dim=-1)
+
+    def _to_tree(self, root: int, proposal: Proposal) -> Tree:
+        ids = self.draft.to_full_vocab(torch.tensor(proposal.tokens, dtype=torch.long))
+        tokens = torch.cat([torch.tensor([root]), ids])
+        parents = torch.tensor([-1] + proposal.parents, dtype=torch.long)
+        if proposal.probs is None:
+            return Tree.from_parents(tokens, parents)
+        vocab = self._target.config.vocab_size
+        q = torch.zeros((tokens.numel(), vocab), dtype=torch.float64)
+        for node, row in enumerate(proposal.probs):
+            if self.draft.reduced_vocab:
+                q[node, self.draft.vocab_ids] = row
+            else:
+                q[node] = row
+        return Tree.from_parents(tokens, parents, draft_probs=q, children_sampled=True)

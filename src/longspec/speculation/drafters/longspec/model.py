@@ -1,0 +1,181 @@
+"""The LongSpec/GLIDE draft network.
+
+Per draft layer m (N_d layers, default 1):
+
+    x = x + SelfAttn(RMSNorm(x))     sliding window over the draft's own recent tokens
+    x = x + CrossAttn(RMSNorm(x))    queries onto the target's K/V of target layer
+                                     `config.target_layers[m]`, read in place
+    x = x + MLP(RMSNorm(x))
+
+then a final RMSNorm and the target's own LM head. The input embedding and the
+head are the target's tensors, passed in at call time (never copied into the
+draft). Cross-attention queries are rotated with the target's RoPE of the
+attended layer, so they meet the cached keys at agreeing positions.
+
+How attention is computed is the caller's business: `forward` receives two
+callables, one for self-attention (a fixed ring at inference, a masked full
+sequence in training) and one for cross-attention (the committed prefix of the
+target cache at inference, a visibility mask in training). The network itself
+holds no cache and no mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from longspec.speculation.drafters.longspec.config import DraftConfig
+
+# attend_self(layer, q, k, v) and attend_cross(layer, q) -> [B, heads, T, D]
+SelfAttention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+CrossAttention = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+class DraftRMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = x if x.dtype == torch.float64 else x.float()
+        return (F.rms_norm(wide, (x.shape[-1],), eps=self.eps) * self.weight.to(wide.dtype)).to(x.dtype)
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, config: DraftConfig) -> None:
+        super().__init__()
+        c = config
+        H = c.hidden_size
+        self_dim = c.self_num_heads * c.self_head_dim
+        cross_dim = c.cross_num_heads * c.cross_head_dim
+        self.self_norm = DraftRMSNorm(H, c.rms_norm_eps)
+        self.self_qkv = nn.Linear(H, 3 * self_dim, bias=False)
+        self.self_out = nn.Linear(self_dim, H, bias=False)
+        self.cross_norm = DraftRMSNorm(H, c.rms_norm_eps)
+        self.cross_q = nn.Linear(H, cross_dim, bias=False)
+        # Per-head query norm: the target's keys are normalised (Gemma, Qwen3) or not;
+        # a learned norm lets the query scale adapt either way.
+        self.cross_q_norm = DraftRMSNorm(c.cross_head_dim, c.rms_norm_eps)
+        self.cross_out = nn.Linear(cross_dim, H, bias=False)
+        self.mlp_norm = DraftRMSNorm(H, c.rms_norm_eps)
+        self.gate_up = nn.Linear(H, 2 * c.intermediate_size, bias=False)
+        self.down = nn.Linear(c.intermediate_size, H, bias=False)
+
+
+class DraftModel(nn.Module):
+    def __init__(self, config: DraftConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList(DraftLayer(config) for _ in range(config.num_layers))
+        self.final_norm = DraftRMSNorm(config.hidden_size, config.rms_norm_eps)
+        c = config
+        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.self_head_dim, 2, dtype=torch.float32) / c.self_head_dim))
+        self.register_buffer("self_inv_freq", inv_freq, persistent=False)
+        # Rows of the shared head the draft scores (None: all). Saved with the weights.
+        vocab = torch.arange(c.draft_vocab_size if c.draft_vocab_size else 0, dtype=torch.long)
+        self.register_buffer("vocab_ids", vocab)
+
+    @property
+    def reduced_vocab(self) -> bool:
+        return self.config.draft_vocab_size is not None
+
+    def reset_parameters(self, seed: int = 0, std: float = 0.02) -> "DraftModel":
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.fill_(1.0)
+                else:
+                    param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float64) * std)
+        return self
+
+    # ----------------------------------------------------------------- forward
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        target_rope: tuple[torch.Tensor, torch.Tensor],
+        attend_self: SelfAttention,
+        attend_cross: CrossAttention,
+    ) -> torch.Tensor:
+        """x: embedded input tokens [B, T, H] (the target's embedding); positions [T];
+        target_rope: (cos, signed_sin) [T, D] of the target's attended layers.
+        Returns the final-normed hidden states [B, T, H]."""
+        c = self.config
+        B, T, _ = x.shape
+        self_rope = self._self_rope(positions, x.dtype)
+        cross_rope = tuple(t.to(x.dtype) for t in target_rope)
+        for m, layer in enumerate(self.layers):
+            qkv = layer.self_qkv(layer.self_norm(x)).view(B, T, 3, c.self_num_heads, c.self_head_dim)
+            q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each [B, Hs, T, Ds]
+            q, k = apply_rope(q, *self_rope), apply_rope(k, *self_rope)
+            attn = attend_self(m, q, k, v)
+            x = x + layer.self_out(attn.transpose(1, 2).reshape(B, T, -1))
+            q = layer.cross_q(layer.cross_norm(x)).view(B, T, c.cross_num_heads, c.cross_head_dim)
+            q = apply_rope(layer.cross_q_norm(q).transpose(1, 2), *cross_rope)
+            attn = attend_cross(m, q)
+            x = x + layer.cross_out(attn.transpose(1, 2).reshape(B, T, -1))
+            gate, up = layer.gate_up(layer.mlp_norm(x)).chunk(2, dim=-1)
+            x = x + layer.down(F.gelu(gate, approximate="tanh") * up)
+        return self.final_norm(x)
+
+    def _self_rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        freqs = positions.to(torch.float32).unsqueeze(-1) * self.self_inv_freq
+        return rope_tables_from_freqs(freqs, 1.0, dtype)
+
+    # ------------------------------------------------------------------ scores
+    def head_rows(self, head: torch.Tensor) -> torch.Tensor:
+        """The rows of the shared head this draft scores (a gather when reduced)."""
+        return head.index_select(0, self.vocab_ids) if self.reduced_vocab else head
+
+    def to_full_vocab(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return self.vocab_ids[draft_ids] if self.reduced_vocab else draft_ids
+
+
+def rope_tables_from_freqs(freqs: torch.Tensor, scaling: float, dtype: torch.dtype):
+    """(cos, sign-folded sin) [T, D] from angle table [T, D/2], as the runtime does."""
+    angles = torch.cat([freqs, freqs], dim=-1)
+    cos = (angles.cos() * scaling).to(dtype)
+    sin = (angles.sin() * scaling).to(dtype)
+    half = sin.shape[-1] // 2
+    return cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+
+def target_rope(target, positions: torch.Tensor, dtype: torch.dtype):
+    """The target's RoPE for its full-attention layers at `positions` (the draft
+    only attends full-attention layers; see DraftConfig.for_target)."""
+    freqs = positions.to(torch.float32).unsqueeze(-1) * target.inv_freq_full
+    return rope_tables_from_freqs(freqs, target.rope_scaling[False], dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
+def chunked_cross_entropy(
+    hidden: torch.Tensor, head_rows: torch.Tensor, labels: torch.Tensor, *, chunk: int = 256, cap: float | None = None
+) -> torch.Tensor:
+    """Sum of cross-entropy over rows of `hidden` [N, H] against `labels` [N]
+    (-100 ignored), scoring `head_rows` [V, H] chunk by chunk. Each chunk's logits
+    are recomputed in backward (activation checkpointing), so at most one chunk of
+    vocabulary-sized logits is alive at any time."""
+
+    def piece(h, y):
+        logits = softcap(h @ head_rows.t().to(h.dtype), cap).float()
+        return F.cross_entropy(logits, y, ignore_index=-100, reduction="sum")
+
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for begin in range(0, hidden.shape[0], chunk):
+        h, y = hidden[begin : begin + chunk], labels[begin : begin + chunk]
+        if bool((y != -100).any()):
+            total = total + (checkpoint(piece, h, y, use_reentrant=False) if h.requires_grad else piece(h, y))
+    return total

@@ -1,0 +1,97 @@
+"""The draft's inference state: a fixed-size ring of its own K/V for committed
+tokens, and a small fixed buffer for the speculative nodes of the current round.
+
+Sizes depend only on the draft config and the engine's tree budget, never on the
+context length (DESIGN.md §2.2): the ring holds `window` slots (token at position
+p lives in slot p % window), the pending buffer `capacity` slots. Pending tokens
+are either committed into the ring (catching up on committed text) or dropped
+(speculative nodes, at the start of the next round).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from longspec.runtime.attention import fused_attention
+from longspec.speculation.drafters.longspec.config import DraftConfig
+
+_EMPTY = -(2**62)
+
+
+class DraftState:
+    def __init__(self, config: DraftConfig, capacity: int, dtype: torch.dtype) -> None:
+        if capacity < 1:
+            raise ValueError(f"pending capacity must be >= 1, got {capacity}")
+        c = config
+        self.window = c.window
+        self.capacity = capacity
+        self.scale = c.self_head_dim ** -0.5
+        shape = (c.num_layers, 1, c.self_num_heads)
+        self.ring_k = torch.zeros((*shape, c.window, c.self_head_dim), dtype=dtype)
+        self.ring_v = torch.zeros_like(self.ring_k)
+        self.ring_positions = torch.full((c.window,), _EMPTY, dtype=torch.long)
+        self.pend_k = torch.zeros((*shape, capacity, c.self_head_dim), dtype=dtype)
+        self.pend_v = torch.zeros_like(self.pend_k)
+        self.pend_positions = torch.zeros(capacity, dtype=torch.long)
+        # visible[i, j]: pending token i sees pending token j (itself and its ancestors)
+        self.pend_visible = torch.zeros((capacity, capacity), dtype=torch.bool)
+        self.pending = 0
+        self.committed = 0  # committed tokens whose K/V went through the ring
+        # Per-forward inputs, set by `prepare_forward`.
+        self._new_slots = slice(0, 0)
+        self._ring_mask: torch.Tensor | None = None
+
+    def reset(self) -> None:
+        self.ring_positions.fill_(_EMPTY)
+        self.pending = 0
+        self.committed = 0
+
+    def nbytes(self) -> int:
+        tensors = (self.ring_k, self.ring_v, self.ring_positions, self.pend_k, self.pend_v, self.pend_positions, self.pend_visible)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    # ------------------------------------------------------------- one forward
+    def prepare_forward(self, positions: torch.Tensor, visible_pending: torch.Tensor) -> None:
+        """Reserve pending slots for T new tokens at `positions`; `visible_pending`
+        [T, pending + T] says which pending tokens (earlier ones, then these) each sees."""
+        T = positions.numel()
+        start = self.pending
+        if start + T > self.capacity:
+            raise ValueError(f"draft pending buffer holds {self.capacity} tokens; {start} + {T} requested")
+        self.pend_positions[start : start + T] = positions
+        self.pend_visible[start : start + T, : start + T] = visible_pending
+        self.pend_visible[start : start + T, start + T :] = False
+        self._new_slots = slice(start, start + T)
+        in_window = self.ring_positions.unsqueeze(0) > positions.unsqueeze(1) - self.window
+        self._ring_mask = in_window & (self.ring_positions.unsqueeze(0) >= 0)
+        self.pending = start + T
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Self-attention of this forward's queries over the ring and the pending tokens."""
+        slots = self._new_slots
+        self.pend_k[layer, :, :, slots] = k
+        self.pend_v[layer, :, :, slots] = v
+        end = slots.stop
+        distance = self.pend_positions[slots].unsqueeze(1) - self.pend_positions[:end].unsqueeze(0)
+        pend_mask = self.pend_visible[slots, :end] & (distance < self.window)
+        return fused_attention(
+            q, self.ring_k[layer], self.ring_v[layer], self._ring_mask,
+            self.pend_k[layer, :, :, :end], self.pend_v[layer, :, :, :end], pend_mask, self.scale,
+        )
+
+    # ---------------------------------------------------------- commit / drop
+    def commit_pending(self) -> None:
+        """Move every pending token (committed text, in order) into the ring."""
+        n = self.pending
+        if n > self.window:
+            raise ValueError(f"cannot commit {n} tokens at once into a ring of {self.window}")
+        positions = self.pend_positions[:n]
+        slots = positions % self.window
+        self.ring_k[:, :, :, slots] = self.pend_k[:, :, :, :n]
+        self.ring_v[:, :, :, slots] = self.pend_v[:, :, :, :n]
+        self.ring_positions[slots] = positions
+        self.committed = int(positions[-1]) + 1 if n else self.committed
+        self.pending = 0
+
+    def drop_pending(self) -> None:
+        self.pending = 0

@@ -1,0 +1,150 @@
+"""LongSpec draft: greedy identity through the engine for chain, CAPE, beam and
+merged draft + retrieval trees (random drafts, float64 tiny models), sampling
+losslessness of sampled-chain trees, bounded draft memory, and checkpoint fit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from longspec.speculation.drafters import NgramDrafter, PromptLookupDrafter
+from longspec.speculation.drafters.base import DraftContext, TargetView
+from longspec.speculation.drafters.longspec import (
+    BeamStrategy,
+    CapeStrategy,
+    ChainStrategy,
+    DraftConfig,
+    DraftMismatchError,
+    DraftModel,
+    LongSpecDrafter,
+    SampledChainStrategy,
+    load_draft,
+    save_draft,
+)
+from longspec.speculation.engine import EngineOptions, SpeculativeEngine
+from longspec.speculation.metrics import GenerationStats
+from longspec.speculation.processors import SamplingParams
+from tiny_models import random_ids, tiny_decoder
+
+
+def random_draft(target, *, seed=0, std=0.3, **options):
+    config = DraftConfig.for_target(
+        target.config, self_num_heads=2, self_head_dim=8, intermediate_size=32, **{"window": 6, **options}
+    )
+    return DraftModel(config).reset_parameters(seed=seed, std=std).to(target.dtype)
+
+
+def run(engine, prompt, drafter=None, params=SamplingParams(), max_new_tokens=40, stats=None, generator=None):
+    rounds = engine.generate(prompt, params=params, max_new_tokens=max_new_tokens, drafter=drafter, stats=stats, generator=generator)
+    return torch.cat(list(rounds))
+
+
+STRATEGIES = {
+    "chain": lambda: ChainStrategy(4),
+    "cape": lambda: CapeStrategy(4, bins=((0.9, 1), (0.3, 2), (0.0, 3))),
+    "beam": lambda: BeamStrategy((3, 5, 5, 4)),
+    "sampled-chain": lambda: SampledChainStrategy(4, temperature=1.0),
+}
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama", "qwen3"])
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_greedy_identity(family, strategy):
+    model = tiny_decoder(family, dtype=torch.float64)
+    engine = SpeculativeEngine(model, EngineOptions(prefill_chunk=7, max_tree_nodes=20, progress=False))
+    for seed in range(2):
+        prompt = torch.cat([random_ids(6, seed=seed)[0].repeat(3), random_ids(5, seed=50 + seed)[0]])
+        reference = run(engine, prompt)
+        drafter = LongSpecDrafter(random_draft(model, seed=seed), STRATEGIES[strategy](), seed=seed)
+        assert torch.equal(run(engine, prompt, drafter), reference)
+
+
+@pytest.mark.parametrize("retrieval", [lambda: PromptLookupDrafter(num_tokens=5), lambda: NgramDrafter(k=3)], ids=["pld", "ngram"])
+@pytest.mark.parametrize("strategy", ["chain", "beam"])
+def test_greedy_identity_with_retrieval_merged(retrieval, strategy):
+    model = tiny_decoder("gemma3", dtype=torch.float64)
+    engine = SpeculativeEngine(model, EngineOptions(prefill_chunk=5, max_tree_nodes=24, progress=False))
+    prompt = torch.cat([random_ids(7, seed=3)[0].repeat(4), random_ids(4, seed=9)[0]])
+    reference = run(engine, prompt, max_new_tokens=60)
+    drafter = LongSpecDrafter(random_draft(model), STRATEGIES[strategy](), retrieval=retrieval(), retrieval_nodes=8)
+    stats = GenerationStats()
+    assert torch.equal(run(engine, prompt, drafter, stats=stats, max_new_tokens=60), reference)
+    assert stats.tau > 1.0
+
+
+def test_trees_have_the_strategy_shape_and_respect_the_budget():
+    model = tiny_decoder("llama", dtype=torch.float64)
+    engine = SpeculativeEngine(model, EngineOptions(max_tree_nodes=12, progress=False))
+    shapes = []
+
+    class Spy(LongSpecDrafter):
+        def propose(self, context):
+            tree = super().propose(context)
+            shapes.append(tree)
+            return tree
+
+    prompt = random_ids(10, seed=1)[0]
+    run(engine, prompt, Spy(random_draft(model), BeamStrategy((3, 5, 5, 4))), max_new_tokens=10)
+    beam = shapes[0]
+    assert beam.size - 1 == 12  # widths 3 + 5 + 4 (cut to the budget of 12)
+    assert torch.bincount(beam.depths).tolist() == [1, 3, 5, 4]
+    shapes.clear()
+    cape = CapeStrategy(3, bins=((2.0, 1), (0.0, 3)))  # confidence never >= 2: always 3 candidates
+    run(engine, prompt, Spy(random_draft(model), cape), max_new_tokens=5)
+    tree = shapes[0]
+    assert torch.bincount(tree.depths).tolist() == [1, 3, 3, 3]
+    # Only the first candidate of each depth has children (alternatives not extended).
+    for depth in (1, 2):
+        at_depth = torch.nonzero(tree.depths == depth).flatten()
+        with_children = [int(n) for n in at_depth if tree.children(int(n)).numel()]
+        assert with_children == [int(at_depth[0])]
+
+
+def test_draft_state_memory_is_constant_in_context_length():
+    model = tiny_decoder("llama", dtype=torch.float32, max_position_embeddings=40000)
+    engine = SpeculativeEngine(model, EngineOptions(prefill_chunk=4096, max_tree_nodes=16, progress=False))
+    sizes = {}
+    for length in (1000, 32000):
+        drafter = LongSpecDrafter(random_draft(model, window=64), ChainStrategy(4))
+        run(engine, random_ids(length, seed=length)[0], drafter, max_new_tokens=8)
+        sizes[length] = (drafter.state.nbytes(), tuple(drafter.state.ring_k.shape))
+    assert sizes[1000] == sizes[32000]
+
+
+def test_checkpoint_round_trip_and_mismatch_names_the_field(tmp_path):
+    model = tiny_decoder("llama", dtype=torch.float64)
+    draft = random_draft(model, draft_vocab_size=50)
+    path = save_draft(draft, tmp_path / "d.safetensors", meta={"note": "test"})
+    loaded = load_draft(path, model.config, dtype=torch.float64)
+    for (name, a), (_, b) in zip(draft.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    other = tiny_decoder("llama", dtype=torch.float64, num_key_value_heads=4)
+    with pytest.raises(DraftMismatchError, match="KV heads: draft 2 vs target 4"):
+        load_draft(path, other.config)
+    wider = tiny_decoder("llama", dtype=torch.float64, hidden_size=96)
+    with pytest.raises(DraftMismatchError, match="hidden size: draft 64 vs target 96"):
+        load_draft(path, wider.config)
+    gemma = tiny_decoder("gemma3", dtype=torch.float64)
+    bad = DraftConfig.for_target(gemma.config, target_layers=(2,))
+    with pytest.raises(DraftMismatchError, match="layer mapping: target layer 2 is a sliding-window layer"):
+        bad.check_fits(gemma.config)
+
+
+def test_reduced_vocabulary_drafts_only_its_tokens():
+    model = tiny_decoder("qwen3", dtype=torch.float64)
+    draft = random_draft(model, draft_vocab_size=20)
+    draft.vocab_ids.copy_(torch.arange(100, 120))
+    engine = SpeculativeEngine(model, EngineOptions(max_tree_nodes=16, progress=False))
+    seen = []
+
+    class Spy(LongSpecDrafter):
+        def propose(self, context):
+            tree = super().propose(context)
+            seen.append(tree.tokens[1:])
+            return tree
+
+    prompt = random_ids(12, seed=4)[0]
+    reference = run(engine, prompt, max_new_tokens=20)
+    assert torch.equal(run(engine, prompt, Spy(draft, BeamStrategy((2, 4))), max_new_tokens=20), reference)
+    drafted = torch.cat(seen)
+    assert drafted.numel() and bool(((drafted >= 100) & (drafted < 120)).all())
