@@ -8,6 +8,7 @@ import platform
 import sys
 from pathlib import Path
 
+from longspec.cli import bench
 from longspec.speculation.methods import METHODS
 
 
@@ -125,10 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _info_parser(sub)
+    bench.add_parser(sub)
     return parser
 
 
 COMMANDS = {"generate": _cmd_generate, "info": _cmd_info}
+COMMANDS["bench"] = bench.run
 
 
 def main(argv: list[str] | None = None) -> int:
