@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from longspec.cli import bench
+from longspec.cli import train
 from longspec.speculation.methods import METHODS
 
 
@@ -127,10 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     _generate_parser(sub)
     _info_parser(sub)
     bench.add_parser(sub)
+    train.add_parser(sub)
     return parser
 
 
-COMMANDS = {"generate": _cmd_generate, "info": _cmd_info}
+COMMANDS = {"generate": _cmd_generate, "info": _cmd_info, "train": train.run}
 COMMANDS["bench"] = bench.run
 
 

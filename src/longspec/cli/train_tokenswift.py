@@ -1,0 +1,51 @@
+"""`longspec train tokenswift`: train TokenSwift heads on a frozen target."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("tokenswift", help="train TokenSwift multi-token heads on a frozen target")
+    p.add_argument("--model", default=None, help="target (default: embedded Gemma 3 270M)")
+    p.add_argument("--data", type=Path, action="append", default=[], help="text file or directory of .txt (repeatable)")
+    p.add_argument("--stdlib-files", type=int, default=0, help="also train on this many Python stdlib modules + doc prose")
+    p.add_argument("--out", type=Path, required=True, help="run directory (checkpoints, curve.csv)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out")
+    p.add_argument("--dtype", default="bfloat16", help="target dtype (bfloat16 is the fast one on CPU)")
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--rows-per-window", type=int, default=16)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup-steps", type=int, default=20)
+    p.add_argument("--num-heads", type=int, default=3)
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--max-minutes", type=float, default=None, help="stop and save after this much wall time")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(train_command=run)
+
+
+def run(args) -> int:
+    from longspec.api import parse_dtype
+    from longspec.runtime.loading import load_target
+    from longspec.training.heads_data import stdlib_files, text_files, tokenize_files, windows
+    from longspec.training.tokenswift_heads import HEADS_FILE, HeadsTrainingConfig, train_heads
+
+    config = HeadsTrainingConfig(
+        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, rows_per_window=args.rows_per_window,
+        lr=args.lr, warmup_steps=args.warmup_steps, num_heads=args.num_heads, eval_every=args.eval_every,
+        save_every=args.eval_every, max_minutes=args.max_minutes, seed=args.seed,
+    )
+    files = text_files(args.data) + stdlib_files(args.stdlib_files)
+    if not files:
+        raise ValueError("no training data: pass --data PATH and/or --stdlib-files N")
+    target = load_target(args.model, dtype=parse_dtype(args.dtype))
+    if target.tokenizer is None:
+        raise ValueError(f"{target.source} has no tokenizer; TokenSwift training reads text")
+    data = windows(tokenize_files(target.tokenizer, files), args.seq_len)
+    print(f"{len(files)} files, {data.numel()} tokens in {data.shape[0]} windows of {args.seq_len}", flush=True)
+    train_heads(target.model, data, args.out, config, resume=args.resume, target_name=str(target.source),
+                log=lambda line: print(line, flush=True))
+    print(f"heads written to {args.out / HEADS_FILE}")
+    return 0

@@ -1,0 +1,1 @@
+"""Trainers for drafters (one module per method), checkpoints in safetensors, resumable."""

@@ -1,0 +1,187 @@
+"""Training TokenSwift heads on a frozen target.
+
+Loss: for each row t of a window, head i (1..γ) reads the target's final-norm
+hidden state h_0 at t and is scored by cross-entropy against the token i + 1
+positions ahead (the target's own head predicts t + 1; head 1 predicts t + 2).
+Only the heads' linear layers train (AdamW, linear warm-up then cosine decay);
+the target runs in inference mode. A random subset of rows per window is decoded,
+which keeps the 3 x vocabulary-sized logits affordable on a CPU.
+
+Checkpoints (heads safetensors + optimizer/scheduler/step) are written every
+``save_every`` steps and at the end; ``resume=True`` continues from one and sees
+the same batches an uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from longspec.speculation.drafters.tokenswift.heads import TokenSwiftHeads
+from longspec.training.heads_data import batches, split_heldout
+
+HEADS_FILE = "heads.safetensors"
+STATE_FILE = "trainer_state.pt"
+CURVE_FILE = "curve.csv"
+
+
+@dataclass(frozen=True)
+class HeadsTrainingConfig:
+    steps: int = 400
+    batch_size: int = 4
+    seq_len: int = 256
+    rows_per_window: int = 16  # rows decoded per window (of seq_len - γ - 1 usable)
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 20
+    num_heads: int = 3
+    heldout_windows: int = 32  # windows held out for evaluation
+    eval_every: int = 50
+    save_every: int = 50
+    max_minutes: float | None = None  # stop (and save) after this much wall time
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.seq_len < self.num_heads + 3:
+            raise ValueError(f"seq_len must be >= num_heads + 3, got {self.seq_len}")
+        for name in ("steps", "batch_size", "rows_per_window", "eval_every", "save_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+def lr_factor(step: int, config: HeadsTrainingConfig) -> float:
+    if step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def decode_logits(target, hidden: torch.Tensor) -> torch.Tensor:
+    """The target's final norm + LM head (+ soft-capping), differentiable (the
+    runtime's prepacked inference matmul has no backward)."""
+    logits = F.linear(target.final_norm(hidden.to(target.dtype)), target.head_weight)
+    cap = target.config.final_logit_softcapping
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def target_hidden(target, windows: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Final-norm hidden states [B, R, H] of the frozen target at the given rows."""
+    B, T = windows.shape
+    cache = target.new_cache(T, batch_size=B, max_forward_tokens=T)
+    out = target(windows, cache, logits_rows=rows)
+    return out.hidden.clone()  # leaves inference mode: usable by autograd
+
+
+def heads_loss(target, heads: TokenSwiftHeads, windows: torch.Tensor, rows: torch.Tensor):
+    """Mean cross-entropy over heads, per-head loss and top-1 accuracy."""
+    hidden = heads.hidden_states(target, target_hidden(target, windows, rows))  # [B, R, γ, H]
+    losses, accuracies = [], []
+    for i in range(hidden.shape[2]):
+        labels = windows[:, rows + i + 2]  # head i+1 predicts the token i+2 ahead
+        logits = decode_logits(target, hidden[:, :, i]).float()
+        losses.append(F.cross_entropy(logits.flatten(0, 1), labels.flatten()))
+        accuracies.append((logits.argmax(-1) == labels).float().mean().item())
+    return torch.stack(losses).mean(), [l.item() for l in losses], accuracies
+
+
+def sample_rows(T: int, count: int, gamma: int, generator: torch.Generator) -> torch.Tensor:
+    usable = T - gamma - 1
+    return torch.randperm(usable, generator=generator)[: min(count, usable)].sort().values
+
+
+@torch.no_grad()
+def evaluate(target, heads, heldout: torch.Tensor, config: HeadsTrainingConfig):
+    generator = torch.Generator().manual_seed(config.seed + 12345)
+    losses, accs = [], []
+    for begin in range(0, heldout.shape[0], config.batch_size):
+        windows = heldout[begin : begin + config.batch_size]
+        rows = sample_rows(windows.shape[1], config.rows_per_window, config.num_heads, generator)
+        _, per_head, acc = heads_loss(target, heads, windows, rows)
+        losses.append(per_head)
+        accs.append(acc)
+    mean = lambda table: [sum(col) / len(col) for col in zip(*table)]  # noqa: E731
+    return mean(losses), mean(accs)
+
+
+def train_heads(target, data: torch.Tensor, out_dir: Path, config: HeadsTrainingConfig, *,
+                resume: bool = False, target_name: str = "", log=print) -> TokenSwiftHeads:
+    """Train heads on windows ``data`` [N, seq_len]; write checkpoints to ``out_dir``."""
+    if data.shape[1] != config.seq_len:
+        raise ValueError(f"data windows have length {data.shape[1]}, config.seq_len is {config.seq_len}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    train, heldout = split_heldout(data, config.heldout_windows, config.seed)
+    if train.shape[0] < config.batch_size:
+        raise ValueError(f"only {train.shape[0]} training windows for batch size {config.batch_size}; add data")
+    torch.manual_seed(config.seed)
+    heads = TokenSwiftHeads.for_target(target.config, config.num_heads, target_name)
+    optimizer = torch.optim.AdamW(heads.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, config))
+    start_step = 0
+    state_path = out_dir / STATE_FILE
+    if resume:
+        if not state_path.is_file():
+            raise FileNotFoundError(f"cannot resume: {state_path} does not exist (run without --resume first)")
+        state = torch.load(state_path, weights_only=False)
+        if state["config"] != asdict(config):
+            raise ValueError(f"cannot resume: {state_path} was written with a different configuration {state['config']}")
+        heads.load_state_dict(state["heads"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        start_step = state["step"]
+    elif state_path.exists():
+        raise ValueError(f"{out_dir} already holds a training run; pass --resume or choose another --out")
+
+    curve_path = out_dir / CURVE_FILE
+    new_curve = not (resume and curve_path.exists())
+    curve = curve_path.open("w" if new_curve else "a", newline="")
+    writer = csv.writer(curve)
+    if new_curve:
+        writer.writerow(["step", "tokens", "elapsed_s", "lr", "train_loss", "eval_loss", "eval_acc_head1",
+                         "eval_acc_head2", "eval_acc_head3"])
+
+    def save(step: int) -> None:
+        heads.save(out_dir / HEADS_FILE)
+        torch.save({"config": asdict(config), "heads": heads.state_dict(), "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(), "step": step}, state_path)
+
+    rng = torch.Generator().manual_seed(config.seed + start_step)
+    started = time.perf_counter()
+    step = start_step
+    stream = batches(train, config.batch_size, config.seed, start_step)
+    tokens_per_step = config.batch_size * min(config.rows_per_window, config.seq_len - config.num_heads - 1)
+    for step in range(start_step, config.steps):
+        windows = next(stream)
+        rows = sample_rows(config.seq_len, config.rows_per_window, config.num_heads, rng)
+        loss, per_head, acc = heads_loss(target, heads, windows, rows)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        elapsed = time.perf_counter() - started
+        done = step + 1
+        timed_out = config.max_minutes is not None and elapsed > 60 * config.max_minutes
+        if done % config.eval_every == 0 or done == config.steps or timed_out:
+            eval_loss, eval_acc = evaluate(target, heads, heldout, config)
+            writer.writerow([done, done * tokens_per_step, f"{elapsed:.1f}", f"{scheduler.get_last_lr()[0]:.2e}",
+                             f"{loss.item():.4f}", f"{sum(eval_loss) / len(eval_loss):.4f}",
+                             *[f"{a:.4f}" for a in eval_acc]])
+            curve.flush()
+            log(f"step {done}/{config.steps} {elapsed:.0f}s train {loss.item():.3f} eval {eval_loss} acc {eval_acc}")
+        elif done % 10 == 0:
+            log(f"step {done}/{config.steps} {elapsed:.0f}s train {loss.item():.3f} per-head {per_head} acc {acc}")
+        if done % config.save_every == 0 or done == config.steps or timed_out:
+            save(done)
+        if timed_out:
+            log(f"stopping after {config.max_minutes} minutes at step {done}; continue with --resume")
+            break
+    curve.close()
+    return heads
