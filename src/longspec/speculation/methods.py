@@ -11,6 +11,7 @@ from typing import Any
 
 from longspec.speculation.drafters import NgramDrafter, PromptLookupDrafter
 from longspec.speculation.drafters.base import Drafter
+from longspec.speculation.drafters.tokenswift.drafter import TokenSwiftDrafter
 
 
 def _autoregressive(**options: Any) -> None:
@@ -23,6 +24,7 @@ METHODS: dict[str, Callable[..., Drafter | None]] = {
     "ar": _autoregressive,
     "pld": PromptLookupDrafter,
     "ngram": NgramDrafter,
+    "tokenswift": TokenSwiftDrafter,
 }
 
 

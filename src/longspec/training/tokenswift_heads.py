@@ -55,6 +55,11 @@ class HeadsTrainingConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
+def _run_defining(config: dict) -> dict:
+    """The settings a resumed run must share (the wall-time limit may change)."""
+    return {k: v for k, v in config.items() if k != "max_minutes"}
+
+
 def lr_factor(step: int, config: HeadsTrainingConfig) -> float:
     if step < config.warmup_steps:
         return (step + 1) / config.warmup_steps
@@ -131,7 +136,7 @@ def train_heads(target, data: torch.Tensor, out_dir: Path, config: HeadsTraining
         if not state_path.is_file():
             raise FileNotFoundError(f"cannot resume: {state_path} does not exist (run without --resume first)")
         state = torch.load(state_path, weights_only=False)
-        if state["config"] != asdict(config):
+        if _run_defining(state["config"]) != _run_defining(asdict(config)):
             raise ValueError(f"cannot resume: {state_path} was written with a different configuration {state['config']}")
         heads.load_state_dict(state["heads"])
         optimizer.load_state_dict(state["optimizer"])
@@ -153,13 +158,14 @@ def train_heads(target, data: torch.Tensor, out_dir: Path, config: HeadsTraining
         torch.save({"config": asdict(config), "heads": heads.state_dict(), "optimizer": optimizer.state_dict(),
                     "scheduler": scheduler.state_dict(), "step": step}, state_path)
 
-    rng = torch.Generator().manual_seed(config.seed + start_step)
     started = time.perf_counter()
     step = start_step
     stream = batches(train, config.batch_size, config.seed, start_step)
     tokens_per_step = config.batch_size * min(config.rows_per_window, config.seq_len - config.num_heads - 1)
     for step in range(start_step, config.steps):
         windows = next(stream)
+        # Rows seeded per step: a resumed run draws what an uninterrupted one would.
+        rng = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
         rows = sample_rows(config.seq_len, config.rows_per_window, config.num_heads, rng)
         loss, per_head, acc = heads_loss(target, heads, windows, rows)
         optimizer.zero_grad(set_to_none=True)
