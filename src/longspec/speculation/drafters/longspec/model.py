@@ -170,7 +170,8 @@ def chunked_cross_entropy(
     vocabulary-sized logits is alive at any time."""
 
     def piece(h, y):
-        logits = softcap(h @ head_rows.t().to(h.dtype), cap).float()
+        # The head keeps its own dtype (bf16 for fast CPU matmuls); only h is cast.
+        logits = softcap(h.to(head_rows.dtype) @ head_rows.t(), cap).float()
         return F.cross_entropy(logits, y, ignore_index=-100, reduction="sum")
 
     total = hidden.new_zeros((), dtype=torch.float32)

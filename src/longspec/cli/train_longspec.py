@@ -1,0 +1,88 @@
+"""`longspec train longspec`: train a LongSpec/GLIDE draft for a frozen target."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("longspec", help="train a LongSpec/GLIDE cross-attention draft for a target")
+    p.add_argument("--model", default=None, help="target (default: embedded Gemma 3 270M)")
+    p.add_argument("--corpus", type=Path, action="append", default=[], help="directory, text file or .jsonl (repeatable)")
+    p.add_argument("--stdlib", action="store_true", help="also train on the Python standard library (code + pydoc prose)")
+    p.add_argument("--exclude", action="append", default=[], help="skip directories with this name (repeatable)")
+    p.add_argument("--text-field", default=None, help="JSONL field holding the text (default: text/context/content/...)")
+    p.add_argument("--heldout", type=float, default=0.05, help="fraction of files held out (by file, never by line)")
+    p.add_argument("--shards", type=Path, default=None, help="token shard directory (default: OUT/shards; reused if present)")
+    p.add_argument("--feature-cache", type=Path, default=None, help="store target features here and reuse them")
+    p.add_argument("--out", type=Path, required=True, help="run directory: draft.safetensors/.json, trainer_state.pt, loss.csv")
+    p.add_argument("--dtype", default="bfloat16", help="target dtype (bfloat16 is the fast one on CPU)")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per step per process")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--save-every", type=int, default=25)
+    p.add_argument("--max-minutes", type=float, default=None, help="stop (and save) after this much wall time; rerun to resume")
+    p.add_argument("--layers", type=int, default=1, help="draft layers N_d")
+    p.add_argument("--window", type=int, default=512, help="draft self-attention window")
+    p.add_argument("--draft-vocab", type=int, default=None, help="score only the N most frequent corpus tokens")
+    p.add_argument("--gamma", type=int, default=5, help="draft depth the noisy shift / block mask simulate")
+    p.add_argument("--anchor-offset", action=argparse.BooleanOptionalAction, default=True, help="Anchor-Offset Indices")
+    vis = p.add_mutually_exclusive_group()
+    vis.add_argument("--noisy", dest="visibility", action="store_const", const="noisy", help="flash noisy training (default)")
+    vis.add_argument("--block-mask", dest="visibility", action="store_const", const="block", help="GLIDE block-wise mask")
+    vis.add_argument("--exact", dest="visibility", action="store_const", const="exact", help="shift 1 only (no noise)")
+    p.set_defaults(visibility="noisy")
+    p.add_argument("--labels", choices=("target", "data"), default="target",
+                   help="target: the target's own greedy predictions (self-distillation); data: next corpus token")
+    p.add_argument("--bf16-autocast", action=argparse.BooleanOptionalAction, default=True, help="draft matmuls in bfloat16")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(train_command=run)
+
+
+def run(args) -> int:
+    import torch.distributed as dist
+
+    from longspec.api import parse_dtype
+    from longspec.runtime.loading import load_target
+    from longspec.speculation.drafters.longspec.config import DraftConfig
+    from longspec.training.data import EXCLUDED_DIRS, build_shards, iter_documents, load_split, stdlib_dir
+    from longspec.training.longspec_trainer import LongSpecTrainer, TrainOptions
+    from longspec.training.longspec_visibility import BlockVisibility, NoisyShift, ShiftVisibility
+
+    corpus = list(args.corpus) + ([stdlib_dir()] if args.stdlib else [])
+    shards = args.shards or args.out / "shards"
+    if not corpus and not (shards / "index.json").is_file():
+        raise ValueError("no training data: pass --corpus PATH (repeatable) and/or --stdlib")
+    visibility = {"noisy": lambda: NoisyShift(args.gamma), "block": lambda: BlockVisibility(args.gamma), "exact": lambda: ShiftVisibility(1)}
+    options = TrainOptions(
+        steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
+        anchor_offset=args.anchor_offset, self_distill=args.labels == "target", bf16_autocast=args.bf16_autocast,
+        seed=args.seed, save_every=args.save_every, visibility=visibility[args.visibility](),
+    )
+    if dist.is_available() and not dist.is_initialized() and _launched_distributed():
+        dist.init_process_group("gloo")
+    target = load_target(args.model, dtype=parse_dtype(args.dtype))
+    if target.tokenizer is None and not (shards / "index.json").is_file():
+        raise ValueError(f"{target.source} has no tokenizer; pass pre-built --shards")
+    index = build_shards(iter_documents(corpus, text_field=args.text_field, exclude=EXCLUDED_DIRS + tuple(args.exclude)), target.tokenizer, shards, heldout_fraction=args.heldout)
+    print(f"corpus: {index['tokens']['train']} training tokens from {len(index['files']['train'])} documents; "
+          f"{index['tokens']['heldout']} held out from {len(index['files']['heldout'])}", flush=True)
+    config = DraftConfig.for_target(target.model.config, num_layers=args.layers, window=args.window)
+    trainer = LongSpecTrainer(
+        target.model, load_split(shards, "train"), args.out, options, draft_config=config,
+        draft_vocab=args.draft_vocab, feature_cache=args.feature_cache,
+    )
+    if trainer.step:
+        print(f"resuming at step {trainer.step} (data position {trainer.position})", flush=True)
+    trainer.train(max_seconds=None if args.max_minutes is None else 60 * args.max_minutes)
+    print(f"draft written to {args.out / 'draft.safetensors'} at step {trainer.step}", flush=True)
+    return 0
+
+
+def _launched_distributed() -> bool:
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1

@@ -1,0 +1,178 @@
+"""Training corpora → token shards, with a held-out split by file.
+
+A corpus is a list of paths: directories (every text/code file below them), text
+files, and JSONL files (one document per row, from a text field). Each document
+is tokenized on its own and followed by the tokenizer's EOS. Whether a document is
+held out is decided by a hash of its name (file path, or path + row number for
+JSONL), never by line, so held-out code and prose are files the draft never saw.
+
+Shards are safetensors files of int32 tokens with a JSON index; building skips
+shards already written, so an interrupted tokenization resumes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sysconfig
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".c", ".h", ".json", ".toml", ".cfg", ".html", ".js")
+JSONL_TEXT_FIELDS = ("text", "context", "content", "problem", "question")
+
+
+@dataclass(frozen=True)
+class Document:
+    name: str  # stable identity used for the held-out decision
+    text: str
+
+
+def is_held_out(name: str, fraction: float) -> bool:
+    digest = hashlib.sha1(name.encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+# Directories never read as corpus (installed third-party packages, caches).
+EXCLUDED_DIRS = ("site-packages", "dist-packages", "__pycache__", ".git")
+
+
+def stdlib_dir() -> Path:
+    """The Python standard library's source (with pydoc_data's prose topics)."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def iter_documents(
+    paths: Sequence[str | Path], *, text_field: str | None = None, exclude: Sequence[str] = EXCLUDED_DIRS
+) -> Iterator[Document]:
+    for path in paths:
+        path = Path(path)
+        if path.is_dir():
+            files = (
+                p for p in path.rglob("*")
+                if p.is_file() and p.suffix in TEXT_SUFFIXES and not set(p.relative_to(path).parts) & set(exclude)
+            )
+            for file in sorted(files):
+                yield Document(str(file.relative_to(path.parent)), file.read_text(errors="replace"))
+        elif path.suffix == ".jsonl" and path.is_file():
+            with path.open() as rows:
+                for number, line in enumerate(rows):
+                    if line.strip():
+                        yield Document(f"{path}:{number}", _jsonl_text(json.loads(line), path, number, text_field))
+        elif path.is_file():
+            yield Document(str(path), path.read_text(errors="replace"))
+        else:
+            raise FileNotFoundError(f"corpus path not found: {path}")
+
+
+def _jsonl_text(row: dict, path: Path, number: int, field: str | None) -> str:
+    fields = (field,) if field else JSONL_TEXT_FIELDS
+    for name in fields:
+        value = row.get(name)
+        if isinstance(value, str):
+            return value
+    raise ValueError(f"{path} row {number} has no text field among {fields}; pass --text-field")
+
+
+def build_shards(
+    documents: Iterable[Document],
+    tokenizer,
+    out_dir: str | Path,
+    *,
+    heldout_fraction: float = 0.05,
+    shard_tokens: int = 1 << 20,
+    eos_id: int | None = None,
+) -> dict:
+    """Tokenize documents into out_dir/{train,heldout}-NNNNN.safetensors + index.json."""
+    if not 0 <= heldout_fraction < 1:
+        raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    index_file = out / "index.json"
+    if index_file.is_file():
+        return json.loads(index_file.read_text())
+    eos = tokenizer.eos_token_id if eos_id is None else eos_id
+    index = {"shards": {"train": [], "heldout": []}, "files": {"train": [], "heldout": []}, "tokens": {"train": 0, "heldout": 0}}
+    buffers: dict[str, list[int]] = {"train": [], "heldout": []}
+
+    def flush(split: str) -> None:
+        tokens = buffers[split]
+        if not tokens:
+            return
+        name = f"{split}-{len(index['shards'][split]):05d}.safetensors"
+        save_file({"tokens": torch.tensor(tokens, dtype=torch.int32)}, str(out / name))
+        index["shards"][split].append(name)
+        index["tokens"][split] += len(tokens)
+        buffers[split] = []
+
+    for doc in documents:
+        split = "heldout" if is_held_out(doc.name, heldout_fraction) else "train"
+        ids = tokenizer(doc.text, add_special_tokens=False).input_ids
+        if not ids:
+            continue
+        buffers[split].extend(ids + ([eos] if eos is not None else []))
+        index["files"][split].append(doc.name)
+        if len(buffers[split]) >= shard_tokens:
+            flush(split)
+    for split in buffers:
+        flush(split)
+    if not index["tokens"]["train"]:
+        raise ValueError("the corpus produced no training tokens; check the --corpus paths")
+    index_file.write_text(json.dumps(index, indent=1))
+    return index
+
+
+def load_split(shard_dir: str | Path, split: str = "train") -> torch.Tensor:
+    """All tokens of one split, concatenated, int64."""
+    shard_dir = Path(shard_dir)
+    index = json.loads((shard_dir / "index.json").read_text())
+    parts = [load_file(str(shard_dir / name))["tokens"] for name in index["shards"][split]]
+    if not parts:
+        raise ValueError(f"{shard_dir} has no {split!r} shards")
+    return torch.cat(parts).long()
+
+
+def token_frequencies(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    return torch.bincount(tokens, minlength=vocab_size)
+
+
+def most_frequent_ids(tokens: torch.Tensor, vocab_size: int, count: int, always: Sequence[int] = ()) -> torch.Tensor:
+    """The `count` most frequent token ids (ties broken by id), with `always` (e.g.
+    EOS) included; sorted ascending."""
+    if not 1 <= count <= vocab_size:
+        raise ValueError(f"draft vocabulary size must be in [1, {vocab_size}], got {count}")
+    freq = token_frequencies(tokens, vocab_size).double()
+    freq[torch.as_tensor(list(always), dtype=torch.long)] = float("inf")
+    order = torch.argsort(-freq, stable=True)
+    return order[:count].sort().values
+
+
+class SequenceSampler:
+    """Fixed-length training sequences cut from a token stream, visited in a seeded
+    permutation per epoch. `position` (sequences consumed) is all the state a
+    resumed run needs; rank r of w takes every w-th sequence of each batch slice."""
+
+    def __init__(self, tokens: torch.Tensor, length: int, seed: int) -> None:
+        count = tokens.numel() // length
+        if count < 1:
+            raise ValueError(f"{tokens.numel()} tokens make no sequence of {length}; add data or lower --seq-len")
+        self.sequences = tokens[: count * length].view(count, length)
+        self.seed = seed
+        self._order: tuple[int, torch.Tensor] | None = None  # (epoch, permutation)
+
+    def __len__(self) -> int:
+        return self.sequences.shape[0]
+
+    def batch(self, position: int, size: int) -> torch.Tensor:
+        rows = [self._index(position + i) for i in range(size)]
+        return self.sequences[torch.tensor(rows)]
+
+    def _index(self, position: int) -> int:
+        epoch, offset = divmod(position, len(self))
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, torch.randperm(len(self), generator=torch.Generator().manual_seed(self.seed + epoch)))
+        return int(self._order[1][offset])

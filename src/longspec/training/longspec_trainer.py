@@ -1,0 +1,256 @@
+"""LongSpec/GLIDE draft trainer: target features on the fly (or from a feature
+cache), Anchor-Offset Indices, flash-noisy or block-wise visibility, chunked
+cross-entropy over the shared head, AdamW + cosine, resumable checkpoints.
+
+Runs in one process, or unchanged under `torchrun`/`accelerate launch`: when
+torch.distributed is initialised (WORLD_SIZE > 1) the draft is wrapped in DDP and
+rank r takes its own rows of every step's batch.
+
+Determinism (what makes resume exact): a step's randomness (noisy shift) comes
+from a generator seeded by (seed, step); a row's anchor offset from (seed, row);
+the data order from (seed, epoch). The checkpoint stores weights, optimizer and
+scheduler state, the step and the data position, and nothing else is needed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from longspec.runtime.model import Decoder
+from longspec.speculation.drafters.longspec.checkpoint import load_draft, save_draft
+from longspec.speculation.drafters.longspec.config import DraftConfig
+from longspec.speculation.drafters.longspec.model import DraftModel, chunked_cross_entropy, target_rope
+from longspec.training.data import SequenceSampler, most_frequent_ids
+from longspec.training.longspec_features import IGNORE, FeatureCache, target_features
+from longspec.training.longspec_visibility import NoisyShift, anchor_offset_positions
+
+WEIGHTS_NAME = "draft.safetensors"
+STATE_NAME = "trainer_state.pt"
+LOSS_LOG = "loss.csv"
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    steps: int = 1000
+    seq_len: int = 512
+    batch_size: int = 4  # sequences per step per process
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 20
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    anchor_offset: bool = True
+    self_distill: bool = True  # labels = the target's greedy predictions (else the data's next tokens)
+    loss_chunk: int = 256
+    bf16_autocast: bool = False  # draft matmuls in bfloat16 (fast on CPU); weights and optimizer stay float32
+    seed: int = 0
+    save_every: int = 50
+    visibility: object = field(default_factory=lambda: NoisyShift(5))
+
+    def describe(self) -> dict:
+        data = asdict(self)
+        data["visibility"] = f"{type(self.visibility).__name__}({vars(self.visibility)})"
+        return data
+
+
+def cosine_lr(step: int, options: TrainOptions) -> float:
+    """Multiplier of the base learning rate: linear warmup, then cosine to min_lr_ratio."""
+    if step < options.warmup:
+        return (step + 1) / options.warmup
+    progress = (step - options.warmup) / max(1, options.steps - options.warmup)
+    return options.min_lr_ratio + (1 - options.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+class LongSpecTrainer:
+    def __init__(
+        self,
+        target: Decoder,
+        train_tokens: torch.Tensor,
+        out_dir: str | Path,
+        options: TrainOptions,
+        *,
+        draft_config: DraftConfig | None = None,
+        draft_vocab: int | None = None,
+        feature_cache: str | Path | None = None,
+        progress: bool = True,
+    ) -> None:
+        self.target = target
+        self.options = options
+        self.out = Path(out_dir)
+        self.progress = progress
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        self.sampler = SequenceSampler(train_tokens, options.seq_len, options.seed)
+        self.cache = FeatureCache(feature_cache)
+        weights = self.out / WEIGHTS_NAME
+        if weights.is_file():
+            self.draft = load_draft(weights, target.config).requires_grad_(True).train()
+        else:
+            config = draft_config or DraftConfig.for_target(target.config)
+            if draft_vocab is not None:
+                config = DraftConfig.from_dict({**config.to_dict(), "draft_vocab_size": draft_vocab})
+            self.draft = DraftModel(config).reset_parameters(options.seed)
+            if draft_vocab is not None:
+                eos = [t for t in target.config.eos_token_ids if t < target.config.vocab_size]
+                self.draft.vocab_ids.copy_(most_frequent_ids(train_tokens, target.config.vocab_size, draft_vocab, eos))
+        config = self.draft.config
+        head_dtype = torch.bfloat16 if options.bf16_autocast else torch.float32
+        self.head_rows = self.draft.head_rows(target.head_weight).to(head_dtype)
+        self.label_map = torch.full((config.vocab_size,), IGNORE, dtype=torch.long)
+        ids = self.draft.vocab_ids if self.draft.reduced_vocab else torch.arange(config.vocab_size)
+        self.label_map[ids] = torch.arange(ids.numel())
+        self.model = self.draft
+        if self.world > 1:
+            self.model = torch.nn.parallel.DistributedDataParallel(self.draft)
+        self.optimizer = torch.optim.AdamW(self.draft.parameters(), lr=options.lr, betas=(0.9, 0.95), weight_decay=options.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: cosine_lr(s, options))
+        self.step = 0
+        self.position = 0  # sequences consumed, all ranks together
+        state_file = self.out / STATE_NAME
+        if state_file.is_file() and weights.is_file():
+            state = torch.load(state_file, weights_only=False)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.step, self.position = state["step"], state["position"]
+            self._truncate_log()
+
+    # ------------------------------------------------------------------ loop
+    def train(self, stop_after: int | None = None, max_seconds: float | None = None) -> DraftModel:
+        """Train up to options.steps, or `stop_after` more steps, or until
+        `max_seconds` of wall time (a deliberate interruption). Saves every
+        `save_every` steps and when it stops."""
+        opts = self.options
+        last = opts.steps if stop_after is None else min(opts.steps, self.step + stop_after)
+        bar = tqdm(total=last, initial=self.step, desc="train longspec", unit="step", disable=not self.progress or self.rank != 0)
+        start = time.perf_counter()
+        while self.step < last:
+            loss, tokens = self.train_step()
+            self.step += 1
+            self.position += opts.batch_size * self.world
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}")
+            self._log(loss, tokens, time.perf_counter() - start)
+            out_of_time = max_seconds is not None and time.perf_counter() - start > max_seconds
+            if self.step % opts.save_every == 0 or self.step == last or out_of_time:
+                self.save()
+            if out_of_time:
+                break
+        bar.close()
+        return self.draft
+
+    def train_step(self) -> tuple[float, int]:
+        opts = self.options
+        generator = torch.Generator().manual_seed(opts.seed * 1_000_003 + self.step)
+        visible, counted = opts.visibility.mask(opts.seq_len, generator)
+        cross_mask = visible.clone()
+        cross_mask[~counted, 0] = True  # rows with nothing to see: a dummy key, excluded from the loss
+        first = self.position + self.rank * opts.batch_size
+        rows = [self.sampler._index(first + i) for i in range(opts.batch_size)]
+        batch = [self._features(row) for row in rows]
+        labels = [self.label_map[f["labels"]].masked_fill(~counted, IGNORE) for f in batch]
+        total = sum(int((y != IGNORE).sum()) for y in labels)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        for i, (features, y) in enumerate(zip(batch, labels)):
+            sync = i == len(batch) - 1 or self.world == 1
+            context = contextlib.nullcontext() if sync else self.model.no_sync()
+            with context:
+                loss = self._row_loss(features, y, cross_mask) / max(total, 1)
+                loss.backward()
+            loss_sum += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(self.draft.parameters(), opts.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        return loss_sum, total
+
+    def _features(self, row: int) -> dict[str, torch.Tensor]:
+        opts = self.options
+        ids = self.sampler.sequences[row]
+        positions = self.row_positions(row)
+        key = f"row{row}-{'self' if opts.self_distill else 'data'}-{'aoi' if opts.anchor_offset else 'plain'}"
+        features = self.cache.get_or_compute(
+            key, lambda: target_features(self.target, ids, positions, self.draft.config.target_layers, opts.self_distill)
+        )
+        return {**features, "ids": ids, "positions": positions}
+
+    def row_positions(self, row: int) -> torch.Tensor:
+        n = self.options.seq_len
+        if not self.options.anchor_offset:
+            return torch.arange(n)
+        generator = torch.Generator().manual_seed(self.options.seed * 7919 + row)
+        return anchor_offset_positions(n, self.target.config.max_position_embeddings, generator)
+
+    def _row_loss(self, features, labels, cross_mask) -> torch.Tensor:
+        opts = self.options
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if opts.bf16_autocast else contextlib.nullcontext()
+        with autocast:
+            hidden = training_hidden(self.model, self.draft.config, self.target, features, cross_mask)
+            keep = labels != IGNORE
+            return chunked_cross_entropy(
+                hidden[keep], self.head_rows, labels[keep], chunk=opts.loss_chunk, cap=self.target.config.final_logit_softcapping
+            )
+
+    # ------------------------------------------------------------ checkpoints
+    def save(self) -> None:
+        if self.rank != 0:
+            return
+        meta = {"step": self.step, "options": self.options.describe()}
+        save_draft(self.draft, self.out / WEIGHTS_NAME, meta=meta)
+        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "step": self.step, "position": self.position}
+        tmp = self.out / (STATE_NAME + ".tmp")
+        torch.save(state, tmp)
+        tmp.replace(self.out / STATE_NAME)
+
+    def _truncate_log(self) -> None:
+        """Drop loss rows logged after the checkpoint a resumed run starts from."""
+        path = self.out / LOSS_LOG
+        if self.rank != 0 or not path.is_file():
+            return
+        rows = list(csv.reader(path.open()))
+        kept = rows[:1] + [r for r in rows[1:] if int(r[0]) <= self.step]
+        with path.open("w", newline="") as f:
+            csv.writer(f).writerows(kept)
+
+    def _log(self, loss: float, tokens: int, elapsed: float) -> None:
+        if self.rank != 0:
+            return
+        path = self.out / LOSS_LOG
+        path.parent.mkdir(parents=True, exist_ok=True)
+        new = not path.is_file()
+        with path.open("a", newline="") as f:
+            writer = csv.writer(f)
+            if new:
+                writer.writerow(["step", "loss", "tokens", "lr", "session_elapsed_s"])
+            writer.writerow([self.step, f"{loss:.5f}", tokens, f"{self.scheduler.get_last_lr()[0]:.3e}", f"{elapsed:.1f}"])
+
+
+
+def training_hidden(model, config: DraftConfig, target: Decoder, features: dict, cross_mask: torch.Tensor) -> torch.Tensor:
+    """Draft hidden states [n, H] for one training row: self-attention causal within
+    the window (by RoPE position), cross-attention onto the row's target K/V under
+    `cross_mask` [n, n] (query index x key index). `model` may be DDP-wrapped."""
+    positions = features["positions"]
+    dtype = next(model.parameters()).dtype
+    x = target.embed(features["ids"].unsqueeze(0)).to(dtype)
+    rope = target_rope(target, positions, dtype)
+    distance = positions.unsqueeze(1) - positions.unsqueeze(0)
+    self_mask = (distance >= 0) & (distance < config.window)
+    scale = target.config.attention_scale
+
+    def attend_self(m, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self_mask, scale=config.self_head_dim ** -0.5)
+
+    def attend_cross(m, q):
+        k, v = features[f"k{m}"].to(q.dtype), features[f"v{m}"].to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=cross_mask, scale=scale, enable_gqa=True)
+
+    return model(x, positions, rope, attend_self, attend_cross)[0]

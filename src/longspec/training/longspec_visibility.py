@@ -1,0 +1,78 @@
+"""What a training query may see: Anchor-Offset Indices and cross-attention
+visibility rules for the LongSpec/GLIDE draft.
+
+At inference the draft's root query at position p sees the target's K/V of
+positions < p, and a tree node at depth d (position p = root + d) sees only
+positions < p - d. Training reproduces these views:
+
+* `ShiftVisibility(1)`: every query at sequence index i sees target K/V at
+  indices <= i - 1 (the root's view);
+* `NoisyShift(gamma)` (LongSpec's flash noisy training): per batch a random shift
+  j in [1, gamma); queries from index j on see target indices <= i - j;
+* `BlockVisibility(gamma)` (GLIDE's block-wise mask): the sequence is cut into
+  blocks of gamma; a query sees target indices before its block's start, i.e.
+  shifts 1..gamma within each block, as in one drafting round.
+
+Rules return ([n, n] bool visible mask, [n] bool "query has something to see and
+counts in the loss").
+"""
+
+from __future__ import annotations
+
+import torch
+
+ANCHORS = 4  # positions that keep 0..3 under Anchor-Offset Indices (attention sinks)
+
+
+def anchor_offset_positions(length: int, max_positions: int, generator: torch.Generator) -> torch.Tensor:
+    """[length] RoPE positions: 0..3, then 4.. shifted by a random offset in
+    [0, max_positions - length], so short training sequences exercise the large
+    positions long prompts reach."""
+    if length > max_positions:
+        raise ValueError(f"sequence length {length} exceeds the model's {max_positions} positions")
+    positions = torch.arange(length)
+    offset = int(torch.randint(0, max_positions - length + 1, (), generator=generator))
+    positions[ANCHORS:] += offset
+    return positions
+
+
+class ShiftVisibility:
+    def __init__(self, shift: int = 1) -> None:
+        if shift < 1:
+            raise ValueError(f"shift must be >= 1, got {shift}")
+        self.shift = shift
+
+    def mask(self, length: int, generator: torch.Generator | None = None):
+        return shifted_mask(length, self.shift)
+
+
+class NoisyShift:
+    def __init__(self, gamma: int) -> None:
+        if gamma < 2:
+            raise ValueError(f"noisy training needs gamma >= 2 (shift drawn from [1, gamma)), got {gamma}")
+        self.gamma = gamma
+
+    def draw_shift(self, generator: torch.Generator) -> int:
+        return int(torch.randint(1, self.gamma, (), generator=generator))
+
+    def mask(self, length: int, generator: torch.Generator):
+        return shifted_mask(length, self.draw_shift(generator))
+
+
+class BlockVisibility:
+    def __init__(self, gamma: int) -> None:
+        if gamma < 1:
+            raise ValueError(f"block size must be >= 1, got {gamma}")
+        self.gamma = gamma
+
+    def mask(self, length: int, generator: torch.Generator | None = None):
+        index = torch.arange(length)
+        block_start = index // self.gamma * self.gamma
+        visible = index.unsqueeze(0) < block_start.unsqueeze(1)
+        return visible, block_start > 0
+
+
+def shifted_mask(length: int, shift: int):
+    index = torch.arange(length)
+    visible = index.unsqueeze(0) <= index.unsqueeze(1) - shift
+    return visible, index >= shift

@@ -1,0 +1,210 @@
+"""LongSpec draft training: pinned visibility rules and anchor offsets, training
+and inference computing the same draft distribution, exact resume, 2-process DDP."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+
+from longspec.speculation.drafters.base import DraftContext, TargetView
+from longspec.speculation.drafters.longspec import DraftConfig, DraftModel, LongSpecDrafter, load_draft
+from longspec.speculation.drafters.longspec.model import chunked_cross_entropy
+from longspec.speculation.drafters.longspec.strategies import Proposal
+from longspec.training.data import Document, SequenceSampler, build_shards, is_held_out, load_split, most_frequent_ids
+from longspec.training.longspec_features import target_features
+from longspec.training.longspec_trainer import LongSpecTrainer, TrainOptions, training_hidden
+from longspec.training.longspec_visibility import BlockVisibility, NoisyShift, ShiftVisibility, anchor_offset_positions
+from tiny_models import random_ids, tiny_decoder
+
+
+def small_draft_config(target, **options):
+    return DraftConfig.for_target(target.config, self_num_heads=2, self_head_dim=8, intermediate_size=32, **{"window": 16, **options})
+
+
+# ------------------------------------------------------------------ visibility
+def test_anchor_offset_keeps_four_anchors_and_shifts_the_rest():
+    offsets = set()
+    for seed in range(1000):
+        positions = anchor_offset_positions(10, 40, torch.Generator().manual_seed(seed))
+        assert positions[:4].tolist() == [0, 1, 2, 3]
+        offset = int(positions[4]) - 4
+        assert positions[4:].tolist() == list(range(4 + offset, 10 + offset))
+        assert 0 <= offset <= 30 and int(positions[-1]) <= 39
+        offsets.add(offset)
+    assert offsets == set(range(31))  # every offset in [0, max_positions - length] is drawn
+    with pytest.raises(ValueError, match="exceeds"):
+        anchor_offset_positions(50, 40, torch.Generator())
+
+
+def test_noisy_shift_truncates_target_kv_by_j():
+    rule = NoisyShift(4)
+    shifts = set()
+    for seed in range(100):
+        j = rule.draw_shift(torch.Generator().manual_seed(seed))
+        visible, counted = rule.mask(6, torch.Generator().manual_seed(seed))
+        expected = torch.tensor([[k <= i - j for k in range(6)] for i in range(6)])
+        assert torch.equal(visible, expected)
+        assert counted.tolist() == [i >= j for i in range(6)]  # queries from j on
+        shifts.add(j)
+    assert shifts == {1, 2, 3}  # j in [1, gamma)
+    visible, _ = ShiftVisibility(1).mask(4)
+    assert visible.int().tolist() == [[0, 0, 0, 0], [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0]]
+
+
+def test_block_mask_sees_only_previous_blocks():
+    visible, counted = BlockVisibility(3).mask(7)
+    assert visible.int().tolist() == [
+        [0, 0, 0, 0, 0, 0, 0],
+        [0, 0, 0, 0, 0, 0, 0],
+        [0, 0, 0, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 1, 1, 1, 0],
+    ]
+    assert counted.tolist() == [False] * 3 + [True] * 4
+
+
+# ------------------------------------------------- training == inference
+class RecordingChain:
+    """Greedy chain of 2 that records the distributions it saw."""
+
+    def __init__(self):
+        self.seen = []
+
+    def build(self, expand, root_logprobs, budget, generator=None):
+        proposal = Proposal()
+        self.seen = [root_logprobs]
+        node = proposal.add(int(root_logprobs.argmax()), 0)
+        self.seen.append(expand(proposal, [node])[0])
+        node = proposal.add(int(self.seen[-1].argmax()), node)
+        self.seen.append(expand(proposal, [node])[0])
+        proposal.add(int(self.seen[-1].argmax()), node)
+        return proposal
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_training_forward_equals_inference_drafting(family):
+    """The root and tree nodes at depth d see the target's K/V of positions before the
+    root; training with a per-row shift of d + 1 computes exactly the same logits."""
+    target = tiny_decoder(family, dtype=torch.float64)
+    draft = DraftModel(small_draft_config(target, window=64)).reset_parameters(seed=3, std=0.3).to(torch.float64)
+    prompt = random_ids(20, seed=8)[0]
+    L = prompt.numel() - 1  # root position
+    cache = target.new_cache(64)
+    target(prompt[:-1].unsqueeze(0), cache)
+    cache.commit()
+    strategy = RecordingChain()
+    drafter = LongSpecDrafter(draft, strategy)
+    view = TargetView(target, cache)
+    drafter.begin(DraftContext(prompt, view, 8))
+    tree = drafter.propose(DraftContext(prompt, view, 8))
+    ids = torch.cat([prompt, tree.tokens[1:3]])  # root, then the two expanded nodes
+    positions = torch.arange(ids.numel())
+    features = target_features(target, ids, positions, draft.config.target_layers, self_distill=False)
+    features.update(ids=ids, positions=positions)
+    index = torch.arange(ids.numel())
+    cross_mask = index.unsqueeze(0) < torch.clamp(index, max=L).unsqueeze(1)  # k < min(i, L)
+    cross_mask[0, 0] = True  # row 0 sees nothing; unused
+    hidden = training_hidden(draft, draft.config, target, features, cross_mask)
+    logprobs = torch.log_softmax(hidden @ target.head_weight.t(), dim=-1)
+    for depth, seen in enumerate(strategy.seen):
+        torch.testing.assert_close(seen, logprobs[L + depth], rtol=1e-9, atol=1e-9)
+
+
+# ------------------------------------------------------------------ data
+def test_heldout_split_is_by_file_and_shards_round_trip(tmp_path):
+    class Tok:
+        eos_token_id = 0
+
+        def __call__(self, text, add_special_tokens=False):
+            return type("E", (), {"input_ids": [ord(c) % 50 + 1 for c in text]})()
+
+    docs = [Document(f"file{i}.py", "x" * (i + 1)) for i in range(40)]
+    index = build_shards(docs, Tok(), tmp_path, heldout_fraction=0.25, shard_tokens=30)
+    assert set(index["files"]["heldout"]) == {d.name for d in docs if is_held_out(d.name, 0.25)}
+    assert index["files"]["heldout"] and not set(index["files"]["heldout"]) & set(index["files"]["train"])
+    train = load_split(tmp_path, "train")
+    assert train.numel() == sum(len(d.text) + 1 for d in docs if d.name in index["files"]["train"])
+    ids = most_frequent_ids(torch.tensor([5, 5, 5, 7, 7, 9]), 12, 2, always=[0])
+    assert ids.tolist() == [0, 5]
+    sampler = SequenceSampler(torch.arange(100), 10, seed=1)
+    first_epoch = torch.cat([sampler.batch(p, 1) for p in range(10)])
+    assert sorted(first_epoch[:, 0].tolist()) == list(range(0, 100, 10))
+
+
+def test_chunked_loss_equals_full_loss_and_gradient():
+    torch.manual_seed(0)
+    hidden = torch.randn(37, 8, dtype=torch.float64, requires_grad=True)
+    head = torch.randn(50, 8, dtype=torch.float64)
+    labels = torch.randint(0, 50, (37,))
+    labels[3] = -100
+    full = torch.nn.functional.cross_entropy(hidden @ head.t(), labels, ignore_index=-100, reduction="sum")
+    (g_full,) = torch.autograd.grad(full, hidden)
+    chunked = chunked_cross_entropy(hidden, head, labels, chunk=8)
+    (g_chunk,) = torch.autograd.grad(chunked, hidden)
+    torch.testing.assert_close(chunked.double(), full, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(g_chunk, g_full, rtol=1e-6, atol=1e-6)
+
+
+# ------------------------------------------------------------------ training runs
+def _tokens():
+    return torch.cat([random_ids(12, seed=i)[0].repeat(4) for i in range(12)])
+
+
+def _options(**kw):
+    return TrainOptions(**{"steps": 6, "seq_len": 24, "batch_size": 2, "lr": 3e-3, "warmup": 2, "save_every": 2, "visibility": NoisyShift(3), **kw})
+
+
+def test_killed_and_resumed_run_ends_at_the_same_weights(tmp_path):
+    target = tiny_decoder("gemma3", dtype=torch.float32)
+    config = small_draft_config(target)
+    whole = LongSpecTrainer(target, _tokens(), tmp_path / "whole", _options(), draft_config=config, draft_vocab=60, progress=False)
+    whole.train()
+    first = LongSpecTrainer(target, _tokens(), tmp_path / "split", _options(), draft_config=config, draft_vocab=60, progress=False)
+    first.train(stop_after=3)  # "killed" after step 3 (its checkpoint is on disk)
+    del first
+    resumed = LongSpecTrainer(target, _tokens(), tmp_path / "split", _options(), draft_config=config, draft_vocab=60, progress=False)
+    assert (resumed.step, resumed.position) == (3, 6)
+    resumed.train()
+    a = load_draft(tmp_path / "whole" / "draft.safetensors", target.config)
+    b = load_draft(tmp_path / "split" / "draft.safetensors", target.config)
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(x, y), name
+    assert not torch.equal(a.layers[0].cross_q.weight, DraftModel(config).reset_parameters(0).layers[0].cross_q.weight)
+    curve = (tmp_path / "split" / "loss.csv").read_text().splitlines()
+    assert [row.split(",")[0] for row in curve[1:]] == ["1", "2", "3", "4", "5", "6"]
+
+
+def _ddp_worker(rank, world, port, out_dir, result_dir):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        target = tiny_decoder("llama", dtype=torch.float32)
+        trainer = LongSpecTrainer(target, _tokens(), out_dir, _options(batch_size=1, steps=3), draft_config=small_draft_config(target), progress=False)
+        trainer.train()
+        torch.save(trainer.draft.state_dict(), os.path.join(result_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_process_gloo_training_matches_one_process(tmp_path):
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_ddp_worker, args=(2, port, str(tmp_path / "ddp"), str(tmp_path)), nprocs=2, join=True)
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    target = tiny_decoder("llama", dtype=torch.float32)
+    single = LongSpecTrainer(target, _tokens(), tmp_path / "single", _options(batch_size=2, steps=3), draft_config=small_draft_config(target), progress=False)
+    single.train()
+    for name, value in single.draft.state_dict().items():
+        assert torch.equal(rank0[name], rank1[name]), name  # replicas stay in sync
+        torch.testing.assert_close(rank0[name], value, rtol=1e-4, atol=1e-5)  # same rows, same step
