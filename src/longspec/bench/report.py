@@ -88,6 +88,11 @@ def aggregate(rows: Sequence[dict]) -> dict[tuple, Cell]:
     return dict(cells)
 
 
+def _mib(values) -> float | None:
+    mean = _mean(values)
+    return None if mean is None else mean / 2**20
+
+
 def _fmt(value, spec: str = ".2f", suffix: str = "") -> str:
     return "–" if value is None else f"{value:{spec}}{suffix}"
 
@@ -139,8 +144,8 @@ def markdown(rows: Sequence[dict], header: dict | None = None) -> str:
     out.append("### Detail (per task and context length)")
     out.append("")
     out.append("| task | context | setting | method | τ | decode tok/s | × our AR | × tf generate | prefill tok/s "
-               "| latency s | % of AR floor | Distinct-4 | = our AR | = tf |")
-    out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+               "| latency s | % of AR floor | KV cache MiB | draft state MiB | Distinct-4 | = our AR | = tf |")
+    out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for task, label in tasks:
         for setting in settings:
             floor = None
@@ -155,12 +160,14 @@ def markdown(rows: Sequence[dict], header: dict | None = None) -> str:
                     f"| {_fmt(geomean(cell.speedup_ar), '.2f', '×')} | {_fmt(geomean(cell.speedup_hf), '.2f', '×')} "
                     f"| {_fmt(_mean(r['prefill_tokens_per_s'] for r in cell.rows), '.0f')} "
                     f"| {_fmt(_mean(r['total_s'] for r in cell.rows), '.1f')} | {_fmt(share, '.0f', '%')} "
+                    f"| {_fmt(_mib(r['cache_bytes'] for r in cell.rows), '.1f')} "
+                    f"| {_fmt(_mib(r['draft_state_bytes'] for r in cell.rows), '.2f')} "
                     f"| {_fmt(_mean(r['distinct_4'] for r in cell.rows))} | {cell.check('check_ar')} "
                     f"| {cell.check('check_hf')} |"
                 )
             if floor:
                 out.append(f"| {task} | {label} | {setting} | *AR floor (bytes/forward ÷ bandwidth)* | – | "
-                           f"{floor:.1f} | | | | | 100% | | | |")
+                           f"{floor:.1f} | | | | | 100% | | | | | |")
     problems = [r for r in _runs(rows) for c in ("check_ar", "check_hf") if r.get(c) and not r[c]["equal"]]
     if problems:
         out += ["", "### Greedy divergences", ""]

@@ -133,7 +133,7 @@ class BenchRunner:
         references = self._references_from(done)
         present = {m.name for m in self.methods} & {AR_REFERENCE, HF_REFERENCE}
         waiting: list[tuple] = []  # greedy rows held until every reference of their prompt has run
-        bar = tqdm(total=len(todo), desc="bench", unit="run", disable=None if self.options.progress else True)
+        bar = tqdm(total=len(todo), desc="bench", unit="run", disable=not self.options.progress)
         with bar, out_path.open("a") as f:
             for prompt, setting, method in todo:
                 if any(s.name == method.name for s in self.skipped):

@@ -61,11 +61,15 @@ def add_parser(sub) -> None:
     p.add_argument("--no-chat", action="store_true", help="never apply the chat template")
     p.add_argument("--model", default=None, help="checkpoint dir, .gguf or cached HF id (default: Gemma 3 270M)")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads for every method (default: torch's choice); 1 is steadier on a busy machine")
     p.add_argument("--data-dir", type=Path, default=None,
                    help=f"directory of the default task files (default: ${DATA_ENV}, else ../shared/data if present)")
     p.add_argument("--out", type=Path, default=Path("bench-out/bench"), help="output directory")
     p.add_argument("--resume", action="store_true", help="keep rows already in DIR/results.jsonl, run the rest")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--report-only", action="store_true",
+                   help="re-render report.md and plots from DIR/results.jsonl without running anything")
 
 
 def _data_dir(args) -> Path | None:
@@ -84,7 +88,32 @@ def _settings(args, preset: Preset | None):
     return default_settings(seeds, temperature=args.temperature, top_p=args.top_p, min_p=args.min_p)
 
 
+def _write_report(rows, header, out_dir: Path, plots: bool, long_output_tasks) -> None:
+    from longspec.bench import report
+
+    (out_dir / "report.md").write_text(report.markdown(rows, header))
+    if plots:
+        report.plots(rows, out_dir, long_output_tasks=long_output_tasks)
+
+
+def _report_only(args) -> int:
+    from longspec.bench.runner import load_rows
+    from longspec.bench.tasks import TASK_KINDS
+
+    results = args.out / "results.jsonl"
+    if not results.is_file():
+        raise FileNotFoundError(f"no results to report: {results} does not exist (run without --report-only first)")
+    rows = load_rows(results)
+    header = next((r for r in rows if r.get("kind") == "header"), {})
+    long_output = [k for k, kind in TASK_KINDS.items() if kind.long_output]
+    _write_report(rows, header, args.out, not args.no_plots, long_output)
+    print(f"wrote {args.out / 'report.md'}" + ("" if args.no_plots else " and plots"), file=sys.stderr)
+    return 0
+
+
 def run(args) -> int:
+    if args.report_only:
+        return _report_only(args)
     import longspec
     from longspec.bench import report
     from longspec.bench.floor import ar_floor_tokens_per_s, machine, read_bandwidth_gbs
@@ -113,6 +142,12 @@ def run(args) -> int:
     if args.resume and not results.is_file():
         print(f"longspec bench: nothing to resume in {results}; starting a new run", file=sys.stderr)
 
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
     model = longspec.load(args.model, dtype=args.dtype)
     prompts = []
     for spec in specs:
@@ -155,9 +190,8 @@ def run(args) -> int:
     start = time.perf_counter()
     rows = runner.run(prompts, settings, results, header=header, resume=args.resume)
     file_header = next((r for r in rows if r.get("kind") == "header"), header)
-    (out_dir / "report.md").write_text(report.markdown(rows, file_header))
-    if not args.no_plots:
-        report.plots(rows, out_dir, long_output_tasks=[s.kind for s in specs if TASK_KINDS[s.kind].long_output])
+    _write_report(rows, file_header, out_dir, not args.no_plots,
+                  [s.kind for s in specs if TASK_KINDS[s.kind].long_output])
     print(f"\n{report.summary(rows)}\n")
     print(f"{len(rows)} rows in {time.perf_counter() - start:.0f} s; wrote {results}, {out_dir / 'report.md'}"
           + ("" if args.no_plots else ", plots"), file=sys.stderr)
