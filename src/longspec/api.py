@@ -85,6 +85,8 @@ class LongSpecModel:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError(f"{self.target.source} has no tokenizer files; pass the prompt as token ids")
             if chat:
                 if not getattr(self.tokenizer, "chat_template", None):
                     raise ValueError("this model's tokenizer has no chat template; pass chat=False")

@@ -14,10 +14,14 @@ from longspec.runtime.config import DecoderConfig, rope_tables
 from longspec.runtime.model import Decoder
 
 
+# Any of these marks a directory that carries its tokenizer.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+
+
 @dataclass
 class LoadedTarget:
     model: Decoder
-    tokenizer: object  # a transformers tokenizer, or None when loaded from tensors only
+    tokenizer: object  # a transformers tokenizer, or None when the checkpoint has none
     hf_config: object
     source: str
 
@@ -119,7 +123,9 @@ def load_checkpoint_dir(directory: str | os.PathLike, *, dtype: torch.dtype = to
     for shard in shards:
         state_dict.update(load_file(str(shard)))
     model = decoder_from_state_dict(hf_config, state_dict, dtype)
-    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    tokenizer = None
+    if any((directory / name).is_file() for name in _TOKENIZER_FILES):
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     return LoadedTarget(model, tokenizer, hf_config, str(directory))
 
 
