@@ -50,3 +50,14 @@ def test_cli_fails_before_loading_on_bad_task_files(tmp_path, capsys):
     assert f"{bad}:1: missing key 'input'" in capsys.readouterr().err
     assert main(["bench", "--tasks", "bogus"]) == 2
     assert "unknown task 'bogus'" in capsys.readouterr().err
+
+
+def test_method_options_parse():
+    from longspec.cli.bench import parse_method_options
+
+    assert parse_method_options(["pld.num_tokens=5", "longspec.checkpoint=/x/y", "pld.max_candidates=2"]) == {
+        "pld": {"num_tokens": 5, "max_candidates": 2}, "longspec": {"checkpoint": "/x/y"}}
+    import pytest
+
+    with pytest.raises(ValueError, match="METHOD.KEY=VALUE"):
+        parse_method_options(["pld=5"])

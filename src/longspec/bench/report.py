@@ -12,6 +12,7 @@ from pathlib import Path
 
 from longspec.bench.runner import AR_REFERENCE, HF_REFERENCE
 
+_GRID = 16  # output lengths per run at which speedup-vs-length is evaluated
 PLOTS = ("tokens_per_s_vs_context.png", "tau_by_method.png", "acceptance_by_depth.png", "speedup_vs_output_length.png")
 
 
@@ -202,8 +203,8 @@ def summary(rows: Sequence[dict]) -> str:
         pooled = Cell([r for c in group for r in c.rows], [x for c in group for x in c.speedup_ar],
                       [x for c in group for x in c.speedup_hf])
         checks = pooled.check("check_ar") if setting == "greedy" else ""
-        lines.append(f"{setting:<8} {method:<10} {_fmt(pooled.tokens_per_s, '7.1f')} {_fmt(pooled.tau, '6.2f')} "
-                     f"{_fmt(geomean(pooled.speedup_ar), '6.2f')} {_fmt(geomean(pooled.speedup_hf), '6.2f')}  {checks}")
+        lines.append(f"{setting:<8} {method:<10} {_fmt(pooled.tokens_per_s, '.1f'):>7} {_fmt(pooled.tau, '.2f'):>6} "
+                     f"{_fmt(geomean(pooled.speedup_ar), '.2f'):>6} {_fmt(geomean(pooled.speedup_hf), '.2f'):>6}  {checks}")
     return "\n".join(lines)
 
 
@@ -288,9 +289,11 @@ def plots(rows: Sequence[dict], out_dir: Path, *, long_output_tasks: Sequence[st
             base, mine = peers.get(AR_REFERENCE), peers.get(method)
             if not base or not mine or not base["timeline"] or not mine["timeline"]:
                 continue
-            for length, seconds in mine["timeline"]:
-                ar_seconds = _interpolate(base["timeline"], length)
-                if ar_seconds and seconds > 0:
+            # A common grid: both runs interpolated at the same lengths (their rounds end at different ones).
+            end = min(base["timeline"][-1][0], mine["timeline"][-1][0])
+            for length in sorted({max(1, round(end * (i + 1) / _GRID)) for i in range(_GRID)}):
+                ar_seconds, seconds = _interpolate(base["timeline"], length), _interpolate(mine["timeline"], length)
+                if ar_seconds and seconds:
                     curves[length].append(ar_seconds / seconds)
         xs = sorted(curves)
         if xs:

@@ -57,6 +57,9 @@ def add_parser(sub) -> None:
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--min-p", type=float, default=0.05)
     p.add_argument("--lookup-tokens", type=int, default=10, help="hf_pld: prompt_lookup_num_tokens")
+    p.add_argument("--option", action="append", default=[], metavar="METHOD.KEY=VALUE",
+                   help="a drafter option for one of our methods, e.g. longspec.checkpoint=DIR or pld.num_tokens=5 "
+                        "(VALUE is read as JSON when it parses, else as a string; repeatable)")
     p.add_argument("--stop-at-eos", action="store_true", help="stop at EOS (default: fixed output length)")
     p.add_argument("--no-chat", action="store_true", help="never apply the chat template")
     p.add_argument("--model", default=None, help="checkpoint dir, .gguf or cached HF id (default: Gemma 3 270M)")
@@ -79,6 +82,24 @@ def _data_dir(args) -> Path | None:
         return Path(os.environ[DATA_ENV])
     guess = Path.cwd().parent / "shared" / "data"
     return guess if guess.is_dir() else None
+
+
+def parse_method_options(specs) -> dict[str, dict]:
+    """METHOD.KEY=VALUE strings -> {method: {key: value}}."""
+    import json
+
+    options: dict[str, dict] = {}
+    for spec in specs:
+        target, eq, raw = spec.partition("=")
+        method, dot, key = target.partition(".")
+        if not (eq and dot and method and key):
+            raise ValueError(f"--option {spec!r}: write METHOD.KEY=VALUE, e.g. pld.num_tokens=5")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        options.setdefault(method, {})[key] = value
+    return options
 
 
 def _settings(args, preset: Preset | None):
@@ -136,6 +157,10 @@ def run(args) -> int:
     specs = [TaskSpec.parse(t, data_dir) for t in tasks]
     items = {spec: spec.load() for spec in specs}
     settings = _settings(args, preset)
+    method_options = parse_method_options(args.option)
+    unknown = set(method_options) - set(method_names)
+    if unknown:
+        raise ValueError(f"--option names method(s) not in the run: {', '.join(sorted(unknown))}")
     options = RunnerOptions(max_new_tokens=max_new, ignore_eos=not args.stop_at_eos)
     out_dir = args.out
     results = out_dir / "results.jsonl"
@@ -167,7 +192,7 @@ def run(args) -> int:
         except (OSError, ValueError) as error:
             peer_error = f"transformers could not load {model.target.source}: {error}"
     methods, skipped = build_methods(method_names, model.model, peer=peer, engine_options=EngineOptions(progress=False),
-                                     prompt_lookup_num_tokens=args.lookup_tokens)
+                                     method_options=method_options, prompt_lookup_num_tokens=args.lookup_tokens)
     if peer_error:
         skipped = [type(s)(s.name, peer_error) if s.name in ("hf", "hf_pld") else s for s in skipped]
     for s in skipped:
