@@ -39,10 +39,13 @@ def add_parser(sub) -> None:
                    help="target: the target's own greedy predictions (self-distillation); data: next corpus token")
     p.add_argument("--bf16-autocast", action=argparse.BooleanOptionalAction, default=True, help="draft matmuls in bfloat16")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (1 is far faster than 2 on a 2-core machine shared with other jobs)")
     p.set_defaults(train_command=run)
 
 
 def run(args) -> int:
+    import torch
     import torch.distributed as dist
 
     from longspec.api import parse_dtype
@@ -52,6 +55,8 @@ def run(args) -> int:
     from longspec.training.longspec_trainer import LongSpecTrainer, TrainOptions
     from longspec.training.longspec_visibility import BlockVisibility, NoisyShift, ShiftVisibility
 
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     corpus = list(args.corpus) + ([stdlib_dir()] if args.stdlib else [])
     shards = args.shards or args.out / "shards"
     if not corpus and not (shards / "index.json").is_file():

@@ -11,6 +11,7 @@ from typing import Any
 
 from longspec.speculation.drafters import NgramDrafter, PromptLookupDrafter
 from longspec.speculation.drafters.base import Drafter
+from longspec.speculation.drafters.longspec.presets import LONGSPEC_METHODS
 from longspec.speculation.drafters.tokenswift.drafter import TokenSwiftDrafter
 
 
@@ -25,6 +26,7 @@ METHODS: dict[str, Callable[..., Drafter | None]] = {
     "pld": PromptLookupDrafter,
     "ngram": NgramDrafter,
     "tokenswift": TokenSwiftDrafter,
+    **LONGSPEC_METHODS,
 }
 
 

@@ -30,7 +30,7 @@ from longspec.speculation.tree import Tree
 
 
 class LongSpecDrafter:
-    def __init__(self, draft: DraftModel | str | Path, strategy, *, retrieval=None, retrieval_nodes: int = 10, seed: int | None = None) -> None:
+    def __init__(self, draft: DraftModel | str | Path, strategy, *, retrieval=None, retrieval_nodes: int = 10, seed: int | None = None, generator: torch.Generator | None = None) -> None:
         if isinstance(draft, (str, Path)):
             draft = load_draft(draft)
         self.draft = draft.eval().requires_grad_(False)
@@ -43,7 +43,7 @@ class LongSpecDrafter:
             )
         self.retrieval = retrieval
         self.retrieval_nodes = retrieval_nodes
-        self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        self.generator = generator if generator is not None else (torch.Generator().manual_seed(seed) if seed is not None else None)
         self.state: DraftState | None = None
         self._target = None
         self._head_rows: torch.Tensor | None = None
