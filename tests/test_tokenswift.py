@@ -135,3 +135,21 @@ def test_equally_long_accepted_paths_do_not_bias_the_output(small_vocab_model):
     exact = exact_distribution(small_vocab_model, SAMPLING)
     counts = empirical_counts(small_vocab_model, SAMPLING, DuplicateSiblingsDrafter)
     assert goodness_of_fit(exact, counts) > ALPHA
+
+
+@pytest.mark.slow
+def test_shipped_heads_fit_the_embedded_gemma():
+    from longspec.runtime.default_model import default_model_available
+    from longspec.speculation.drafters.tokenswift.drafter import default_heads_path
+
+    if not default_model_available():
+        pytest.skip("the embedded Gemma 3 270M package is not installed")
+    import longspec
+
+    model = longspec.load(None, dtype="float32")  # bf16 near-ties may legitimately differ
+    heads = TokenSwiftHeads.load(default_heads_path(), model.config)
+    assert heads.config.num_heads == 3
+    prompt = model.encode("The quick brown fox jumps over the lazy dog. " * 8)
+    greedy = model.generate(prompt, max_new_tokens=24, ignore_eos=True)
+    swift = model.generate(prompt, max_new_tokens=24, ignore_eos=True, method="tokenswift")
+    assert swift.token_ids == greedy.token_ids
