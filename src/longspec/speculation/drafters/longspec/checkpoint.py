@@ -22,12 +22,13 @@ def config_path(weights: Path) -> Path:
     return Path(weights).with_suffix(".json")
 
 
-def save_draft(model: DraftModel, path: str | Path, meta: dict | None = None) -> Path:
+def save_draft(model: DraftModel, path: str | Path, meta: dict | None = None, dtype: torch.dtype = torch.float32) -> Path:
+    """Save weights (float32 for training checkpoints; bfloat16 halves a shipped draft)."""
     path = Path(path)
     if path.suffix != ".safetensors":
         raise ValueError(f"draft weights must be saved as a .safetensors file, got {path}")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.detach().to(torch.float32 if t.is_floating_point() else t.dtype).contiguous() for name, t in model.state_dict().items()}
+    tensors = {name: t.detach().to(dtype if t.is_floating_point() else t.dtype).contiguous() for name, t in model.state_dict().items()}
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp))
     tmp.replace(path)

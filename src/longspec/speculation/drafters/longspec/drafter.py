@@ -18,9 +18,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from longspec.runtime.attention import fused_attention
+from longspec.runtime.linear import packed_linear, prepack
 from longspec.speculation.drafters.base import DraftContext
 from longspec.speculation.drafters.longspec.checkpoint import load_draft
 from longspec.speculation.drafters.longspec.model import DraftModel, softcap, target_rope
@@ -47,6 +47,7 @@ class LongSpecDrafter:
         self.state: DraftState | None = None
         self._target = None
         self._head_rows: torch.Tensor | None = None
+        self._packed_head: torch.Tensor | None = None
         self._root_logprobs: torch.Tensor | None = None
         self._last_token: int | None = None
 
@@ -60,6 +61,10 @@ class LongSpecDrafter:
         if self._target is not view.model or self.state is None or self.state.ring_k.dtype != dtype:
             self.draft.to(dtype)
             self._head_rows = self.draft.head_rows(view.head)  # the shared head itself, or its V_d rows once
+            # oneDNN-packed head for bf16 matrix-vector speed: the target's own packed
+            # head when scoring the full vocabulary (no copy), else one of the V_d rows.
+            own = getattr(view.model, "_packed_head", None)
+            self._packed_head = own if not self.draft.reduced_vocab else prepack(self._head_rows)
         capacity = max(int(context.max_nodes), 1)
         if self.state is None or self.state.capacity != capacity or self.state.ring_k.dtype != dtype:
             self.state = DraftState(self.draft.config, capacity, dtype)
@@ -171,7 +176,7 @@ class LongSpecDrafter:
         return self.draft(x, positions, rope, self.state.attend, attend_cross)[0]
 
     def _logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = softcap(F.linear(hidden, self._head_rows), self._target.config.final_logit_softcapping)
+        logits = softcap(packed_linear(hidden, self._head_rows, self._packed_head), self._target.config.final_logit_softcapping)
         return torch.log_softmax(logits.float() if logits.dtype != torch.float64 else logits, dim=-1)
 
     def _to_tree(self, root: int, proposal: Proposal) -> Tree:
