@@ -148,3 +148,20 @@ def test_reduced_vocabulary_drafts_only_its_tokens():
     assert torch.equal(run(engine, prompt, Spy(draft, BeamStrategy((2, 4))), max_new_tokens=20), reference)
     drafted = torch.cat(seen)
     assert drafted.numel() and bool(((drafted >= 100) & (drafted < 120)).all())
+
+
+def test_registered_methods_load_a_checkpoint_and_fail_clearly(tmp_path):
+    from longspec.speculation.methods import make_drafter
+
+    model = tiny_decoder("gemma3", dtype=torch.float64)
+    path = save_draft(random_draft(model), tmp_path / "draft.safetensors")
+    engine = SpeculativeEngine(model, EngineOptions(max_tree_nodes=24, progress=False))
+    prompt = torch.cat([random_ids(5, seed=2)[0].repeat(3), random_ids(3, seed=4)[0]])
+    reference = run(engine, prompt)
+    for method in ("longspec", "longspec-chain", "longspec-cape", "longspec-ngram"):
+        assert torch.equal(run(engine, prompt, make_drafter(method, checkpoint=path)), reference), method
+    with pytest.raises(FileNotFoundError, match="draft weights not found at .*missing.safetensors"):
+        make_drafter("longspec", checkpoint=tmp_path / "missing.safetensors")
+    other = tiny_decoder("llama", dtype=torch.float64, hidden_size=96)
+    with pytest.raises(DraftMismatchError, match="hidden size: draft 64 vs target 96"):
+        run(SpeculativeEngine(other, EngineOptions(progress=False)), prompt, make_drafter("longspec", checkpoint=path))

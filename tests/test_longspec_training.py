@@ -3,7 +3,6 @@ and inference computing the same draft distribution, exact resume, 2-process DDP
 
 from __future__ import annotations
 
-import os
 import socket
 
 import pytest
@@ -179,31 +178,22 @@ def test_killed_and_resumed_run_ends_at_the_same_weights(tmp_path):
     assert [row.split(",")[0] for row in curve[1:]] == ["1", "2", "3", "4", "5", "6"]
 
 
-def _ddp_worker(rank, world, port, out_dir, result_dir):
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        target = tiny_decoder("llama", dtype=torch.float32)
-        trainer = LongSpecTrainer(target, _tokens(), out_dir, _options(batch_size=1, steps=3), draft_config=small_draft_config(target), progress=False)
-        trainer.train()
-        torch.save(trainer.draft.state_dict(), os.path.join(result_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
 def test_two_process_gloo_training_matches_one_process(tmp_path):
     import torch.multiprocessing as mp
+
+    from longspec_ddp_worker import train_rank
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_ddp_worker, args=(2, port, str(tmp_path / "ddp"), str(tmp_path)), nprocs=2, join=True)
-    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     target = tiny_decoder("llama", dtype=torch.float32)
-    single = LongSpecTrainer(target, _tokens(), tmp_path / "single", _options(batch_size=2, steps=3), draft_config=small_draft_config(target), progress=False)
+    config = small_draft_config(target)
+    files = [str(tmp_path / name) for name in ("target.pt", "tokens.pt", "config.pt")]
+    for obj, name in zip((target, _tokens(), config.to_dict()), files):
+        torch.save(obj, name)
+    mp.spawn(train_rank, args=(2, port, *files, str(tmp_path / "ddp"), str(tmp_path)), nprocs=2, join=True)
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    single = LongSpecTrainer(target, _tokens(), tmp_path / "single", _options(batch_size=2, steps=3), draft_config=config, progress=False)
     single.train()
     for name, value in single.draft.state_dict().items():
         assert torch.equal(rank0[name], rank1[name]), name  # replicas stay in sync
