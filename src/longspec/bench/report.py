@@ -169,7 +169,7 @@ def markdown(rows: Sequence[dict], header: dict | None = None) -> str:
             if floor:
                 out.append(f"| {task} | {label} | {setting} | *AR floor (bytes/forward ÷ bandwidth)* | – | "
                            f"{floor:.1f} | | | | | 100% | | | | | |")
-    problems = [r for r in _runs(rows) for c in ("check_ar", "check_hf") if r.get(c) and not r[c]["equal"]]
+    problems = [r for r in _runs(rows) if any(r.get(c) and not r[c]["equal"] for c in ("check_ar", "check_hf"))]
     if problems:
         out += ["", "### Greedy divergences", ""]
         for r in problems:
