@@ -32,10 +32,7 @@ class Tree:
             raise ValueError("a tree needs at least its root node")
         if self.parents.shape != (n,) or self.depths.shape != (n,):
             raise ValueError("tokens, parents and depths must be 1-D of the same length")
-        if int(self.parents[0]) != -1:
-            raise ValueError("node 0 must be the root (parent -1)")
-        if n > 1 and bool((self.parents[1:] >= torch.arange(1, n)).any()):
-            raise ValueError("parents must precede their children (parents[i] < i)")
+        _check_parents(self.parents)
         if self.children_sampled and self.draft_probs is None:
             raise ValueError("a tree with sampled children must carry draft_probs")
 
@@ -44,6 +41,7 @@ class Tree:
     def from_parents(tokens: torch.Tensor, parents: torch.Tensor, **kwargs) -> "Tree":
         tokens = torch.as_tensor(tokens, dtype=torch.long)
         parents = torch.as_tensor(parents, dtype=torch.long)
+        _check_parents(parents)  # before walking them: a cycle would never end
         return Tree(tokens, parents, _depths_from_parents(parents), **kwargs)
 
     @staticmethod
@@ -134,6 +132,14 @@ class Tree:
 
     def children(self, node: int) -> torch.Tensor:
         return torch.nonzero(self.parents == node).flatten()
+
+
+def _check_parents(parents: torch.Tensor) -> None:
+    n = parents.numel()
+    if n < 1 or int(parents[0]) != -1:
+        raise ValueError("node 0 must be the root (parent -1)")
+    if n > 1 and bool(((parents[1:] >= torch.arange(1, n)) | (parents[1:] < 0)).any()):
+        raise ValueError("parents must precede their children (0 <= parents[i] < i)")
 
 
 def _depths_from_parents(parents: torch.Tensor) -> torch.Tensor:
