@@ -85,6 +85,7 @@ def test_planted_mismatch_is_flagged_with_position_and_gap(pair, tmp_path):
     planted = PlantedMismatch("planted", decoder, lambda: None, EngineOptions(progress=False))
     runner = runner_for(pair, ["ar", "hf"], extra=[planted])
     rows = runner.run(prompts()[:1], default_settings([]), tmp_path / "r.jsonl")
+    assert rows[0]["kind"] == "header"  # the returned rows are the file's rows
     bad = mismatches(rows)
     assert [r["method"] for r in bad] == ["planted"]
     check = bad[0]["check_ar"]
@@ -118,11 +119,15 @@ def test_resume_skips_finished_rows(pair, tmp_path):
     assert len(runs) == 4 and all(r["check_ar"]["equal"] for r in runs)
 
 
-def test_unavailable_methods_are_listed_not_dropped(pair):
+def test_unavailable_methods_are_listed_not_dropped(pair, tmp_path):
     hf, decoder = pair
     methods, skipped = build_methods(["ar", "hf"], decoder, peer=None)
     assert [m.name for m in methods] == ["ar"]
     assert skipped[0].name == "hf" and "transformers" in skipped[0].reason
+    runner = BenchRunner(decoder, methods, skipped=skipped,
+                         options=RunnerOptions(max_new_tokens=4, warmup_tokens=2, progress=False))
+    rows = runner.run(prompts()[:1], default_settings([]), tmp_path / "r.jsonl")
+    assert "- hf: no transformers model" in report.markdown(rows)
     with pytest.raises(ValueError, match="unknown method 'nope'"):
         build_methods(["nope"], decoder)
 

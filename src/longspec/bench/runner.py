@@ -121,11 +121,11 @@ class BenchRunner:
             with out_path.open("w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in done)
         else:
+            done = [{"kind": "header", **(header or {})}]
+            done += [{"kind": "skipped", "method": s.name, "reason": s.reason} for s in self.skipped]
             out_path.parent.mkdir(parents=True, exist_ok=True)
             with out_path.open("w") as f:
-                f.write(json.dumps({"kind": "header", **(header or {})}) + "\n")
-                for s in self.skipped:
-                    f.write(json.dumps({"kind": "skipped", "method": s.name, "reason": s.reason}) + "\n")
+                f.writelines(json.dumps(r) + "\n" for r in done)
         plan = [(p, s, m) for p in prompts for s in settings for m in self.methods]
         todo = [job for job in plan if self._key(*job) not in done_keys]
         rows = list(done)
