@@ -5,57 +5,13 @@ peer built from the same checkpoint."""
 from __future__ import annotations
 
 import json
-import os
-import platform
 import sysconfig
 import time
 from pathlib import Path
 
 import torch
 
-
-def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import transformers
-
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-    }
-
-
-def read_bandwidth_gbs(megabytes: int = 512, repeats: int = 5) -> float:
-    """Best-of-N read bandwidth: summing a large buffer reads every byte once."""
-    data = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        data.sum()
-        best = min(best, time.perf_counter() - start)
-    return data.numel() * 4 / best / 1e9
-
-
-def decode_bytes_per_forward(model, context_tokens: int) -> int:
-    """Bytes one decode forward must read: every weight once (the embedding lookup
-    reads one row, but a tied head reads the whole matrix) plus the K/V it attends."""
-    c = model.config
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    kv_per_token = 2 * c.num_kv_heads * c.head_dim * model.embed_weight.element_size()
-    attended = sum(
-        min(context_tokens, c.sliding_window) if sliding else context_tokens for sliding in c.layer_is_sliding
-    )
-    return weights + kv_per_token * attended
+from longspec.bench.floor import decode_bytes_per_forward, machine, read_bandwidth_gbs  # noqa: F401  (re-exported)
 
 
 def stdlib_source_text(min_chars: int, *, skip: int = 0) -> str:
@@ -107,9 +63,12 @@ def hf_generate(model, ids: torch.Tensor, new_tokens: int, **kwargs) -> tuple[to
     """(new token ids, seconds) of one transformers generate call, greedy unless told."""
     kwargs.setdefault("do_sample", False)
     start = time.perf_counter()
+    batch = ids.unsqueeze(0)
     with torch.inference_mode():
+        # An explicit mask: without one, transformers hides prompt tokens equal to the pad id.
         out = model.generate(
-            ids.unsqueeze(0), max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0, **kwargs
+            batch, attention_mask=torch.ones_like(batch), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+            pad_token_id=0, **kwargs
         )
     return out[0, ids.numel():], time.perf_counter() - start
 
