@@ -67,6 +67,8 @@ def test_matrix_end_to_end_writes_json_markdown_png_and_checks_pass(pair, tmp_pa
             assert "check_ar" not in r
     pld = [r for r in runs if r["method"] == "pld" and r["task"] == "loop" and r["setting"] == "greedy"][0]
     assert pld["tau"] > 1 and pld["cache_bytes"] > 0 and pld["acceptance_by_depth"]
+    assert pld["draft_state_bytes"] > 0  # the drafter's own index, beside the target's cache
+    assert all(r["draft_state_bytes"] is None for r in runs if r["method"] in ("ar", "hf", "hf_pld"))
     assert [r for r in runs if r["method"] == "hf"][0]["cache_bytes"] > 0
     assert not mismatches(rows)
 

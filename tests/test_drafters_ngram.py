@@ -381,3 +381,26 @@ def test_ngram_drafter_random_contents():
     # a drafter that is only ever handed contexts catches up by itself
     lazy = NgramDrafter(n=4, k=6)
     assert lazy.propose(ctx(seq)).tokens.tolist() == drafter.propose(ctx(seq)).tokens.tolist()
+
+
+# ------------------------------------------------------------------ state size
+def test_container_nbytes_counts_each_object_once():
+    import sys
+
+    from longspec.speculation.drafters.base import container_nbytes
+
+    shared = (1000001, 1000002)
+    structure = {shared: [shared, shared]}
+    expected = sys.getsizeof(structure) + sys.getsizeof(shared) + sys.getsizeof(1000001) + sys.getsizeof(1000002)
+    expected += sys.getsizeof(structure[shared])
+    assert container_nbytes(structure) == expected
+
+
+@pytest.mark.parametrize("make", [lambda: PromptLookupDrafter(num_tokens=4), lambda: NgramDrafter(n=4, k=3)])
+def test_retrieval_state_grows_with_the_text_it_indexes(make):
+    rng = random.Random(0)
+    seq = [rng.randrange(50) for _ in range(2000)]
+    short, long = make(), make()
+    short.begin(ctx(seq[:200]))
+    long.begin(ctx(seq))
+    assert 0 < short.state_nbytes() < long.state_nbytes()

@@ -2,11 +2,14 @@
 
 A drafter proposes a `Tree` rooted at the current root token and is told which
 tokens were committed. It may read the target through the read-only `DraftContext`
-the engine hands it, and owns only bounded state of its own.
+the engine hands it, and owns only bounded state of its own. Drafters may also
+offer ``state_nbytes() -> int``, the bytes of that per-sequence state (caches,
+rings, indexes; not weights), which benchmarks report beside the target's cache.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -45,6 +48,27 @@ class Drafter(Protocol):
 
     def observe(self, committed: torch.Tensor) -> None:
         """The tokens appended to the sequence this round (accepted nodes, then the bonus)."""
+
+
+def container_nbytes(root: object) -> int:
+    """Bytes held by a structure of dicts, lists, tuples and ints (an n-gram index),
+    each distinct object counted once. Small ints are interpreter-cached, so this is
+    an upper bound of what the structure adds; it is for reporting, not the hot path."""
+    seen: set[int] = set()
+    total = 0
+    stack = [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        total += sys.getsizeof(obj)
+        if isinstance(obj, dict):
+            stack.extend(obj.keys())
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+    return total
 
 
 class TargetView:

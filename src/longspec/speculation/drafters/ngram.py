@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from longspec.speculation.drafters.base import DraftContext
+from longspec.speculation.drafters.base import DraftContext, container_nbytes
 from longspec.speculation.tree import Tree
 
 
@@ -133,6 +133,10 @@ class NgramTable:
         self._tail = buf[-(n - 1) :]
         self._length += len(new)
 
+    def nbytes(self) -> int:
+        """Bytes of the table (at most one record per distinct n-gram seen)."""
+        return container_nbytes((self._table, self._tail))
+
     def count(self, ngram: Sequence[int]) -> int:
         ngram = tuple(int(t) for t in ngram)
         if len(ngram) != self.n:
@@ -183,6 +187,9 @@ class NgramDrafter:
 
     def observe(self, committed: torch.Tensor) -> None:
         self.table.update(committed)
+
+    def state_nbytes(self) -> int:
+        return self.table.nbytes()
 
     def _sync(self, tokens: torch.Tensor) -> None:
         seen = self.table.length

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from longspec.speculation.drafters.base import DraftContext
+from longspec.speculation.drafters.base import DraftContext, container_nbytes
 from longspec.speculation.drafters.ngram import _check_positive_int, chains_tree
 from longspec.speculation.tree import Tree
 
@@ -112,6 +112,10 @@ class PromptLookupDrafter:
 
     def observe(self, committed: torch.Tensor) -> None:
         self._extend(torch.as_tensor(committed, dtype=torch.long).reshape(-1).tolist())
+
+    def state_nbytes(self) -> int:
+        """The token list and the n-gram index: linear in the sequence length."""
+        return container_nbytes((self._tokens, self._index))
 
     def propose(self, context: DraftContext) -> Tree:
         tokens = torch.as_tensor(context.tokens, dtype=torch.long).reshape(-1)

@@ -79,6 +79,12 @@ class LongSpecDrafter:
         if self.retrieval is not None:
             self.retrieval.observe(committed)
 
+    def state_nbytes(self) -> int:
+        """The draft's ring and pending buffer (constant in context length), plus
+        the retrieval drafter's index when one is merged in."""
+        own = self.state.nbytes() if self.state is not None else 0
+        return own + (self.retrieval.state_nbytes() if self.retrieval is not None else 0)
+
     @torch.inference_mode()
     def propose(self, context: DraftContext) -> Tree:
         if self.state is None:

@@ -140,6 +140,10 @@ class TokenSwiftDrafter:
     def observe(self, committed: torch.Tensor) -> None:
         self.table.update(committed)
 
+    def state_nbytes(self) -> int:
+        """The partial KV cache (fixed by the budget) and the n-gram table."""
+        return (self.cache.nbytes() if self.cache is not None else 0) + self.table.nbytes()
+
     def propose(self, context: DraftContext) -> Tree:
         if self.cache is None:
             raise RuntimeError("call begin() before propose()")
