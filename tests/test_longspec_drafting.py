@@ -165,3 +165,33 @@ def test_registered_methods_load_a_checkpoint_and_fail_clearly(tmp_path):
     other = tiny_decoder("llama", dtype=torch.float64, hidden_size=96)
     with pytest.raises(DraftMismatchError, match="hidden size: draft 64 vs target 96"):
         run(SpeculativeEngine(other, EngineOptions(progress=False)), prompt, make_drafter("longspec", checkpoint=path))
+
+
+def test_retrieval_first_skips_the_draft_on_a_streak_and_stays_lossless():
+    model = tiny_decoder("gemma3", dtype=torch.float64)
+    engine = SpeculativeEngine(model, EngineOptions(prefill_chunk=5, max_tree_nodes=24, progress=False))
+    prompt = torch.cat([random_ids(7, seed=3)[0].repeat(4), random_ids(4, seed=9)[0]])
+    reference = run(engine, prompt, max_new_tokens=60)
+
+    class Counting(LongSpecDrafter):
+        forwards = 0
+
+        def _hidden(self, *args):
+            self.forwards += 1
+            return super()._hidden(*args)
+
+    drafters = {}
+    for streak in (None, 1):
+        drafter = Counting(random_draft(model), ChainStrategy(4), retrieval=PromptLookupDrafter(num_tokens=5),
+                           retrieval_nodes=8, retrieval_streak=streak)
+        assert torch.equal(run(engine, prompt, drafter, max_new_tokens=60), reference)
+        drafters[streak] = drafter
+    assert drafters[None].skipped_rounds == 0
+    assert drafters[1].skipped_rounds > 0 and drafters[1].forwards < drafters[None].forwards
+
+
+def test_retrieval_streak_is_validated():
+    model = tiny_decoder("llama", dtype=torch.float64)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="retrieval_streak"):
+            LongSpecDrafter(random_draft(model), ChainStrategy(2), retrieval=PromptLookupDrafter(), retrieval_streak=bad)

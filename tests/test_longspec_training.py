@@ -178,6 +178,23 @@ def test_killed_and_resumed_run_ends_at_the_same_weights(tmp_path):
     assert [row.split(",")[0] for row in curve[1:]] == ["1", "2", "3", "4", "5", "6"]
 
 
+def test_init_from_continues_an_existing_draft_with_a_fresh_schedule(tmp_path):
+    target = tiny_decoder("gemma3", dtype=torch.float32)
+    config = small_draft_config(target)
+    LongSpecTrainer(target, _tokens(), tmp_path / "first", _options(steps=2), draft_config=config, draft_vocab=60, progress=False).train()
+    start = load_draft(tmp_path / "first" / "draft.safetensors", target.config)
+    second = LongSpecTrainer(target, _tokens(), tmp_path / "second", _options(steps=2, seed=1),
+                             init_from=tmp_path / "first" / "draft.safetensors", progress=False)
+    assert second.step == 0 and second.draft.config == start.config
+    for (name, x), (_, y) in zip(second.draft.state_dict().items(), start.state_dict().items()):
+        assert torch.equal(x, y), name  # vocabulary included
+    second.train()
+    assert not torch.equal(second.draft.layers[0].cross_q.weight, start.layers[0].cross_q.weight)
+    with pytest.raises(ValueError, match="init_from"):
+        LongSpecTrainer(target, _tokens(), tmp_path / "third", _options(), draft_vocab=60,
+                        init_from=tmp_path / "first" / "draft.safetensors", progress=False)
+
+
 def test_two_process_gloo_training_matches_one_process(tmp_path):
     import torch.multiprocessing as mp
 
@@ -198,3 +215,16 @@ def test_two_process_gloo_training_matches_one_process(tmp_path):
     for name, value in single.draft.state_dict().items():
         assert torch.equal(rank0[name], rank1[name]), name  # replicas stay in sync
         torch.testing.assert_close(rank0[name], value, rtol=1e-4, atol=1e-5)  # same rows, same step
+
+
+def test_cli_init_from_errors_before_loading_the_target(tmp_path, capsys):
+    from longspec.cli.main import main
+
+    missing = tmp_path / "nowhere.safetensors"
+    assert main(["train", "longspec", "--stdlib", "--out", str(tmp_path / "run"), "--init-from", str(missing)]) == 2
+    assert "--init-from" in capsys.readouterr().err
+    existing = tmp_path / "draft.safetensors"
+    existing.write_bytes(b"")
+    args = ["train", "longspec", "--stdlib", "--out", str(tmp_path / "run"), "--init-from", str(existing), "--draft-vocab", "100"]
+    assert main(args) == 2
+    assert "drop --draft-vocab" in capsys.readouterr().err

@@ -80,6 +80,18 @@ def test_logits_rows_selects_rows(pair):
     assert out.hidden.shape == (1, 3, decoder.config.hidden_size)
 
 
+def test_greedy_tokens_without_logits_equal_argmax_of_logits(pair):
+    _, decoder = pair
+    ids = random_ids(SEQ_LEN, seed=5)
+    full = decoder(ids, decoder.new_cache(SEQ_LEN))
+    hidden_only = decoder(ids, decoder.new_cache(SEQ_LEN), with_logits=False)
+    assert hidden_only.logits is None and torch.equal(hidden_only.hidden, full.hidden)
+    expected = full.logits.argmax(dim=-1)
+    vocab = decoder.config.vocab_size
+    for chunk in (vocab, 7, 1):  # one slice, uneven slices, one token at a time
+        assert torch.equal(decoder.greedy_tokens(full.hidden, vocab_chunk=chunk), expected)
+
+
 def greedy(decoder, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
     cache = decoder.new_cache(prompt.shape[1] + new_tokens)
     logits = decoder(prompt, cache, logits_rows=slice(-1, None)).logits

@@ -17,6 +17,9 @@ def add_parser(sub) -> None:
     p.add_argument("--shards", type=Path, default=None, help="token shard directory (default: OUT/shards; reused if present)")
     p.add_argument("--feature-cache", type=Path, default=None, help="store target features here and reuse them")
     p.add_argument("--out", type=Path, required=True, help="run directory: draft.safetensors/.json, trainer_state.pt, loss.csv")
+    p.add_argument("--init-from", type=Path, default=None,
+                   help="start from this draft (.safetensors with its .json) instead of random weights; "
+                        "its architecture and draft vocabulary are kept")
     p.add_argument("--dtype", default="bfloat16", help="target dtype (bfloat16 is the fast one on CPU)")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--seq-len", type=int, default=512)
@@ -67,6 +70,10 @@ def run(args) -> int:
         anchor_offset=args.anchor_offset, self_distill=args.labels == "target", bf16_autocast=args.bf16_autocast,
         seed=args.seed, save_every=args.save_every, visibility=visibility[args.visibility](),
     )
+    if args.init_from is not None and not args.init_from.is_file():
+        raise FileNotFoundError(f"--init-from: no draft weights at {args.init_from}")
+    if args.init_from is not None and args.draft_vocab is not None:
+        raise ValueError("--init-from keeps that draft's vocabulary; drop --draft-vocab")
     if dist.is_available() and not dist.is_initialized() and _launched_distributed():
         dist.init_process_group("gloo")
     target = load_target(args.model, dtype=parse_dtype(args.dtype))
@@ -75,10 +82,14 @@ def run(args) -> int:
     index = build_shards(iter_documents(corpus, text_field=args.text_field, exclude=EXCLUDED_DIRS + tuple(args.exclude)), target.tokenizer, shards, heldout_fraction=args.heldout)
     print(f"corpus: {index['tokens']['train']} training tokens from {len(index['files']['train'])} documents; "
           f"{index['tokens']['heldout']} held out from {len(index['files']['heldout'])}", flush=True)
-    config = DraftConfig.for_target(target.model.config, num_layers=args.layers, window=args.window)
+    if args.init_from is not None:
+        architecture = {}
+    else:
+        config = DraftConfig.for_target(target.model.config, num_layers=args.layers, window=args.window)
+        architecture = {"draft_config": config, "draft_vocab": args.draft_vocab}
     trainer = LongSpecTrainer(
-        target.model, load_split(shards, "train"), args.out, options, draft_config=config,
-        draft_vocab=args.draft_vocab, feature_cache=args.feature_cache,
+        target.model, load_split(shards, "train"), args.out, options, feature_cache=args.feature_cache,
+        init_from=args.init_from, **architecture,
     )
     if trainer.step:
         print(f"resuming at step {trainer.step} (data position {trainer.position})", flush=True)

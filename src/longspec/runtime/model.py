@@ -21,7 +21,7 @@ from longspec.runtime.linear import packed_linear, prepack
 
 @dataclass(frozen=True)
 class ForwardOutput:
-    logits: torch.Tensor  # [B, len(logits_rows), V]
+    logits: torch.Tensor | None  # [B, len(logits_rows), V]; None when not asked for
     hidden: torch.Tensor  # final normed hidden states of those rows [B, rows, H]
 
 
@@ -190,12 +190,14 @@ class Decoder(nn.Module):
         tree_mask: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         logits_rows: torch.Tensor | slice | None = None,
+        with_logits: bool = True,
     ) -> ForwardOutput:
         """Run T new tokens [B, T] after the cache's committed prefix.
 
         tree_mask: [T, T] bool ancestor mask (None: causal, i.e. a chain).
         positions: [T] RoPE positions (None: consecutive after the prefix).
         logits_rows: which of the T rows get logits (None: all).
+        with_logits: False returns only those rows' hidden states (see `greedy_tokens`).
         The new tokens are left *pending* in the cache: call cache.commit(...).
         """
         B, T = input_ids.shape
@@ -210,7 +212,26 @@ class Decoder(nn.Module):
         if logits_rows is not None:
             x = x[:, logits_rows]
         hidden = self.final_norm(x)
-        return ForwardOutput(logits=self.logits(hidden), hidden=hidden)
+        return ForwardOutput(logits=self.logits(hidden) if with_logits else None, hidden=hidden)
+
+    @torch.inference_mode()
+    def greedy_tokens(self, hidden: torch.Tensor, vocab_chunk: int = 16384) -> torch.Tensor:
+        """argmax of the logits of `hidden` [..., H], scoring the head a slice of the
+        vocabulary at a time, so [rows, V] logits never exist at once (for 512 rows of
+        a 262k vocabulary that tensor alone is 268 MB). The final soft-cap is monotonic
+        and leaves the argmax unchanged, so it is skipped."""
+        best_value = best_index = None
+        for begin in range(0, self.head_weight.shape[0], vocab_chunk):
+            scores = F.linear(hidden, self.head_weight[begin : begin + vocab_chunk]).float()
+            value, index = scores.max(dim=-1)
+            index = index + begin
+            if best_value is None:
+                best_value, best_index = value, index
+            else:
+                better = value > best_value  # ties keep the earlier index, as argmax does
+                best_value = torch.where(better, value, best_value)
+                best_index = torch.where(better, index, best_index)
+        return best_index
 
     def prepare(self) -> "Decoder":
         """Derive inference-time weights (prepacked matrices, norm scales). Call after

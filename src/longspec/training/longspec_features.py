@@ -25,14 +25,14 @@ def target_features(
     """ids [n] -> {"k{m}", "v{m}": [1, Hkv, n, D] per draft layer m, "labels": [n]}."""
     n = ids.numel()
     cache = target.new_cache(n, max_forward_tokens=n)
-    out = target(ids.unsqueeze(0), cache, positions=positions, logits_rows=None if self_distill else slice(0, 0))
+    out = target(ids.unsqueeze(0), cache, positions=positions, logits_rows=None if self_distill else slice(0, 0), with_logits=False)
     features = {}
     for m, layer in enumerate(layers):
         k, v = cache.prefix(layer, include_pending=True)
         # Outside inference mode, clones are ordinary tensors autograd may save.
         features[f"k{m}"], features[f"v{m}"] = k.clone(), v.clone()
     if self_distill:
-        labels = out.logits[0].argmax(dim=-1)
+        labels = target.greedy_tokens(out.hidden[0])
     else:
         labels = torch.cat([ids[1:], torch.tensor([IGNORE])])
     features["labels"] = labels.clone().long()

@@ -82,6 +82,7 @@ class LongSpecTrainer:
         draft_config: DraftConfig | None = None,
         draft_vocab: int | None = None,
         feature_cache: str | Path | None = None,
+        init_from: str | Path | None = None,
         progress: bool = True,
     ) -> None:
         self.target = target
@@ -94,6 +95,13 @@ class LongSpecTrainer:
         weights = self.out / WEIGHTS_NAME
         if weights.is_file():
             self.draft = load_draft(weights, target.config).requires_grad_(True).train()
+        elif init_from is not None:
+            # Continue training an existing draft (its config and vocabulary) with a
+            # fresh optimizer and schedule: how a shipped draft grows with more data.
+            if draft_config is not None or draft_vocab is not None:
+                raise ValueError("init_from takes the draft's architecture and vocabulary from that checkpoint; "
+                                 "drop draft_config/draft_vocab (or start from scratch without init_from)")
+            self.draft = load_draft(init_from, target.config).requires_grad_(True).train()
         else:
             config = draft_config or DraftConfig.for_target(target.config)
             if draft_vocab is not None:

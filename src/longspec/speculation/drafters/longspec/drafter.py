@@ -11,6 +11,13 @@ Each round:
      them see the committed target prefix, never a pending token);
   3. with a retrieval drafter, its chains (prompt lookup / n-grams) are merged
      into the tree (shared prefixes merged, one verification forward for both).
+
+Retrieval first: while retrieval is on a streak (last round's accepted tokens
+began with at least `retrieval_streak` tokens of one of its chains), the round
+proposes the retrieval chains alone and the draft does not run at all; the ring
+catches up on the skipped tokens in the next round the draft runs. Where the text
+repeats, the method then costs what prompt lookup costs; where retrieval stops
+being accepted, the draft's tree is back the next round.
 """
 
 from __future__ import annotations
@@ -23,14 +30,26 @@ from longspec.runtime.attention import fused_attention
 from longspec.runtime.linear import packed_linear, prepack
 from longspec.speculation.drafters.base import DraftContext
 from longspec.speculation.drafters.longspec.checkpoint import load_draft
-from longspec.speculation.drafters.longspec.model import DraftModel, softcap, target_rope
+from longspec.speculation.drafters.longspec.model import DraftModel, PackedProjection, softcap, target_rope
 from longspec.speculation.drafters.longspec.state import DraftState
 from longspec.speculation.drafters.longspec.strategies import Proposal, SampledChainStrategy
 from longspec.speculation.tree import Tree
 
 
 class LongSpecDrafter:
-    def __init__(self, draft: DraftModel | str | Path, strategy, *, retrieval=None, retrieval_nodes: int = 10, seed: int | None = None, generator: torch.Generator | None = None) -> None:
+    def __init__(
+        self,
+        draft: DraftModel | str | Path,
+        strategy,
+        *,
+        retrieval=None,
+        retrieval_nodes: int = 10,
+        retrieval_streak: int | None = 2,
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        """retrieval_streak: accepted retrieval tokens in a round that let the next
+        round skip the draft (None: the draft runs every round)."""
         if isinstance(draft, (str, Path)):
             draft = load_draft(draft)
         self.draft = draft.eval().requires_grad_(False)
@@ -43,11 +62,18 @@ class LongSpecDrafter:
             )
         self.retrieval = retrieval
         self.retrieval_nodes = retrieval_nodes
+        if retrieval_streak is not None and (isinstance(retrieval_streak, bool) or not isinstance(retrieval_streak, int) or retrieval_streak < 1):
+            raise ValueError(f"retrieval_streak must be an int >= 1 or None, got {retrieval_streak!r}")
+        self.retrieval_streak = retrieval_streak
+        self._retrieval_chains_proposed: list[list[int]] = []
+        self._on_streak = False
+        self.skipped_rounds = 0  # rounds proposed by retrieval alone (the draft did not run)
         self.generator = generator if generator is not None else (torch.Generator().manual_seed(seed) if seed is not None else None)
         self.state: DraftState | None = None
         self._target = None
         self._head_rows: torch.Tensor | None = None
         self._packed_head: torch.Tensor | None = None
+        self._project: PackedProjection | None = None
         self._root_logprobs: torch.Tensor | None = None
         self._last_token: int | None = None
 
@@ -65,6 +91,7 @@ class LongSpecDrafter:
             # head when scoring the full vocabulary (no copy), else one of the V_d rows.
             own = getattr(view.model, "_packed_head", None)
             self._packed_head = own if not self.draft.reduced_vocab else prepack(self._head_rows)
+            self._project = PackedProjection(self.draft)
         capacity = max(int(context.max_nodes), 1)
         if self.state is None or self.state.capacity != capacity or self.state.ring_k.dtype != dtype:
             self.state = DraftState(self.draft.config, capacity, dtype)
@@ -72,12 +99,18 @@ class LongSpecDrafter:
         self._target = view.model
         self._root_logprobs = None
         self._last_token = None
+        self._retrieval_chains_proposed = []
+        self._on_streak = False
+        self.skipped_rounds = 0
         if self.retrieval is not None:
             self.retrieval.begin(context)
 
     def observe(self, committed: torch.Tensor) -> None:
         if self.retrieval is not None:
             self.retrieval.observe(committed)
+            accepted = committed.tolist()[:-1]  # the bonus token was not proposed
+            from_retrieval = max((_common_prefix(chain, accepted) for chain in self._retrieval_chains_proposed), default=0)
+            self._on_streak = self.retrieval_streak is not None and from_retrieval >= self.retrieval_streak
 
     def state_nbytes(self) -> int:
         """The draft's ring and pending buffer (constant in context length), plus
@@ -96,6 +129,10 @@ class LongSpecDrafter:
         if budget <= 0:
             return Tree.chain(root, [])
         retrieval_chains = self._retrieval_chains(context) if self.retrieval is not None else []
+        self._retrieval_chains_proposed = retrieval_chains
+        if retrieval_chains and self._on_streak:
+            self.skipped_rounds += 1
+            return Tree.chain(root, []).with_chains([torch.tensor(c, dtype=torch.long) for c in retrieval_chains])
         retrieval_size = len({tuple(c[: i + 1]) for c in retrieval_chains for i in range(len(c))})
         self.state.drop_pending()
         root_logprobs = self._catch_up(tokens, view)
@@ -179,7 +216,7 @@ class LongSpecDrafter:
             tail_mask = key_pos.unsqueeze(0) < positions.unsqueeze(1)
             return fused_attention(q, k[:, :, :split], v[:, :, :split], None, k[:, :, split:], v[:, :, split:], tail_mask, scale)
 
-        return self.draft(x, positions, rope, self.state.attend, attend_cross)[0]
+        return self.draft(x, positions, rope, self.state.attend, attend_cross, self._project)[0]
 
     def _logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = softcap(packed_linear(hidden, self._head_rows, self._packed_head), self._target.config.final_logit_softcapping)
@@ -199,3 +236,12 @@ class LongSpecDrafter:
             else:
                 q[node] = row
         return Tree.from_parents(tokens, parents, draft_probs=q, children_sampled=True)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -28,11 +28,26 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from longspec.runtime.linear import packed_linear, prepack
 from longspec.speculation.drafters.longspec.config import DraftConfig
 
 # attend_self(layer, q, k, v) and attend_cross(layer, q) -> [B, heads, T, D]
 SelfAttention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 CrossAttention = Callable[[int, torch.Tensor], torch.Tensor]
+Projection = Callable[[nn.Linear, torch.Tensor], torch.Tensor]
+
+
+class PackedProjection:
+    """Applies a frozen model's linear layers through oneDNN-prepacked copies of
+    their bf16 weights (faster matrix-vector products at inference; see
+    runtime/linear.py). Built from the weights as they are now: rebuild it after
+    the weights or their dtype change."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._packed = {id(m): prepack(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+
+    def __call__(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return packed_linear(x, linear.weight, self._packed.get(id(linear)), linear.bias)
 
 
 class DraftRMSNorm(nn.Module):
@@ -102,26 +117,30 @@ class DraftModel(nn.Module):
         target_rope: tuple[torch.Tensor, torch.Tensor],
         attend_self: SelfAttention,
         attend_cross: CrossAttention,
+        project: Projection | None = None,
     ) -> torch.Tensor:
         """x: embedded input tokens [B, T, H] (the target's embedding); positions [T];
-        target_rope: (cos, signed_sin) [T, D] of the target's attended layers.
+        target_rope: (cos, signed_sin) [T, D] of the target's attended layers;
+        project(linear, x): how a linear layer is applied (default: the module
+        itself; inference passes prepacked weights, see `PackedProjection`).
         Returns the final-normed hidden states [B, T, H]."""
         c = self.config
+        apply = project or (lambda linear, inputs: linear(inputs))
         B, T, _ = x.shape
         self_rope = self._self_rope(positions, x.dtype)
         cross_rope = tuple(t.to(x.dtype) for t in target_rope)
         for m, layer in enumerate(self.layers):
-            qkv = layer.self_qkv(layer.self_norm(x)).view(B, T, 3, c.self_num_heads, c.self_head_dim)
+            qkv = apply(layer.self_qkv, layer.self_norm(x)).view(B, T, 3, c.self_num_heads, c.self_head_dim)
             q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each [B, Hs, T, Ds]
             q, k = apply_rope(q, *self_rope), apply_rope(k, *self_rope)
             attn = attend_self(m, q, k, v)
-            x = x + layer.self_out(attn.transpose(1, 2).reshape(B, T, -1))
-            q = layer.cross_q(layer.cross_norm(x)).view(B, T, c.cross_num_heads, c.cross_head_dim)
+            x = x + apply(layer.self_out, attn.transpose(1, 2).reshape(B, T, -1))
+            q = apply(layer.cross_q, layer.cross_norm(x)).view(B, T, c.cross_num_heads, c.cross_head_dim)
             q = apply_rope(layer.cross_q_norm(q).transpose(1, 2), *cross_rope)
             attn = attend_cross(m, q)
-            x = x + layer.cross_out(attn.transpose(1, 2).reshape(B, T, -1))
-            gate, up = layer.gate_up(layer.mlp_norm(x)).chunk(2, dim=-1)
-            x = x + layer.down(F.gelu(gate, approximate="tanh") * up)
+            x = x + apply(layer.cross_out, attn.transpose(1, 2).reshape(B, T, -1))
+            gate, up = apply(layer.gate_up, layer.mlp_norm(x)).chunk(2, dim=-1)
+            x = x + apply(layer.down, F.gelu(gate, approximate="tanh") * up)
         return self.final_norm(x)
 
     def _self_rope(self, positions: torch.Tensor, dtype: torch.dtype):

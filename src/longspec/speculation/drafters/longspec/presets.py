@@ -50,6 +50,7 @@ def make_longspec(
     temperature: float = 1.0,
     retrieval: str | None = None,
     retrieval_nodes: int = 10,
+    retrieval_streak: int | None = 2,
     seed: int | None = None,
 ) -> LongSpecDrafter:
     """A LongSpec drafter. checkpoint: draft weights (.safetensors with its .json);
@@ -71,7 +72,7 @@ def make_longspec(
         raise ValueError(f"unknown retrieval {retrieval!r}; choose from pld, ngram")
     return LongSpecDrafter(
         load_draft(path), _strategy(strategy, length, widths, temperature),
-        retrieval=retrievers[retrieval](), retrieval_nodes=retrieval_nodes, seed=seed,
+        retrieval=retrievers[retrieval](), retrieval_nodes=retrieval_nodes, retrieval_streak=retrieval_streak, seed=seed,
     )
 
 
