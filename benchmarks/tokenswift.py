@@ -23,7 +23,7 @@ import torch
 import longspec
 from common import machine, write_results
 from longspec.api import parse_dtype
-from longspec.speculation.drafters.tokenswift.distinct import distinct_n
+from longspec.speculation.metrics import distinct_n
 from longspec.speculation.drafters.tokenswift.drafter import TokenSwiftDrafter
 from longspec.speculation.metrics import GenerationStats
 from longspec.speculation.processors import SamplingParams

@@ -11,9 +11,10 @@ import torch
 
 from longspec.bench import report
 from longspec.bench.methods import EngineMethod, RunOutput, build_methods, default_settings
-from longspec.bench.runner import BenchRunner, RunnerOptions, distinct_n, first_divergence, load_rows, mismatches
+from longspec.bench.runner import BenchRunner, RunnerOptions, first_divergence, load_rows, mismatches
 from longspec.bench.tasks import Prompt
 from longspec.speculation.engine import EngineOptions
+from longspec.speculation.metrics import distinct_n
 from tiny_models import random_ids, tiny_pair
 
 NEW_TOKENS = 20

@@ -12,6 +12,7 @@ from longspec.api import LongSpecModel
 from longspec.cli.main import main as cli_main
 from longspec.runtime.config import UnsupportedArchitectureError
 from longspec.runtime.loading import load_target
+from longspec.speculation.metrics import distinct_n
 from tiny_models import random_ids, tiny_hf_model
 
 
@@ -43,6 +44,7 @@ def test_api_generates_from_token_ids_and_refuses_text_without_tokenizer(checkpo
     pld = model.generate(ids.tolist(), max_new_tokens=20, method="pld")
     assert ar.token_ids == pld.token_ids and len(ar.token_ids) == 20
     assert pld.stats.target_forwards <= ar.stats.target_forwards
+    assert ar.stats.distinct == [distinct_n(ar.token_ids, n) for n in (1, 2, 3, 4)]  # repetition, beside speed
     with pytest.raises(ValueError, match="no tokenizer"):
         model.generate("hello")
     with pytest.raises(ValueError, match="token ids must lie"):
@@ -105,6 +107,10 @@ def test_gguf_of_unsupported_architecture_is_refused(tmp_path):
         (["generate", "", "--model", "x"], "prompt is empty"),
         (["generate", "hi", "--model", "/no/such/model"], "never downloads"),
         (["generate", "hi", "--draft-tokens", "4"], "--draft-tokens applies to --method pld"),
+        (["generate", "hi", "--method", "tokenswift", "--option", "budget"], "write KEY=VALUE"),
+        (["generate", "hi", "--method", "tokenswift", "--option", "sinks=-1"], "sinks must be"),
+        (["generate", "hi", "--method", "tokenswift", "--option", "bogus=1"], "invalid options for method 'tokenswift'"),
+        (["generate", "hi", "--method", "ar", "--option", "k=3"], "method 'ar' takes no drafter options"),
     ],
 )
 def test_cli_rejects_bad_input_before_work(argv, message, capsys):

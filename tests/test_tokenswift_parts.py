@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from longspec.runtime.cache import KVCache
-from longspec.speculation.drafters.tokenswift.distinct import distinct_n
+from longspec.speculation.metrics import distinct_n
 from longspec.speculation.drafters.tokenswift.heads import HeadsConfig, TokenSwiftHeads
 from longspec.speculation.drafters.tokenswift.partial_cache import (
     PartialKVCache,

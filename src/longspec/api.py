@@ -57,6 +57,7 @@ class TokenStream:
             self.text += chunk.text
             self.token_ids.extend(chunk.token_ids)
             yield chunk
+        self.stats.record_output(self.token_ids)
 
 
 def load(

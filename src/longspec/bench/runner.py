@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from longspec.bench.methods import BenchMethod, RunOutput, Setting, SkippedMethod, Unavailable
 from longspec.bench.tasks import Prompt
+from longspec.speculation.metrics import distinct_n
 
 AR_REFERENCE = "ar"  # our autoregressive decoding
 HF_REFERENCE = "hf"  # transformers greedy generate
@@ -42,12 +43,6 @@ class RunnerOptions:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-
-
-def distinct_n(tokens: Sequence[int], n: int) -> float:
-    """Distinct n-grams over all n-grams of the output (loops score low)."""
-    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
-    return len(set(grams)) / len(grams) if grams else 0.0
 
 
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:

@@ -89,18 +89,15 @@ def _data_dir(args) -> Path | None:
 
 def parse_method_options(specs) -> dict[str, dict]:
     """METHOD.KEY=VALUE strings -> {method: {key: value}}."""
-    import json
+    from longspec.cli.options import parse_option
 
+    example = "METHOD.KEY=VALUE, e.g. pld.num_tokens=5"
     options: dict[str, dict] = {}
     for spec in specs:
-        target, eq, raw = spec.partition("=")
+        target, value = parse_option(spec, example)
         method, dot, key = target.partition(".")
-        if not (eq and dot and method and key):
-            raise ValueError(f"--option {spec!r}: write METHOD.KEY=VALUE, e.g. pld.num_tokens=5")
-        try:
-            value = json.loads(raw)
-        except json.JSONDecodeError:
-            value = raw
+        if not (dot and method and key):
+            raise ValueError(f"--option {spec!r}: write {example}")
         options.setdefault(method, {})[key] = value
     return options
 

@@ -35,6 +35,9 @@ def _generate_parser(sub) -> None:
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default, fastest on CPU) | float32 | float64")
     p.add_argument("--max-tree-nodes", type=int, default=None, help="speculative nodes per verification forward")
     p.add_argument("--draft-tokens", type=int, default=None, help="pld: tokens per lookup candidate")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a drafter option of the method, e.g. tokenswift: budget=1024 sinks=64 k=10; longspec: "
+                        "checkpoint=PATH widths=[2,4,4]; pld: num_tokens=5 (VALUE read as JSON when it parses; repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, ids, stats) instead of streaming")
 
 
@@ -50,7 +53,9 @@ def _cmd_generate(args) -> int:
         prompt = args.prompt
     if not prompt:
         raise ValueError("the prompt is empty")
-    options = {}
+    from longspec.cli.options import parse_option
+
+    options = dict(parse_option(spec, "KEY=VALUE, e.g. --option budget=1024") for spec in args.option)
     if args.draft_tokens is not None:
         if args.method != "pld":
             raise ValueError("--draft-tokens applies to --method pld only")
@@ -87,7 +92,8 @@ def _cmd_generate(args) -> int:
             f"({stats.prefill_tokens_per_s:.0f} tok/s) | {stats.new_tokens} new tok, decode "
             f"{stats.decode_tokens_per_s:.1f} tok/s | tau {stats.tau:.2f} over {stats.target_forwards} forwards"
             + (f" | acceptance by depth {depth}" if depth else "")
-            + f" | draft {stats.draft_s:.2f} s, verify {stats.verify_s:.2f} s, bookkeeping {stats.bookkeeping_s:.2f} s",
+            + f" | draft {stats.draft_s:.2f} s, verify {stats.verify_s:.2f} s, bookkeeping {stats.bookkeeping_s:.2f} s"
+            + " | Distinct-1..4 " + " ".join(f"{d:.3f}" for d in stats.distinct),
             file=sys.stderr,
         )
     return 0

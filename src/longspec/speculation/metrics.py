@@ -1,8 +1,23 @@
-"""What every generation reports: speed, τ, acceptance by depth, time split."""
+"""What every generation reports: speed, τ, acceptance by depth, time split, and
+the output's Distinct-n (the repetition measure long-generation methods report)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+
+DISTINCT_ORDERS = (1, 2, 3, 4)
+
+
+def distinct_n(tokens: Sequence[int], n: int) -> float:
+    """|distinct n-grams| / |n-grams| of ``tokens`` (0.0 when shorter than n); loops score low."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    tokens = [int(t) for t in tokens]
+    total = len(tokens) - n + 1
+    if total <= 0:
+        return 0.0
+    return len({tuple(tokens[i : i + n]) for i in range(total)}) / total
 
 
 @dataclass
@@ -18,6 +33,7 @@ class GenerationStats:
     proposed_by_depth: list[int] = field(default_factory=list)  # rounds whose tree reached depth d+1
     accepted_by_depth: list[int] = field(default_factory=list)  # rounds that accepted a node at depth d+1
     stop_reason: str = ""
+    distinct: list[float] = field(default_factory=list)  # Distinct-1..4 of the output, set when generation ends
 
     @property
     def decode_s(self) -> float:
@@ -48,6 +64,9 @@ class GenerationStats:
                 counts.extend([0] * (upto - len(counts)))
             for d in range(upto):
                 counts[d] += 1
+
+    def record_output(self, tokens: Sequence[int]) -> None:
+        self.distinct = [distinct_n(tokens, n) for n in DISTINCT_ORDERS]
 
     def to_dict(self) -> dict:
         data = asdict(self)
