@@ -228,3 +228,31 @@ def test_cli_init_from_errors_before_loading_the_target(tmp_path, capsys):
     args = ["train", "longspec", "--stdlib", "--out", str(tmp_path / "run"), "--init-from", str(existing), "--draft-vocab", "100"]
     assert main(args) == 2
     assert "drop --draft-vocab" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ held-out evaluation
+def test_depth1_predictions_equal_the_inference_drafters_first_token():
+    from longspec.speculation.drafters.longspec import ChainStrategy
+    from longspec.training.longspec_eval import draft_agreement, draft_predictions
+
+    target = tiny_decoder("gemma3", dtype=torch.float64)
+    draft = DraftModel(small_draft_config(target, window=64)).reset_parameters(seed=1, std=0.3).to(torch.float64)
+    sequences = torch.stack([random_ids(12, seed=20 + s)[0] for s in range(2)])
+    hits = total = 0
+    for ids in sequences:
+        predicted, labels = draft_predictions(draft, target, ids, torch.arange(ids.numel()), depth=1)
+        for i in range(1, ids.numel()):  # root = ids[i]; the target cache holds ids[:i]
+            cache = target.new_cache(32)
+            target(ids[:i].unsqueeze(0), cache)
+            cache.commit()
+            view = TargetView(target, cache)
+            drafter = LongSpecDrafter(draft, ChainStrategy(1))
+            drafter.begin(DraftContext(ids[: i + 1], view, 4))
+            assert int(predicted[i - 1]) == int(drafter.propose(DraftContext(ids[: i + 1], view, 4)).tokens[1])
+            assert int(labels[i - 1]) == int(target(ids[: i + 1].unsqueeze(0), target.new_cache(32)).logits[0, -1].argmax())
+            hits += int(predicted[i - 1] == labels[i - 1])
+            total += 1
+    (row,) = draft_agreement(draft, target, sequences, depths=(1,))
+    assert (row.depth, row.positions, row.top1) == (1, total, hits / total) and row.cross_entropy > 0
+    with pytest.raises(ValueError, match="exceeds the target's"):
+        draft_agreement(draft, target, sequences, start_positions=(target.config.max_position_embeddings,))
