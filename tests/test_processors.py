@@ -333,3 +333,27 @@ def test_validation_message_examples() -> None:
 def test_boundary_values_are_accepted() -> None:
     SamplingParams(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, penalty=1.0, penalty_window=1)
     SamplingParams(temperature=2, top_k=None, top_p=None, min_p=1.0, eta=0.5, penalty=0.5)
+
+
+@pytest.mark.parametrize("scale,top_p", [(0.05, 0.95), (1.0, 0.9), (8.0, 0.5)])
+def test_top_p_over_a_large_vocabulary_matches_the_full_sort(scale, top_p):
+    """Nuclei from a handful of tokens to most of a 5000-token vocabulary (the
+    candidate set grows past its first guess), against transformers' full sort."""
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(4, 5000, generator=g, dtype=torch.float64) * scale
+    params = SamplingParams(temperature=1.0, top_p=top_p)
+    ours = processed_logits(logits, None, params)
+    ref = TopPLogitsWarper(top_p)(None, logits.clone())
+    assert torch.equal(torch.isinf(ours), torch.isinf(ref))
+    kept = (~torch.isinf(ours)).sum(dim=-1)
+    assert kept.min() >= 1 and (scale > 1 or kept.max() > 256)
+
+
+def test_top_p_keeps_every_token_tied_with_the_last_kept_one():
+    # Probabilities 0.4, 0.2, 0.2, 0.2: top-p 0.5 needs the top token and one of the
+    # tied three; all three survive rather than an arbitrary one by sort order.
+    logits = torch.log(torch.tensor([[0.2, 0.4, 0.2, 0.2]], dtype=torch.float64))
+    kept = ~torch.isinf(processed_logits(logits, None, SamplingParams(temperature=1.0, top_p=0.5)))
+    assert kept.tolist() == [[True, True, True, True]]
+    kept = ~torch.isinf(processed_logits(logits, None, SamplingParams(temperature=1.0, top_p=0.4)))
+    assert kept.tolist() == [[False, True, False, False]]
