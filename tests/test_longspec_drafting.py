@@ -163,8 +163,13 @@ def test_registered_methods_load_a_checkpoint_and_fail_clearly(tmp_path):
     with pytest.raises(FileNotFoundError, match="draft weights not found at .*missing.safetensors"):
         make_drafter("longspec", checkpoint=tmp_path / "missing.safetensors")
     other = tiny_decoder("llama", dtype=torch.float64, hidden_size=96)
+
+    class NoPrefill(SpeculativeEngine):
+        def _prefill(self, ids, cache):
+            raise AssertionError("prefill ran before the draft was checked against the target")
+
     with pytest.raises(DraftMismatchError, match="hidden size: draft 64 vs target 96"):
-        run(SpeculativeEngine(other, EngineOptions(progress=False)), prompt, make_drafter("longspec", checkpoint=path))
+        run(NoPrefill(other, EngineOptions(progress=False)), prompt, make_drafter("longspec", checkpoint=path))
 
 
 def test_retrieval_first_skips_the_draft_on_a_streak_and_stays_lossless():

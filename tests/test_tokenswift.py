@@ -82,10 +82,18 @@ def test_registered_and_validated():
     with pytest.raises(ValueError, match="first width"):
         TokenSwiftDrafter(widths=(2, 3))
     model = tiny_decoder("llama", dtype=torch.float64)
-    engine = SpeculativeEngine(model, EngineOptions(progress=False))
+
+    class NoPrefill(SpeculativeEngine):
+        def _prefill(self, ids, cache):
+            raise AssertionError("prefill ran before the heads were checked against the target")
+
+    engine = NoPrefill(model, EngineOptions(progress=False))
     wrong = TokenSwiftHeads.for_target(tiny_decoder("llama", dtype=torch.float64, vocab_size=64).config)
     with pytest.raises(ValueError, match="do not fit this target"):
         list(engine.generate(random_ids(8)[0], max_new_tokens=2, drafter=TokenSwiftDrafter(wrong)))
+    with pytest.raises(ValueError, match="need 4 heads"):
+        list(engine.generate(random_ids(8)[0], max_new_tokens=2, drafter=TokenSwiftDrafter(
+            TokenSwiftHeads.for_target(model.config), widths=(1, 2, 2, 2, 2))))
 
 
 # --------------------------------------------------------------- sampling

@@ -77,6 +77,9 @@ class SpeculativeEngine:
         ``max_new_tokens`` or the caller stops iterating. Fills ``stats`` in place."""
         prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)
         self.check_request(prompt.numel(), max_new_tokens)
+        check_target = getattr(drafter, "check_target", None)
+        if check_target is not None:
+            check_target(self.model.config)  # weights that do not fit fail before prefill
         stats = stats if stats is not None else GenerationStats()
         stats.prompt_tokens = prompt.numel()
         opts = self.options

@@ -3,8 +3,10 @@
 A drafter proposes a `Tree` rooted at the current root token and is told which
 tokens were committed. It may read the target through the read-only `DraftContext`
 the engine hands it, and owns only bounded state of its own. Drafters may also
-offer ``state_nbytes() -> int``, the bytes of that per-sequence state (caches,
-rings, indexes; not weights), which benchmarks report beside the target's cache.
+offer ``check_target(config)``, which the engine calls before any work (prefill) so
+that weights that do not fit the target fail first, naming the mismatch; and
+``state_nbytes() -> int``, the bytes of their per-sequence state (caches, rings,
+indexes; not weights), which benchmarks report beside the target's cache.
 """
 
 from __future__ import annotations

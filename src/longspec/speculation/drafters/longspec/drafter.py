@@ -78,11 +78,15 @@ class LongSpecDrafter:
         self._last_token: int | None = None
 
     # --------------------------------------------------------------- protocol
+    def check_target(self, config) -> None:
+        """Raise DraftMismatchError naming each field where the draft does not fit."""
+        self.draft.config.check_fits(config)
+
     def begin(self, context: DraftContext) -> None:
         view = context.target
         if view is None:
             raise ValueError("the LongSpec drafter needs the target view (cross-attention reads the target's K/V)")
-        self.draft.config.check_fits(view.config)
+        self.check_target(view.config)
         dtype = view.model.dtype
         if self._target is not view.model or self.state is None or self.state.ring_k.dtype != dtype:
             self.draft.to(dtype)

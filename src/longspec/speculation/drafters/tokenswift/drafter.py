@@ -82,14 +82,18 @@ class TokenSwiftDrafter:
         self._root_hidden: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ setup
-    def _load_heads(self, model) -> TokenSwiftHeads:
+    def check_target(self, config) -> None:
+        """Load the heads (once) and raise if they do not fit `config` or the widths."""
         if self.heads is None:
             path = default_heads_path() if self.heads_source is None else Path(self.heads_source)
-            self.heads = TokenSwiftHeads.load(path, model.config)
+            self.heads = TokenSwiftHeads.load(path, config)
         else:
-            self.heads.config.check_fits(model.config)
+            self.heads.config.check_fits(config)
         if len(self.widths) - 1 > self.heads.config.num_heads:
             raise ValueError(f"widths {self.widths} need {len(self.widths) - 1} heads; these have {self.heads.config.num_heads}")
+
+    def _load_heads(self, model) -> TokenSwiftHeads:
+        self.check_target(model.config)
         wide = torch.float64 if model.dtype == torch.float64 else torch.float32
         return self.heads.to(wide)
 
