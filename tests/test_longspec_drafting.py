@@ -186,17 +186,19 @@ def test_retrieval_first_skips_the_draft_on_a_streak_and_stays_lossless():
             return super()._hidden(*args)
 
     drafters = {}
-    for streak in (None, 1):
+    for streak in (None, 1, 0):
         drafter = Counting(random_draft(model), ChainStrategy(4), retrieval=PromptLookupDrafter(num_tokens=5),
                            retrieval_nodes=8, retrieval_streak=streak)
         assert torch.equal(run(engine, prompt, drafter, max_new_tokens=60), reference)
         drafters[streak] = drafter
     assert drafters[None].skipped_rounds == 0
     assert drafters[1].skipped_rounds > 0 and drafters[1].forwards < drafters[None].forwards
+    # 0: the draft runs only in rounds where retrieval finds nothing.
+    assert drafters[0].skipped_rounds >= drafters[1].skipped_rounds and drafters[0].forwards <= drafters[1].forwards
 
 
 def test_retrieval_streak_is_validated():
     model = tiny_decoder("llama", dtype=torch.float64)
-    for bad in (0, -1, 1.5, True):
+    for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="retrieval_streak"):
             LongSpecDrafter(random_draft(model), ChainStrategy(2), retrieval=PromptLookupDrafter(), retrieval_streak=bad)

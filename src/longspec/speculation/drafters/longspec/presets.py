@@ -50,7 +50,7 @@ def make_longspec(
     temperature: float = 1.0,
     retrieval: str | None = None,
     retrieval_nodes: int = 10,
-    retrieval_streak: int | None = 2,
+    retrieval_streak: int | None = 0,
     seed: int | None = None,
 ) -> LongSpecDrafter:
     """A LongSpec drafter. checkpoint: draft weights (.safetensors with its .json);
