@@ -24,10 +24,11 @@ class OracleGarbageDrafter:
     true continuation (so deep paths get accepted and compacted) and otherwise
     random or repeated garbage, with duplicate siblings allowed."""
 
-    def __init__(self, reference: torch.Tensor, prompt_length: int, seed: int) -> None:
+    def __init__(self, reference: torch.Tensor, prompt_length: int, seed: int, max_nodes: int = 24) -> None:
         self.reference = reference
         self.prompt_length = prompt_length
         self.rng = torch.Generator().manual_seed(seed)
+        self.max_nodes = max_nodes
 
     def begin(self, context: DraftContext) -> None:
         pass
@@ -39,7 +40,7 @@ class OracleGarbageDrafter:
         return int(torch.randint(0, high, (), generator=self.rng))
 
     def propose(self, context: DraftContext) -> Tree:
-        n = self._rand(min(context.max_nodes, 24) + 1)
+        n = self._rand(min(context.max_nodes, self.max_nodes) + 1)
         done = context.tokens.numel() - self.prompt_length  # generated tokens, minus the root's offset
         tokens, parents, depths = [context.root], [-1], [0]
         for i in range(1, n + 1):

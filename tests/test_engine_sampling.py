@@ -175,6 +175,8 @@ def per_path_sampling(tree, logits, histories, params, generator) -> Verdict:
 
 SAMPLING = SamplingParams(temperature=1.3, top_p=0.97)
 PENALIZED = SamplingParams(temperature=1.0, penalty=2.5, penalty_window=3)
+TOP_K = SamplingParams(temperature=1.1, top_k=3)  # p = 0 on one token per context: q keeps mass there
+ETA = SamplingParams(temperature=2.0, eta=0.05)  # 13 of 64 sequences survive the cut
 
 
 @pytest.mark.parametrize(
@@ -186,8 +188,13 @@ PENALIZED = SamplingParams(temperature=1.0, penalty=2.5, penalty_window=3)
         (SAMPLING, CartesianDrafter),
         (PENALIZED, CartesianDrafter),
         (PENALIZED, SampledChainDrafter),
+        (TOP_K, SampledTreeDrafter),
+        (TOP_K, CartesianDrafter),
+        (ETA, SampledChainDrafter),
+        (ETA, CartesianDrafter),
     ],
-    ids=["ar", "chain-q", "sampled-tree", "deterministic-tree", "penalty-deterministic-tree", "penalty-chain-q"],
+    ids=["ar", "chain-q", "sampled-tree", "deterministic-tree", "penalty-deterministic-tree", "penalty-chain-q",
+         "top-k-sampled-tree", "top-k-deterministic-tree", "eta-chain-q", "eta-deterministic-tree"],
 )
 def test_sampled_sequences_follow_the_target_distribution(model, params, drafter):
     exact = exact_distribution(model, params)

@@ -23,7 +23,8 @@ from longspec.runtime.model import Decoder
 from longspec.speculation.drafters.base import DraftContext, Drafter, TargetView
 from longspec.speculation.metrics import GenerationStats
 from longspec.speculation.processors import SamplingParams
-from longspec.speculation.tree import Tree
+from longspec.speculation.seeding import drafter_generator
+from longspec.speculation.tree import MalformedTreeError, Tree
 from longspec.speculation.verification import verify
 
 # Prompts longer than this show a prefill progress bar (when attached to a terminal).
@@ -74,7 +75,10 @@ class SpeculativeEngine:
         stats: GenerationStats | None = None,
     ) -> Iterator[torch.Tensor]:
         """Yield the tokens committed each round (1-D int64), until EOS (included),
-        ``max_new_tokens`` or the caller stops iterating. Fills ``stats`` in place."""
+        ``max_new_tokens`` or the caller stops iterating. Fills ``stats`` in place.
+
+        ``generator`` is the verifier's random stream; a drafter that samples gets its
+        own stream derived from the same seed (see `DraftContext.generator`)."""
         prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)
         self.check_request(prompt.numel(), max_new_tokens)
         check_target = getattr(drafter, "check_target", None)
@@ -96,16 +100,16 @@ class SpeculativeEngine:
         stats.prefill_s = time.perf_counter() - start
 
         view = TargetView(self.model, cache)
+        draft_generator = drafter_generator(generator) if generator is not None else None
         if drafter is not None:
-            drafter.begin(DraftContext(tokens[:length], view, tree_budget))
+            drafter.begin(DraftContext(tokens[:length], view, tree_budget, draft_generator))
         produced = 0
         while produced < max_new_tokens:
             t0 = time.perf_counter()
             if drafter is None:
                 tree = Tree.chain(int(tokens[length - 1]), [])
             else:
-                tree = drafter.propose(DraftContext(tokens[:length], view, tree_budget))
-                self._check_tree(tree, int(tokens[length - 1]), tree_budget)
+                tree = self._propose(drafter, DraftContext(tokens[:length], view, tree_budget, draft_generator))
             t1 = time.perf_counter()
             verdict, hidden = self._verify_round(tree, tokens, length, cache, params, generator)
             view.last_hidden = hidden[verdict.path]
@@ -150,12 +154,23 @@ class SpeculativeEngine:
             histories = node_histories(tokens[:length], tree, params.penalty_window)
         return verify(tree, out.logits[0], histories, params, generator), out.hidden[0]
 
-    @staticmethod
-    def _check_tree(tree: Tree, root: int, budget: int) -> None:
-        if int(tree.tokens[0]) != root:
-            raise ValueError(f"drafter proposed a tree rooted at token {int(tree.tokens[0])}, expected the root {root}")
-        if tree.size - 1 > budget:
-            raise ValueError(f"drafter proposed {tree.size - 1} nodes, more than max_tree_nodes={budget}")
+    def _propose(self, drafter: Drafter, context: DraftContext) -> Tree:
+        """The drafter's tree, every invariant checked once before the target sees it."""
+        name = type(drafter).__name__
+        try:
+            tree = drafter.propose(context)
+        except MalformedTreeError as error:  # raised while the drafter built its tree
+            raise MalformedTreeError(f"drafter {name} proposed a malformed tree: {error}") from None
+        if not isinstance(tree, Tree):
+            raise TypeError(f"drafter {name} returned {type(tree).__name__} from propose(), expected a Tree")
+        problem = tree.problem(self.model.config.vocab_size)
+        if problem is None and int(tree.tokens[0]) != context.root:
+            problem = f"node 0 carries token {int(tree.tokens[0])}, but the root (last committed token) is {context.root}"
+        if problem is None and tree.size - 1 > context.max_nodes:
+            problem = f"{tree.size - 1} speculative nodes, more than max_tree_nodes={context.max_nodes}"
+        if problem:
+            raise MalformedTreeError(f"drafter {name} proposed a malformed tree: {problem}")
+        return tree
 
 
 def node_histories(committed: torch.Tensor, tree: Tree, window: int) -> torch.Tensor:

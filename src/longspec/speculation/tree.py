@@ -14,6 +14,16 @@ from dataclasses import dataclass
 import torch
 
 
+class MalformedTreeError(ValueError):
+    """A tree breaks one of its invariants; the message names the node and the rule."""
+
+
+# How far a row of draft probabilities may sum from 1 and still count as normalised:
+# float64 rows are normalised to rounding; lower precisions accumulate more error.
+_ROW_SUM_TOLERANCE = {torch.float64: 1e-9}
+_ROW_SUM_TOLERANCE_DEFAULT = 1e-3
+
+
 @dataclass(frozen=True)
 class Tree:
     tokens: torch.Tensor  # [n] int64, tokens[0] is the root token
@@ -27,21 +37,85 @@ class Tree:
     children_sampled: bool = False
 
     def __post_init__(self) -> None:
-        n = self.tokens.numel()
+        problem = self.structure_problem()
+        if problem:
+            raise MalformedTreeError(problem)
+
+    # ---------------------------------------------------------------- validation
+    def structure_problem(self) -> str | None:
+        """The first broken structural invariant, or None. Vectorised: no loop over nodes."""
+        tokens, parents, depths = self.tokens, self.parents, self.depths
+        for name, array in (("tokens", tokens), ("parents", parents), ("depths", depths)):
+            if not isinstance(array, torch.Tensor) or array.dtype != torch.long or array.ndim != 1:
+                return f"{name} must be a 1-D int64 tensor"
+        n = tokens.numel()
         if n < 1:
-            raise ValueError("a tree needs at least its root node")
-        if self.parents.shape != (n,) or self.depths.shape != (n,):
-            raise ValueError("tokens, parents and depths must be 1-D of the same length")
-        _check_parents(self.parents)
+            return "a tree needs at least its root node"
+        if parents.numel() != n or depths.numel() != n:
+            return f"tokens, parents and depths must have the same length (got {n}, {parents.numel()}, {depths.numel()})"
+        if int(parents[0]) != -1 or int(depths[0]) != 0:
+            return f"node 0 must be the root (parent -1, depth 0), got parent {int(parents[0])}, depth {int(depths[0])}"
+        problem = _parents_problem(parents)
+        if problem:
+            return problem
+        wrong_depth = _first(depths[1:] != depths[parents[1:]] + 1)
+        if wrong_depth is not None:
+            i = wrong_depth + 1
+            return (f"node {i} has depth {int(depths[i])} but its parent {int(parents[i])} has depth "
+                    f"{int(depths[parents[i]])} (a node's depth is its parent's + 1)")
         if self.children_sampled and self.draft_probs is None:
-            raise ValueError("a tree with sampled children must carry draft_probs")
+            return "a tree with sampled children must carry draft_probs"
+        return None
+
+    def problem(self, vocab_size: int) -> str | None:
+        """Every invariant the verifiers rely on, for a target of `vocab_size` tokens:
+        the structure, token ids in range, and draft probabilities (when present) as one
+        row per node over the vocabulary, finite and non-negative, each row either
+        normalised or all zero (unused), with every sampled child's token having q > 0
+        under its parent's row. Returns the first broken rule, or None."""
+        problem = self.structure_problem()
+        if problem:
+            return problem
+        bad_token = _first((self.tokens < 0) | (self.tokens >= vocab_size))
+        if bad_token is not None:
+            return f"node {bad_token} carries token {int(self.tokens[bad_token])}, outside the vocabulary [0, {vocab_size})"
+        q = self.draft_probs
+        if q is None:
+            return None
+        if not isinstance(q, torch.Tensor) or not q.is_floating_point() or q.shape != (self.size, vocab_size):
+            shape = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
+            return f"draft_probs must be a float tensor of shape [nodes, vocabulary] = [{self.size}, {vocab_size}], got {shape}"
+        bad_row = _first(~torch.isfinite(q).all(dim=1) | (q < 0).any(dim=1))
+        if bad_row is not None:
+            return f"node {bad_row}: draft_probs row has negative or non-finite entries"
+        sums = q.sum(dim=1, dtype=torch.float64)
+        tolerance = _ROW_SUM_TOLERANCE.get(q.dtype, _ROW_SUM_TOLERANCE_DEFAULT)
+        bad_row = _first(((sums - 1).abs() > tolerance) & (sums != 0))
+        if bad_row is not None:
+            return f"node {bad_row}: draft_probs row sums to {float(sums[bad_row]):.6g}, not 1 (nor 0 for an unused row)"
+        if self.children_sampled and self.size > 1:
+            child_q = q[self.parents[1:], self.tokens[1:]]
+            bad_child = _first(child_q <= 0)
+            if bad_child is not None:
+                i = bad_child + 1
+                return (f"node {i} was sampled from its parent {int(self.parents[i])}'s draft distribution but carries "
+                        f"token {int(self.tokens[i])}, which that distribution gives probability 0")
+        return None
+
+    def check(self, vocab_size: int) -> None:
+        """Raise MalformedTreeError naming the first broken invariant (see `problem`)."""
+        problem = self.problem(vocab_size)
+        if problem:
+            raise MalformedTreeError(problem)
 
     # ------------------------------------------------------------------ builders
     @staticmethod
     def from_parents(tokens: torch.Tensor, parents: torch.Tensor, **kwargs) -> "Tree":
         tokens = torch.as_tensor(tokens, dtype=torch.long)
         parents = torch.as_tensor(parents, dtype=torch.long)
-        _check_parents(parents)  # before walking them: a cycle would never end
+        problem = _parents_problem(parents)  # before walking them: a cycle would never end
+        if problem:
+            raise MalformedTreeError(problem)
         return Tree(tokens, parents, _depths_from_parents(parents), **kwargs)
 
     @staticmethod
@@ -134,12 +208,21 @@ class Tree:
         return torch.nonzero(self.parents == node).flatten()
 
 
-def _check_parents(parents: torch.Tensor) -> None:
+def _first(flags: torch.Tensor) -> int | None:
+    """Index of the first True in a 1-D bool tensor, or None."""
+    hits = torch.nonzero(flags)
+    return int(hits[0, 0]) if hits.numel() else None
+
+
+def _parents_problem(parents: torch.Tensor) -> str | None:
     n = parents.numel()
-    if n < 1 or int(parents[0]) != -1:
-        raise ValueError("node 0 must be the root (parent -1)")
-    if n > 1 and bool(((parents[1:] >= torch.arange(1, n)) | (parents[1:] < 0)).any()):
-        raise ValueError("parents must precede their children (0 <= parents[i] < i)")
+    if parents.ndim != 1 or n < 1 or int(parents[0]) != -1:
+        return "node 0 must be the root (parent -1)"
+    bad = _first((parents[1:] >= torch.arange(1, n)) | (parents[1:] < 0))
+    if bad is not None:
+        i = bad + 1
+        return f"node {i} has parent {int(parents[i])}; parents must precede their children (0 <= parent < {i})"
+    return None
 
 
 def _depths_from_parents(parents: torch.Tensor) -> torch.Tensor:

@@ -29,11 +29,15 @@ class DraftContext:
     target: read-only view of the target model and cache (drafters that cross-attend
         the target's K/V use it; n-gram drafters ignore it).
     max_nodes: the most speculative nodes (root excluded) the engine will verify.
+    generator: the random stream a drafter that samples must draw from. The engine
+        derives it from the request's seed, apart from the verifier's stream, so one
+        seed gives one output for every method (None: the global torch stream).
     """
 
     tokens: torch.Tensor
     target: Any = None
     max_nodes: int = 64
+    generator: torch.Generator | None = None
 
     @property
     def root(self) -> int:

@@ -56,6 +56,10 @@ def load_draft(path: str | Path, target_config=None, dtype: torch.dtype = torch.
     if missing:
         raise ValueError(f"draft checkpoint {path} lacks tensors {sorted(missing)}")
     model.load_state_dict(state)
+    try:
+        model.check_vocab_ids()
+    except ValueError as error:
+        raise ValueError(f"draft checkpoint {path}: {error}") from None
     return model.to(dtype).eval().requires_grad_(False)
 
 

@@ -52,7 +52,9 @@ class LongSpecDrafter:
     ) -> None:
         """retrieval_streak: accepted retrieval tokens in a round that let the next
         round skip the draft (0: skip it whenever retrieval has candidates; None:
-        the draft runs every round)."""
+        the draft runs every round). seed / generator: a fixed random stream for the
+        sampled strategy; by default it is the one the engine derives from the
+        request's seed (`DraftContext.generator`)."""
         if isinstance(draft, (str, Path)):
             draft = load_draft(draft)
         self.draft = draft.eval().requires_grad_(False)
@@ -72,6 +74,7 @@ class LongSpecDrafter:
         self._on_streak = False
         self.skipped_rounds = 0  # rounds proposed by retrieval alone (the draft did not run)
         self.generator = generator if generator is not None else (torch.Generator().manual_seed(seed) if seed is not None else None)
+        self._sequence_generator: torch.Generator | None = self.generator  # this sequence's stream, set by begin()
         self.state: DraftState | None = None
         self._target = None
         self._head_rows: torch.Tensor | None = None
@@ -82,8 +85,10 @@ class LongSpecDrafter:
 
     # --------------------------------------------------------------- protocol
     def check_target(self, config) -> None:
-        """Raise DraftMismatchError naming each field where the draft does not fit."""
+        """Raise DraftMismatchError naming each field where the draft does not fit
+        (and ValueError for a malformed draft vocabulary)."""
         self.draft.config.check_fits(config)
+        self.draft.check_vocab_ids()
 
     def begin(self, context: DraftContext) -> None:
         view = context.target
@@ -103,6 +108,7 @@ class LongSpecDrafter:
         if self.state is None or self.state.capacity != capacity or self.state.ring_k.dtype != dtype:
             self.state = DraftState(self.draft.config, capacity, dtype)
         self.state.reset()
+        self._sequence_generator = self.generator if self.generator is not None else context.generator
         self._target = view.model
         self._root_logprobs = None
         self._last_token = None
@@ -163,7 +169,7 @@ class LongSpecDrafter:
             positions = root_position + torch.tensor([depth_of[n] for n in nodes], dtype=torch.long)
             return self._forward(self.draft.to_full_vocab(draft_ids), positions, visible, view)
 
-        proposal = self.strategy.build(expand, root_logprobs, budget - retrieval_size, self.generator)
+        proposal = self.strategy.build(expand, root_logprobs, budget - retrieval_size, self._sequence_generator)
         tree = self._to_tree(root, proposal)
         if retrieval_chains:
             tree = tree.with_chains([torch.tensor(c, dtype=torch.long) for c in retrieval_chains])
@@ -171,7 +177,7 @@ class LongSpecDrafter:
 
     # ---------------------------------------------------------------- internals
     def _retrieval_chains(self, context: DraftContext) -> list[list[int]]:
-        limited = DraftContext(context.tokens, context.target, min(self.retrieval_nodes, int(context.max_nodes)))
+        limited = DraftContext(context.tokens, context.target, min(self.retrieval_nodes, int(context.max_nodes)), context.generator)
         tree = self.retrieval.propose(limited)
         leaves = [i for i in range(1, tree.size) if tree.children(i).numel() == 0]
         return [tree.tokens[tree.path_to(leaf)[1:]].tolist() for leaf in leaves]

@@ -152,6 +152,24 @@ class DraftModel(nn.Module):
         """The rows of the shared head this draft scores (a gather when reduced)."""
         return head.index_select(0, self.vocab_ids) if self.reduced_vocab else head
 
+    def check_vocab_ids(self) -> None:
+        """A reduced vocabulary must name distinct tokens of the target's vocabulary:
+        a repeated id would give one token two rows, biasing the draft distribution q."""
+        if not self.reduced_vocab:
+            return
+        ids = self.vocab_ids
+        size = self.config.vocab_size
+        outside = ids[(ids < 0) | (ids >= size)]
+        if outside.numel():
+            raise ValueError(f"draft vocabulary ids must lie in [0, {size}); found {outside[:5].tolist()}")
+        unique, counts = torch.unique(ids, return_counts=True)
+        repeated = unique[counts > 1]
+        if repeated.numel():
+            raise ValueError(
+                f"draft vocabulary ids repeat {repeated.numel()} token(s), e.g. {repeated[:5].tolist()}: each target "
+                "token may appear once (a repeat would count its probability twice); rebuild the checkpoint's vocab_ids"
+            )
+
     def to_full_vocab(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return self.vocab_ids[draft_ids] if self.reduced_vocab else draft_ids
 
