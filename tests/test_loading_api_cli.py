@@ -109,8 +109,8 @@ def test_gguf_of_unsupported_architecture_is_refused(tmp_path):
         (["generate", "hi", "--draft-tokens", "4"], "--draft-tokens applies to --method pld"),
         (["generate", "hi", "--method", "tokenswift", "--option", "budget"], "write KEY=VALUE"),
         (["generate", "hi", "--method", "tokenswift", "--option", "sinks=-1"], "sinks must be"),
-        (["generate", "hi", "--method", "tokenswift", "--option", "bogus=1"], "invalid options for method 'tokenswift'"),
-        (["generate", "hi", "--method", "ar", "--option", "k=3"], "method 'ar' takes no drafter options"),
+        (["generate", "hi", "--method", "tokenswift", "--option", "bogus=1"], "method 'tokenswift' has no option bogus; its options are: heads, budget"),
+        (["generate", "hi", "--method", "ar", "--option", "k=3"], "method 'ar' has no option k; its options are: none"),
     ],
 )
 def test_cli_rejects_bad_input_before_work(argv, message, capsys):

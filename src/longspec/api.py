@@ -8,6 +8,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from longspec.runtime.loading import LoadedTarget, load_target
@@ -28,6 +29,52 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     return DTYPES[dtype]
+
+
+# torch.Generator seeds are unsigned 64-bit integers.
+MAX_SEED = 2**64 - 1
+
+
+def _check_int(name: str, value: object, *, low: int, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < low or (high is not None and value > high):
+        bounds = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be {bounds}, got {value}")
+
+
+def _stop_strings(stop: str | Sequence[str]) -> tuple[str, ...]:
+    """One string is one stop string (as in the OpenAI API), never its characters."""
+    stops = (stop,) if isinstance(stop, str) else tuple(stop)
+    for s in stops:
+        if not isinstance(s, str):
+            raise TypeError(f"stop must be a string or a list of strings, got an element {s!r}")
+        if not s:
+            raise ValueError("stop strings must be non-empty")
+    return stops
+
+
+def _prompt_ids(prompt: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """Token ids as a 1-D int64 tensor; anything that is not a list of integer ids
+    (floats, bools, several prompts at once) is refused rather than coerced."""
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dtype == torch.bool or prompt.is_floating_point() or prompt.is_complex():
+            raise TypeError(f"prompt token ids must be an integer tensor, got {prompt.dtype}")
+        if prompt.dim() == 2 and prompt.shape[0] == 1:
+            prompt = prompt[0]  # one row of a [1, T] batch, as tokenizers return it
+        if prompt.dim() != 1:
+            raise ValueError(
+                f"prompt token ids must be 1-D [T] (or [1, T]), got shape {tuple(prompt.shape)}; batched "
+                "prompts are not supported yet: call generate once per prompt"
+            )
+        return prompt.to(torch.long)
+    if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence):
+        raise TypeError(f"prompt must be text, a list of token ids or an integer tensor, got {type(prompt).__name__}")
+    bad = next((x for x in prompt if isinstance(x, bool) or not isinstance(x, (int, np.integer))), None)
+    if bad is not None:
+        hint = "; batched prompts are not supported yet: call generate once per prompt" if isinstance(bad, (list, tuple)) else ""
+        raise TypeError(f"prompt token ids must be integers, got {type(bad).__name__} {bad!r}{hint}")
+    return torch.tensor([int(x) for x in prompt], dtype=torch.long)
 
 
 @dataclass
@@ -77,6 +124,7 @@ class LongSpecModel:
         self.model = target.model
         self.tokenizer = target.tokenizer
         self.engine = SpeculativeEngine(target.model, engine)
+        self._max_token_bytes: int | None = None  # longest vocabulary entry, computed on first use
 
     @property
     def config(self):
@@ -87,20 +135,41 @@ class LongSpecModel:
             if not prompt:
                 raise ValueError("the prompt is empty")
             if self.tokenizer is None:
-                raise ValueError(f"{self.target.source} has no tokenizer files; pass the prompt as token ids")
+                raise ValueError(
+                    f"{self.target.source} has no tokenizer files: pass the prompt as token ids, or add the "
+                    "tokenizer to the checkpoint directory (AutoTokenizer.from_pretrained(ORIGINAL).save_pretrained(DIR))"
+                )
+            self._check_text_fits(prompt)
             if chat:
                 if not getattr(self.tokenizer, "chat_template", None):
-                    raise ValueError("this model's tokenizer has no chat template; pass chat=False")
+                    raise ValueError("this model's tokenizer has no chat template: drop --chat (chat=False in Python) "
+                                     "and write the prompt in the model's own format")
                 ids = self.tokenizer.apply_chat_template(
                     [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
                 )
                 ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
                 return torch.tensor(ids, dtype=torch.long)
             return torch.tensor(self.tokenizer(prompt).input_ids, dtype=torch.long)
-        ids = torch.as_tensor(prompt, dtype=torch.long).reshape(-1)
+        ids = _prompt_ids(prompt)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}); got {int(ids.min())}..{int(ids.max())}")
         return ids
+
+    def _check_text_fits(self, text: str) -> None:
+        """Refuse text that cannot fit the context before tokenizing it (a 20 MB file
+        would take seconds and gigabytes to tokenize): no token spells more bytes than
+        the longest vocabulary entry, so bytes / that length is a lower bound on the
+        token count."""
+        if self._max_token_bytes is None:
+            self._max_token_bytes = max((len(t.encode("utf-8")) for t in self.tokenizer.get_vocab()), default=1)
+        size = len(text.encode("utf-8"))
+        at_least = -(-size // self._max_token_bytes)
+        context = self.config.max_position_embeddings
+        if at_least > context:
+            raise ValueError(
+                f"the prompt ({size:,} bytes) is at least {at_least:,} tokens long, beyond the model's context of "
+                f"{context:,} tokens; shorten it (keep the last part that matters)"
+            )
 
     def stream(
         self,
@@ -117,7 +186,7 @@ class LongSpecModel:
         penalty: float = 1.0,
         penalty_window: int = 1024,
         seed: int | None = None,
-        stop: Sequence[str] = (),
+        stop: str | Sequence[str] = (),
         chat: bool = False,
         ignore_eos: bool = False,
     ) -> TokenStream:
@@ -125,10 +194,14 @@ class LongSpecModel:
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, eta=eta,
             penalty=penalty, penalty_window=penalty_window,
         )
+        _check_int("max_new_tokens", max_new_tokens, low=1)
+        if seed is not None:
+            _check_int("seed", seed, low=0, high=MAX_SEED)
+        stop = _stop_strings(stop)
+        if method_options is not None and not isinstance(method_options, dict):
+            raise TypeError(f"method_options must be a dict of drafter options, got {type(method_options).__name__}")
         ids = self.encode(prompt, chat=chat)
         self.engine.check_request(ids.numel(), max_new_tokens)
-        if any(not s for s in stop):
-            raise ValueError("stop strings must be non-empty")
         if isinstance(method, str):
             drafter, name = make_drafter(method, **(method_options or {})), method
         else:

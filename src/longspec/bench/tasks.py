@@ -61,6 +61,7 @@ class TaskItem:
     chat: bool = False  # wrap in the model's chat template (when it has one)
     category: str = ""
     keep: str = "middle"  # what survives fitting to a bucket: "middle" cut (LongBench) or the "head" (book prefixes)
+    origin: str = ""  # FILE:LINE the item was read from, for error messages
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,8 @@ def _read_jsonl(path: Path, required: Sequence[str]) -> list[tuple[int, dict]]:
         raise TaskFileError(f"task file not found: {path}")
     rows = []
     with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+        lines = _utf8_lines(f, path)
+        for number, line in enumerate(lines, start=1):
             if not line.strip():
                 continue
             try:
@@ -103,6 +105,26 @@ def _read_jsonl(path: Path, required: Sequence[str]) -> list[tuple[int, dict]]:
     if not rows:
         raise TaskFileError(f"{path}: no rows")
     return rows
+
+
+def _utf8_lines(handle, path: Path) -> list[str]:
+    try:
+        return handle.readlines()
+    except UnicodeDecodeError as error:
+        raise TaskFileError(f"{path} is not UTF-8 text ({error.reason} at byte {error.start}); convert it to UTF-8 "
+                            "(e.g. iconv -f latin1 -t utf-8)") from None
+
+
+def check_prompt_ids(items: Sequence[TaskItem], vocab_size: int) -> None:
+    """Token-id prompts must lie in the model's vocabulary: fail before any work,
+    naming the file and line."""
+    for item in items:
+        if item.ids is None:
+            continue
+        bad = [t for t in item.ids if not 0 <= t < vocab_size]
+        if bad:
+            raise TaskFileError(f"{item.origin or item.item_id}: prompt_ids {bad[:5]} lie outside the model's "
+                                f"vocabulary [0, {vocab_size}); these ids were made for another tokenizer")
 
 
 def load_longbench(path: Path, task: str | None = None) -> list[TaskItem]:
@@ -158,7 +180,7 @@ def load_generic_jsonl(path: Path) -> list[TaskItem]:
             raise TaskFileError(f"{path}:{number}: 'prompt_ids' must be a non-empty list of integers")
         items.append(
             TaskItem(path.stem, str(row.get("id", number)), row.get("prompt"), tuple(ids) if ids else None,
-                     chat=bool(row.get("chat", False)))
+                     chat=bool(row.get("chat", False)), origin=f"{path}:{number}")
         )
     return items
 

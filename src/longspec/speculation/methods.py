@@ -6,6 +6,7 @@ autoregressive decoding). Later drafters register here too.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -30,10 +31,24 @@ METHODS: dict[str, Callable[..., Drafter | None]] = {
 }
 
 
+def accepted_options(method: str) -> list[str]:
+    """The keyword options a method's drafter takes (what `--option KEY=VALUE` accepts)."""
+    if method == "ar":
+        return []
+    parameters = inspect.signature(METHODS[method]).parameters.values()
+    return [p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"]
+
+
 def make_drafter(method: str, **options: Any) -> Drafter | None:
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
+    accepted = accepted_options(method)
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ValueError(f"method {method!r} has no option {', '.join(unknown)}; its options are: "
+                         + (", ".join(accepted) if accepted else "none"))
     try:
         return METHODS[method](**options)
-    except TypeError as error:
-        raise ValueError(f"invalid options for method {method!r}: {error}") from error
+    except (TypeError, ValueError) as error:
+        given = ", ".join(f"{k}={v!r}" for k, v in options.items())
+        raise ValueError(f"invalid options for method {method!r} ({given}): {error}") from None

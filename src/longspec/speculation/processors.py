@@ -24,6 +24,9 @@ from dataclasses import dataclass
 import torch
 
 _NEG_INF = float("-inf")
+# The penalty divides or multiplies logits by theta; within [1/limit, limit] the
+# result stays far inside float32's range for any logit a model produces.
+_PENALTY_LIMIT = 2.0**32
 
 
 def _is_real(value: object) -> bool:
@@ -72,8 +75,11 @@ class SamplingParams:
         if e is not None and not (_is_real(e) and 0 < e < 1):
             raise ValueError(f"eta must be in (0, 1), got {e!r}")
         th = self.penalty
-        if not (_is_real(th) and th > 0 and math.isfinite(th)):
-            raise ValueError(f"penalty must be > 0 (1.0 disables, usually >= 1), got {th!r}")
+        if not (_is_real(th) and 1 / _PENALTY_LIMIT <= th <= _PENALTY_LIMIT):
+            raise ValueError(
+                f"penalty must lie in [2^-32, 2^32] (1.0 disables, usually 1-2; beyond that range logits "
+                f"would overflow), got {th!r}"
+            )
         w = self.penalty_window
         if not (_is_int(w) and w >= 1):
             raise ValueError(f"penalty_window must be an integer >= 1, got {w!r}")
@@ -159,6 +165,11 @@ def history_windows(tokens: torch.Tensor, ends: torch.Tensor, window: int) -> to
 
 
 def _temperature(scores: torch.Tensor, temperature: float) -> torch.Tensor:
+    """scores / T. Where that would overflow (T tiny), each row is first shifted by
+    its maximum, which leaves every softmax-based step unchanged and keeps the scores
+    finite: the top token scores 0, the rest fall towards -inf."""
+    if temperature < 1 and float(scores.abs().amax()) > torch.finfo(scores.dtype).max * temperature:
+        scores = scores - scores.amax(dim=-1, keepdim=True)
     return scores / temperature
 
 

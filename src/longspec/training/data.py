@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from longspec.training.fingerprint import digest, files_fingerprint, tokenizer_fingerprint
+
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".c", ".h", ".json", ".toml", ".cfg", ".html", ".js")
 JSONL_TEXT_FIELDS = ("text", "context", "content", "problem", "question")
 
@@ -46,17 +48,34 @@ def stdlib_dir() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
+def directory_files(path: Path, exclude: Sequence[str] = EXCLUDED_DIRS) -> list[Path]:
+    """The corpus files below a directory (text/code suffixes, excluded directories skipped)."""
+    return sorted(
+        p for p in path.rglob("*")
+        if p.is_file() and p.suffix in TEXT_SUFFIXES and not set(p.relative_to(path).parts) & set(exclude)
+    )
+
+
+def corpus_files(paths: Sequence[str | Path], exclude: Sequence[str] = EXCLUDED_DIRS) -> list[Path]:
+    """Every file `iter_documents` reads, in its order."""
+    files: list[Path] = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            files += directory_files(path, exclude)
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise FileNotFoundError(f"corpus path not found: {path}")
+    return files
+
+
 def iter_documents(
     paths: Sequence[str | Path], *, text_field: str | None = None, exclude: Sequence[str] = EXCLUDED_DIRS
 ) -> Iterator[Document]:
     for path in paths:
         path = Path(path)
         if path.is_dir():
-            files = (
-                p for p in path.rglob("*")
-                if p.is_file() and p.suffix in TEXT_SUFFIXES and not set(p.relative_to(path).parts) & set(exclude)
-            )
-            for file in sorted(files):
+            for file in directory_files(path, exclude):
                 yield Document(str(file.relative_to(path.parent)), file.read_text(errors="replace"))
         elif path.suffix == ".jsonl" and path.is_file():
             with path.open() as rows:
@@ -86,17 +105,30 @@ def build_shards(
     heldout_fraction: float = 0.05,
     shard_tokens: int = 1 << 20,
     eos_id: int | None = None,
+    key: str | None = None,
 ) -> dict:
-    """Tokenize documents into out_dir/{train,heldout}-NNNNN.safetensors + index.json."""
+    """Tokenize documents into out_dir/{train,heldout}-NNNNN.safetensors + index.json.
+
+    key: a fingerprint of what the shards are made from (files, tokenizer, split; see
+    `shards_key`). Existing shards are reused only under the same key; shards of
+    another corpus are refused, never silently trained on. None reuses whatever is
+    there (pre-built shards given without a corpus)."""
     if not 0 <= heldout_fraction < 1:
         raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     index_file = out / "index.json"
     if index_file.is_file():
-        return json.loads(index_file.read_text())
+        index = json.loads(index_file.read_text())
+        if key is not None and index.get("key") != key:
+            raise ValueError(
+                f"the token shards in {out} were built from another corpus, tokenizer or split (or by an older "
+                "longspec) than this run's: use another --out (or --shards DIR), or delete that directory to rebuild"
+            )
+        return index
     eos = tokenizer.eos_token_id if eos_id is None else eos_id
-    index = {"shards": {"train": [], "heldout": []}, "files": {"train": [], "heldout": []}, "tokens": {"train": 0, "heldout": 0}}
+    index = {"key": key, "shards": {"train": [], "heldout": []}, "files": {"train": [], "heldout": []},
+             "tokens": {"train": 0, "heldout": 0}}
     buffers: dict[str, list[int]] = {"train": [], "heldout": []}
 
     def flush(split: str) -> None:
@@ -124,6 +156,16 @@ def build_shards(
         raise ValueError("the corpus produced no training tokens; check the --corpus paths")
     index_file.write_text(json.dumps(index, indent=1))
     return index
+
+
+def shards_key(paths: Sequence[str | Path], tokenizer, *, text_field: str | None, heldout_fraction: float,
+               exclude: Sequence[str] = EXCLUDED_DIRS) -> str:
+    """What a shard directory is made from: every corpus file (path, size, mtime), the
+    text field, the held-out fraction and the tokenizer."""
+    return digest({
+        "files": files_fingerprint(corpus_files(paths, exclude)), "text_field": text_field,
+        "heldout_fraction": heldout_fraction, "tokenizer": tokenizer_fingerprint(tokenizer),
+    })
 
 
 def load_split(shard_dir: str | Path, split: str = "train") -> torch.Tensor:

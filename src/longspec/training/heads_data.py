@@ -24,7 +24,11 @@ def text_files(paths: Sequence[Path]) -> list[Path]:
     for path in paths:
         path = Path(path)
         if path.is_dir():
-            out.extend(sorted(p for p in path.rglob("*.txt")))
+            found = sorted(p for p in path.rglob("*.txt"))
+            if not found:
+                raise ValueError(f"{path} holds no .txt files: in directories, TokenSwift training reads .txt files "
+                                 "(name other text files, .py or .md say, directly with --data FILE)")
+            out.extend(found)
         elif path.is_file():
             out.append(path)
         else:

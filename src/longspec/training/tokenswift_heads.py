@@ -117,8 +117,10 @@ def evaluate(target, heads, heldout: torch.Tensor, config: HeadsTrainingConfig):
 
 
 def train_heads(target, data: torch.Tensor, out_dir: Path, config: HeadsTrainingConfig, *,
-                resume: bool = False, target_name: str = "", log=print) -> TokenSwiftHeads:
-    """Train heads on windows ``data`` [N, seq_len]; write checkpoints to ``out_dir``."""
+                resume: bool = False, target_name: str = "", log=print, data_key: str | None = None) -> TokenSwiftHeads:
+    """Train heads on windows ``data`` [N, seq_len]; write checkpoints to ``out_dir``.
+    data_key: a fingerprint of the files and tokenizer the windows came from; a
+    resumed run must have the same one (its data order depends on them)."""
     if data.shape[1] != config.seq_len:
         raise ValueError(f"data windows have length {data.shape[1]}, config.seq_len is {config.seq_len}")
     out_dir = Path(out_dir)
@@ -138,6 +140,9 @@ def train_heads(target, data: torch.Tensor, out_dir: Path, config: HeadsTraining
         state = torch.load(state_path, weights_only=False)
         if _run_defining(state["config"]) != _run_defining(asdict(config)):
             raise ValueError(f"cannot resume: {state_path} was written with a different configuration {state['config']}")
+        if data_key is not None and state.get("data_key") != data_key:
+            raise ValueError(f"cannot resume: {state_path} was trained on other data files or another tokenizer; "
+                             "resume with the same --data/--stdlib-files and model, or start a new --out")
         heads.load_state_dict(state["heads"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
@@ -156,7 +161,7 @@ def train_heads(target, data: torch.Tensor, out_dir: Path, config: HeadsTraining
     def save(step: int) -> None:
         heads.save(out_dir / HEADS_FILE)
         torch.save({"config": asdict(config), "heads": heads.state_dict(), "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(), "step": step}, state_path)
+                    "scheduler": scheduler.state_dict(), "step": step, "data_key": data_key}, state_path)
 
     started = time.perf_counter()
     step = start_step

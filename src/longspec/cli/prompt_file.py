@@ -1,0 +1,30 @@
+"""Reading `--prompt-file`: a file, or standard input for `-`, as UTF-8 text, with
+messages that point at the right fix."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+STDIN = Path("-")
+
+
+def read_prompt_file(path: Path) -> str:
+    if path == STDIN:
+        data, name = sys.stdin.buffer.read(), "standard input"
+    else:
+        if path.is_dir():
+            raise IsADirectoryError(f"--prompt-file {path} is a directory; give a text file (or - for standard input)")
+        if not path.is_file():
+            raise FileNotFoundError(f"prompt file not found: {path}")
+        data, name = path.read_bytes(), str(path)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"{name} is not UTF-8 text (byte 0x{data[error.start]:02x} at offset {error.start}); convert it first, "
+            f"e.g. iconv -f latin1 -t utf-8 FILE > FILE.utf8"
+        ) from None
+    if not text:
+        raise ValueError(f"the prompt is empty ({name} has no text)")
+    return text

@@ -1,0 +1,31 @@
+"""Fingerprints of what training data were made from, so that a cache or a resumed
+run built from other files, another tokenizer or other settings is refused instead
+of silently reused."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+
+def files_fingerprint(files: Iterable[Path]) -> list[tuple[str, int, int]]:
+    """(resolved path, size, modification time in ns) per file: a changed, added or
+    removed file changes it, without reading the contents."""
+    out = []
+    for path in files:
+        stat = Path(path).stat()
+        out.append((str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns))
+    return out
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """The tokenizer's class, vocabulary and special tokens."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    special = [tokenizer.bos_token_id, tokenizer.eos_token_id]
+    return digest({"class": type(tokenizer).__name__, "vocab": vocab, "special": special})
+
+
+def digest(parts: object) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
