@@ -219,6 +219,15 @@ def test_chat_and_tokenizer_messages(tmp_path, checkpoint, capsys):
     assert_one_line_error(err, "has no tokenizer files", "save_pretrained(DIR)")
 
 
+@pytest.mark.parametrize("command", [["train", "tokenswift", "--stdlib-files", "1"], ["train", "longspec", "--stdlib"]])
+def test_train_out_that_is_a_file_is_named(tmp_path, capsys, command):
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    status, _, err = run_cli([*command, "--out", str(a_file)], capsys)
+    assert status == 2
+    assert_one_line_error(err, "--out", "is a file")
+
+
 def test_train_tokenswift_names_the_extensions_it_reads(tmp_path, capsys):
     (tmp_path / "code.py").write_text("print(1)\n")
     status, _, err = run_cli(["train", "tokenswift", "--data", str(tmp_path), "--out", str(tmp_path / "run")], capsys)

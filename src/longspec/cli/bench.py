@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from longspec.cli.paths import check_output_directory
+
 DATA_ENV = "LONGSPEC_BENCH_DATA"
 
 
@@ -133,10 +135,9 @@ def _report_only(args) -> int:
     return 0
 
 
-def check_output_directory(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
+def check_results_directory(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
     """An earlier run's results are never replaced silently."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise NotADirectoryError(f"--out {out_dir} is a file; give a directory for the results")
+    check_output_directory(out_dir)
     if resume and overwrite:
         raise ValueError("--resume keeps the rows in --out and --overwrite replaces them: choose one")
     earlier = [name for name in ("results.jsonl", "report.md") if (out_dir / name).exists()]
@@ -156,7 +157,7 @@ def run(args) -> int:
     from longspec.bench.tasks import TASK_KINDS, PromptFilter, TaskSpec, build_prompts, check_prompt_ids
     from longspec.speculation.engine import EngineOptions
 
-    check_output_directory(args.out, resume=args.resume, overwrite=args.overwrite)
+    check_results_directory(args.out, resume=args.resume, overwrite=args.overwrite)
     preset = PRESETS[args.preset] if args.preset else None
     pick = lambda value, fallback: value if value is not None else fallback  # noqa: E731
     tasks = pick(args.tasks, preset.tasks if preset else None)

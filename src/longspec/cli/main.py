@@ -11,7 +11,7 @@ from pathlib import Path
 from longspec.cli import bench
 from longspec.cli import train
 from longspec.cli.faults import run_reporting_faults
-from longspec.cli.prompt_file import read_prompt_file
+from longspec.cli.paths import read_prompt_file
 from longspec.speculation.methods import METHODS
 
 

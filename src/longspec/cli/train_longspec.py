@@ -52,6 +52,7 @@ def run(args) -> int:
     import torch.distributed as dist
 
     from longspec.api import parse_dtype
+    from longspec.cli.paths import check_output_directory
     from longspec.runtime.loading import load_target
     from longspec.speculation.drafters.longspec.config import DraftConfig
     from longspec.training.data import EXCLUDED_DIRS, build_shards, iter_documents, load_split, shards_key, stdlib_dir
@@ -60,6 +61,7 @@ def run(args) -> int:
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    check_output_directory(args.out)
     corpus = list(args.corpus) + ([stdlib_dir()] if args.stdlib else [])
     shards = args.shards or args.out / "shards"
     if not corpus and not (shards / "index.json").is_file():

@@ -28,6 +28,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from longspec.api import parse_dtype
+    from longspec.cli.paths import check_output_directory
     from longspec.runtime.loading import load_target
     from longspec.training.fingerprint import digest, files_fingerprint, tokenizer_fingerprint
     from longspec.training.heads_data import stdlib_files, text_files, tokenize_files, windows
@@ -38,6 +39,7 @@ def run(args) -> int:
         lr=args.lr, warmup_steps=args.warmup_steps, num_heads=args.num_heads, eval_every=args.eval_every,
         save_every=args.eval_every, max_minutes=args.max_minutes, seed=args.seed,
     )
+    check_output_directory(args.out)
     files = text_files(args.data) + stdlib_files(args.stdlib_files)
     if not files:
         raise ValueError("no training data: pass --data PATH and/or --stdlib-files N")

@@ -1,5 +1,5 @@
-"""Reading `--prompt-file`: a file, or standard input for `-`, as UTF-8 text, with
-messages that point at the right fix."""
+"""Paths users give on the command line: `--prompt-file` (a file, or standard input
+for `-`, as UTF-8 text) and output directories, with messages that point at the fix."""
 
 from __future__ import annotations
 
@@ -28,3 +28,9 @@ def read_prompt_file(path: Path) -> str:
     if not text:
         raise ValueError(f"the prompt is empty ({name} has no text)")
     return text
+
+
+def check_output_directory(path: Path, flag: str = "--out") -> None:
+    """An output directory may exist, but not as a file."""
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"{flag} {path} is a file; give a directory")
