@@ -1,7 +1,8 @@
-"""LongSpec draft training ablations, in one run on one machine: the recipe of the
-shipped draft (anchor offsets, flash-noisy shifts, self-distilled labels) against
-the same recipe with one piece changed — no anchor offsets, shift 1 only (no
-noise), GLIDE's block-wise mask, and the corpus's next tokens as labels.
+"""LongSpec draft training ablations, in one run on one machine: the recipe (rows
+starting with BOS as served prompts do, a recency bias on the cross-attention,
+anchor offsets, flash-noisy shifts, self-distilled labels) against the same recipe
+with one piece changed — no BOS, no recency bias, no anchor offsets, shift 1 only
+(no noise), GLIDE's block-wise mask, and the corpus's next tokens as labels.
 
     python benchmarks/longspec_ablations.py --shards RUN/shards --out bench-out/ablations --steps 150
 
@@ -9,8 +10,8 @@ Every variant trains from the same seed on the same sequences (features are cach
 and shared between variants that need the same ones), then is scored on held-out
 files (split by file, never seen in training) by `draft_agreement`: how often the
 draft's top token is the target's greedy token at drafting depth 1 and 3, with the
-held-out text placed at RoPE position 0 and at a long-context position (what
-anchor offsets are for). Depth-1 agreement is the first node's greedy acceptance
+held-out rows (starting with BOS, as served) placed at RoPE position 0 and at a
+long-context position with the anchors kept at 0..3 (what anchor offsets are for). Depth-1 agreement is the first node's greedy acceptance
 rate. Rerunning the command resumes unfinished variants.
 """
 
@@ -26,7 +27,15 @@ import torch
 from common import machine
 from longspec.runtime.loading import load_target
 from longspec.speculation.drafters.longspec import DraftConfig
-from longspec.training.data import EXCLUDED_DIRS, build_shards, iter_documents, load_split, stdlib_dir
+from longspec.training.data import (
+    EXCLUDED_DIRS,
+    build_shards,
+    iter_documents,
+    load_split,
+    prefixed_rows,
+    served_prefix,
+    stdlib_dir,
+)
 from longspec.training.longspec_eval import draft_agreement
 from longspec.training.longspec_trainer import LongSpecTrainer, TrainOptions
 from longspec.training.longspec_visibility import BlockVisibility, NoisyShift, ShiftVisibility
@@ -36,14 +45,18 @@ BOOKS = Path(__file__).resolve().parents[2] / "shared" / "data" / "books"
 RECIPE_EXCLUDES = ("test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3", "ensurepip")
 
 
-def variants(gamma: int) -> dict[str, dict]:
-    recipe = {"anchor_offset": True, "self_distill": True, "visibility": NoisyShift(gamma)}
+def variants(gamma: int, prefix: tuple[int, ...]) -> dict[str, tuple[dict, dict]]:
+    """name -> (TrainOptions fields, DraftConfig fields)."""
+    recipe = {"anchor_offset": True, "self_distill": True, "visibility": NoisyShift(gamma), "row_prefix": prefix}
+    draft = {"recency_bias": True}
     return {
-        "recipe (anchor offsets, noisy, self-distilled)": recipe,
-        "no anchor offsets": {**recipe, "anchor_offset": False},
-        "no noise (shift 1)": {**recipe, "visibility": ShiftVisibility(1)},
-        "block-wise mask (GLIDE)": {**recipe, "visibility": BlockVisibility(gamma)},
-        "data labels": {**recipe, "self_distill": False},
+        "recipe (BOS, recency bias, anchor offsets, noisy, self-distilled)": (recipe, draft),
+        "no BOS": ({**recipe, "row_prefix": ()}, draft),
+        "no recency bias": (recipe, {**draft, "recency_bias": False}),
+        "no anchor offsets": ({**recipe, "anchor_offset": False}, draft),
+        "no noise (shift 1)": ({**recipe, "visibility": ShiftVisibility(1)}, draft),
+        "block-wise mask (GLIDE)": ({**recipe, "visibility": BlockVisibility(gamma)}, draft),
+        "data labels": ({**recipe, "self_distill": False}, draft),
     }
 
 
@@ -71,17 +84,20 @@ def main() -> None:
     count = min(args.eval_sequences, heldout.numel() // args.seq_len)
     if count < 1:
         raise ValueError(f"the held-out split has {heldout.numel()} tokens, fewer than one {args.seq_len}-token sequence")
-    eval_sequences = heldout[: count * args.seq_len].view(count, args.seq_len)
-    config = DraftConfig.for_target(target.model.config)
+    prefix = served_prefix(target.tokenizer)
+    eval_sequences = prefixed_rows(heldout, args.seq_len, prefix)[:count]
 
     rows = []
-    for name, recipe in variants(args.gamma).items():
+    for name, (recipe, draft) in variants(args.gamma, prefix).items():
         options = TrainOptions(steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, warmup=10,
                                bf16_autocast=True, seed=0, save_every=25, **recipe)
+        config = DraftConfig.for_target(target.model.config, **draft)
         run_dir = args.out / name.split(" (")[0].replace(" ", "-")
         start = time.perf_counter()
+        # Features depend on the row prefix (the cache refuses a mismatch): one cache per prefix.
+        features = args.out / ("features-bos" if options.row_prefix else "features-no-bos")
         trainer = LongSpecTrainer(target.model, train_tokens, run_dir, options, draft_config=config,
-                                  draft_vocab=args.draft_vocab, feature_cache=args.out / "features", progress=False)
+                                  draft_vocab=args.draft_vocab, feature_cache=features, progress=False)
         trainer.train()
         seconds = time.perf_counter() - start
         scores = draft_agreement(trainer.draft, target.model, eval_sequences, depths=(1, 3), start_positions=args.eval_positions)

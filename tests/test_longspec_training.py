@@ -85,12 +85,15 @@ class RecordingChain:
         return proposal
 
 
+@pytest.mark.parametrize("recency_bias", [False, True], ids=["plain", "recency-bias"])
 @pytest.mark.parametrize("family", ["gemma3", "llama"])
-def test_training_forward_equals_inference_drafting(family):
+def test_training_forward_equals_inference_drafting(family, recency_bias):
     """The root and tree nodes at depth d see the target's K/V of positions before the
-    root; training with a per-row shift of d + 1 computes exactly the same logits."""
+    root; training with a per-row shift of d + 1 computes exactly the same logits
+    (with the recency bias too: both build it from the same positions)."""
     target = tiny_decoder(family, dtype=torch.float64)
-    draft = DraftModel(small_draft_config(target, window=64)).reset_parameters(seed=3, std=0.3).to(torch.float64)
+    config = small_draft_config(target, window=64, recency_bias=recency_bias)
+    draft = DraftModel(config).reset_parameters(seed=3, std=0.3).to(torch.float64)
     prompt = random_ids(20, seed=8)[0]
     L = prompt.numel() - 1  # root position
     cache = target.new_cache(64)
@@ -256,3 +259,77 @@ def test_depth1_predictions_equal_the_inference_drafters_first_token():
     assert (row.depth, row.positions, row.top1) == (1, total, hits / total) and row.cross_entropy > 0
     with pytest.raises(ValueError, match="exceeds the target's"):
         draft_agreement(draft, target, sequences, start_positions=(target.config.max_position_embeddings,))
+
+
+# ------------------------------------------------------ rows as served, cache keys
+def test_rows_start_with_the_served_prefix_and_its_label_never_counts():
+    from longspec.training.data import SequenceSampler, prefixed_rows, served_prefix
+
+    class BosTokenizer:
+        def __call__(self, text, add_special_tokens=True):
+            ids = [ord(c) % 50 + 3 for c in text]
+            return type("E", (), {"input_ids": ([2] if add_special_tokens else []) + ids})()
+
+    class PlainTokenizer(BosTokenizer):
+        def __call__(self, text, add_special_tokens=True):
+            return super().__call__(text, add_special_tokens=False)
+
+    assert served_prefix(BosTokenizer()) == (2,) and served_prefix(PlainTokenizer()) == ()
+    stream = torch.arange(10, 40)
+    rows = prefixed_rows(stream, 8, (2,))
+    assert rows.shape == (4, 8) and bool((rows[:, 0] == 2).all())
+    assert torch.equal(rows[:, 1:].reshape(-1), stream[:28])  # the stream continues across rows, nothing skipped
+    sampler = SequenceSampler(stream, 8, seed=0, prefix=(2,))
+    assert bool((sampler.sequences[:, 0] == 2).all())
+    for rule in (ShiftVisibility(1), NoisyShift(5), BlockVisibility(3)):
+        _, counted = rule.mask(8, torch.Generator().manual_seed(0))
+        assert not bool(counted[0])  # the prefix's own prediction is never in the loss
+
+
+def test_feature_cache_refuses_features_of_another_key(tmp_path):
+    from longspec.training.longspec_features import FeatureCache
+
+    target = tiny_decoder("llama", dtype=torch.float32)
+    tokens = random_ids(400, seed=1)[0]
+    options = TrainOptions(steps=1, seq_len=32, batch_size=1, save_every=1)
+    config = small_draft_config(target)
+    LongSpecTrainer(target, tokens, tmp_path / "a", options, draft_config=config, feature_cache=tmp_path / "f",
+                    progress=False).train()
+    assert list((tmp_path / "f").glob("row*.safetensors"))
+    # Same everything: reused.
+    LongSpecTrainer(target, tokens, tmp_path / "b", options, draft_config=config, feature_cache=tmp_path / "f", progress=False)
+    changes = {
+        "corpus": dict(tokens=random_ids(400, seed=2)[0]),
+        "target": dict(target=tiny_decoder("llama", dtype=torch.float32, seed=5)),
+        "layer": dict(config=small_draft_config(target, target_layers=(0,))),
+        "row prefix": dict(options=TrainOptions(steps=1, seq_len=32, batch_size=1, row_prefix=(1,))),
+        "seed": dict(options=TrainOptions(steps=1, seq_len=32, batch_size=1, seed=3)),
+    }
+    for name, change in changes.items():
+        arguments = dict(target=target, tokens=tokens, options=options, config=small_draft_config(target))
+        arguments.update(change)
+        with pytest.raises(ValueError, match="feature cache .* was computed for another"):
+            LongSpecTrainer(arguments["target"], arguments["tokens"], tmp_path / name, arguments["options"],
+                            draft_config=arguments["config"], feature_cache=tmp_path / "f", progress=False)
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    (legacy / "row0-self-aoi.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match="no key.json"):
+        FeatureCache(legacy, key={"a": 1})
+
+
+def test_long_position_agreement_keeps_the_anchors():
+    from longspec.training import longspec_eval
+
+    target = tiny_decoder("llama", dtype=torch.float64, max_position_embeddings=4096)
+    draft = DraftModel(small_draft_config(target, recency_bias=True)).reset_parameters(seed=1, std=0.3).to(torch.float64)
+    seen = []
+    original = longspec_eval.target_features
+    longspec_eval.target_features = lambda t, ids, positions, *a, **k: seen.append(positions.clone()) or original(t, ids, positions, *a, **k)
+    try:
+        scores = longspec_eval.draft_agreement(draft, target, random_ids(24, seed=2), depths=(1,), start_positions=(0, 2000))
+    finally:
+        longspec_eval.target_features = original
+    assert seen[0].tolist() == list(range(24))
+    assert seen[1][:4].tolist() == [0, 1, 2, 3] and seen[1][4:].tolist() == list(range(2004, 2024))
+    assert scores[0].top1 != scores[1].top1 or scores[0].cross_entropy != scores[1].cross_entropy  # positions matter

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 
@@ -33,6 +34,11 @@ def add_parser(sub) -> None:
     p.add_argument("--draft-vocab", type=int, default=None, help="score only the N most frequent corpus tokens")
     p.add_argument("--gamma", type=int, default=5, help="draft depth the noisy shift / block mask simulate")
     p.add_argument("--anchor-offset", action=argparse.BooleanOptionalAction, default=True, help="Anchor-Offset Indices")
+    p.add_argument("--recency-bias", action=argparse.BooleanOptionalAction, default=True,
+                   help="ALiBi-style recency bias on the cross-attention (new drafts; --init-from keeps the draft's)")
+    p.add_argument("--bos", action=argparse.BooleanOptionalAction, default=True,
+                   help="start every row with what the tokenizer puts before a served prompt (BOS), as served "
+                        "sequences do")
     vis = p.add_mutually_exclusive_group()
     vis.add_argument("--noisy", dest="visibility", action="store_const", const="noisy", help="flash noisy training (default)")
     vis.add_argument("--block-mask", dest="visibility", action="store_const", const="block", help="GLIDE block-wise mask")
@@ -55,7 +61,15 @@ def run(args) -> int:
     from longspec.cli.paths import check_output_directory
     from longspec.runtime.loading import load_target
     from longspec.speculation.drafters.longspec.config import DraftConfig
-    from longspec.training.data import EXCLUDED_DIRS, build_shards, iter_documents, load_split, shards_key, stdlib_dir
+    from longspec.training.data import (
+        EXCLUDED_DIRS,
+        build_shards,
+        iter_documents,
+        load_split,
+        served_prefix,
+        shards_key,
+        stdlib_dir,
+    )
     from longspec.training.longspec_trainer import LongSpecTrainer, TrainOptions
     from longspec.training.longspec_visibility import BlockVisibility, NoisyShift, ShiftVisibility
 
@@ -88,10 +102,13 @@ def run(args) -> int:
                          heldout_fraction=args.heldout, key=key)
     print(f"corpus: {index['tokens']['train']} training tokens from {len(index['files']['train'])} documents; "
           f"{index['tokens']['heldout']} held out from {len(index['files']['heldout'])}", flush=True)
+    if args.bos and target.tokenizer is not None:
+        options = dataclasses.replace(options, row_prefix=served_prefix(target.tokenizer))
     if args.init_from is not None:
         architecture = {}
     else:
-        config = DraftConfig.for_target(target.model.config, num_layers=args.layers, window=args.window)
+        config = DraftConfig.for_target(target.model.config, num_layers=args.layers, window=args.window,
+                                        recency_bias=args.recency_bias)
         architecture = {"draft_config": config, "draft_vocab": args.draft_vocab}
     trainer = LongSpecTrainer(
         target.model, load_split(shards, "train"), args.out, options, feature_cache=args.feature_cache,

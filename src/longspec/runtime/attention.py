@@ -99,6 +99,24 @@ def fused_attention(q, k_prefix, v_prefix, prefix_mask, k_new, v_new, new_mask, 
     return merge_partial_attention(out_prefix, lse_prefix, out_new, lse_new)
 
 
+def biased_attention(q, k, v, bias, scale):
+    """Attention of q [B, Hq, T, D] over k/v [B, Hkv, S, D] with an additive bias
+    [Hq, T, S] per query head (-inf hides a key; a row that sees no key gives 0),
+    through the same flash kernel, grouped query heads stacked so K/V are never repeated."""
+    B, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    group = Hq // Hkv
+    empty = torch.isneginf(bias).all(dim=-1)  # [Hq, T]
+    if bool(empty.any()):
+        bias = bias.masked_fill(empty.unsqueeze(-1), 0.0)
+    stacked = q.reshape(B, Hkv, group * T, D)
+    additive = bias.to(q.dtype).reshape(1, Hkv, group * T, bias.shape[-1])
+    out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        stacked, k, v, 0.0, False, attn_mask=additive, scale=scale
+    )
+    return out.reshape(B, Hq, T, D).masked_fill(empty.view(1, Hq, T, 1), 0.0)
+
+
 def merge_partial_attention(out_a, lse_a, out_b, lse_b):
     """Combine two softmax-attention results over disjoint key sets."""
     lse = torch.logaddexp(lse_a, lse_b)

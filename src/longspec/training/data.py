@@ -193,16 +193,40 @@ def most_frequent_ids(tokens: torch.Tensor, vocab_size: int, count: int, always:
     return order[:count].sort().values
 
 
-class SequenceSampler:
-    """Fixed-length training sequences cut from a token stream, visited in a seeded
-    permutation per epoch. `position` (sequences consumed) is all the state a
-    resumed run needs; rank r of w takes every w-th sequence of each batch slice."""
+def served_prefix(tokenizer) -> tuple[int, ...]:
+    """The ids the tokenizer puts before every served prompt (BOS for Llama and Gemma,
+    nothing for Qwen): training rows start with them, as served sequences do."""
+    with_special = list(tokenizer("x").input_ids)
+    plain = list(tokenizer("x", add_special_tokens=False).input_ids)
+    if plain and with_special[len(with_special) - len(plain):] == plain:
+        return tuple(with_special[: len(with_special) - len(plain)])
+    return ()
 
-    def __init__(self, tokens: torch.Tensor, length: int, seed: int) -> None:
-        count = tokens.numel() // length
-        if count < 1:
-            raise ValueError(f"{tokens.numel()} tokens make no sequence of {length}; add data or lower --seq-len")
-        self.sequences = tokens[: count * length].view(count, length)
+
+def prefixed_rows(tokens: torch.Tensor, length: int, prefix: Sequence[int] = ()) -> torch.Tensor:
+    """[count, length] rows: `prefix` (the served prefix, e.g. BOS), then the next
+    length - len(prefix) tokens of the stream. Without the prefix the target's
+    features and greedy labels differ from what it computes when serving."""
+    body = length - len(prefix)
+    if body < 1:
+        raise ValueError(f"rows of {length} tokens leave no room after a prefix of {len(prefix)}")
+    count = tokens.numel() // body
+    if count < 1:
+        raise ValueError(f"{tokens.numel()} tokens make no sequence of {length}; add data or lower --seq-len")
+    rows = tokens[: count * body].view(count, body)
+    if prefix:
+        rows = torch.cat([torch.tensor(list(prefix), dtype=rows.dtype).expand(count, -1), rows], dim=1)
+    return rows
+
+
+class SequenceSampler:
+    """Fixed-length training sequences cut from a token stream (each starting with the
+    served prefix), visited in a seeded permutation per epoch. `position` (sequences
+    consumed) is all the state a resumed run needs; rank r of w takes every w-th
+    sequence of each batch slice."""
+
+    def __init__(self, tokens: torch.Tensor, length: int, seed: int, prefix: Sequence[int] = ()) -> None:
+        self.sequences = prefixed_rows(tokens, length, prefix)
         self.seed = seed
         self._order: tuple[int, torch.Tensor] | None = None  # (epoch, permutation)
 

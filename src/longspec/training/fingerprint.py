@@ -29,3 +29,17 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 def digest(parts: object) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def tokens_fingerprint(tokens) -> str:
+    """The exact token stream (a changed corpus or tokenizer changes it)."""
+    return hashlib.sha256(tokens.to(dtype=tokens.dtype).contiguous().numpy().tobytes()).hexdigest()
+
+
+def target_fingerprint(model) -> str:
+    """A target decoder: its config, dtype and a checksum of every weight (float64
+    sums: any retrained or re-quantized weight changes them)."""
+    import torch
+
+    sums = {name: float(t.detach().sum(dtype=torch.float64)) for name, t in model.state_dict().items()}
+    return digest({"config": model.config, "dtype": str(model.dtype), "sums": sums})

@@ -1,11 +1,16 @@
 """Held-out quality of a LongSpec draft: how often its top token is the target's.
 
-For held-out sequences placed at chosen RoPE positions (a long-context position
-probes what Anchor-Offset training is for), the draft runs with the visibility of
+For held-out sequences (rows that start as served prompts do, see
+`data.prefixed_rows`) placed at chosen RoPE positions, the draft runs with the visibility of
 drafting depth d (`ShiftVisibility(d)`: each query sees the target's K/V up to d
 tokens back, its own inputs teacher-forced), and is compared with the target's
 greedy prediction at every position. Depth-1 agreement is the probability that a
 greedy chain's first node is accepted; deeper shifts show how fast drafts degrade.
+
+A start position s > 0 places the row the way a long prompt is seen at inference:
+its first 4 tokens (BOS and the attention sinks) stay at positions 0..3 and the
+rest start at s + 4. (Shifting every position together would change nothing under
+RoPE, which sees only differences.)
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from longspec.runtime.model import Decoder
 from longspec.speculation.drafters.longspec.model import DraftModel, softcap
 from longspec.training.longspec_features import target_features
 from longspec.training.longspec_trainer import training_hidden
-from longspec.training.longspec_visibility import shifted_mask
+from longspec.training.longspec_visibility import ANCHORS, shifted_mask
 
 
 @dataclass(frozen=True)
@@ -55,7 +60,8 @@ def draft_agreement(
             raise ValueError(f"start position {start} + {n} tokens exceeds the target's {limit} positions")
     rows = []
     for start in start_positions:
-        positions = torch.arange(start, start + n)
+        positions = torch.arange(n)
+        positions[ANCHORS:] += start
         features = [target_features(target, ids, positions, draft.config.target_layers, self_distill=True) for ids in sequences]
         for depth in depths:
             hits = total = scored = 0

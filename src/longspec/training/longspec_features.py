@@ -9,12 +9,14 @@ greedy verification accepts. One target forward per sequence is the whole cost;
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from longspec.runtime.model import Decoder
+from longspec.training.fingerprint import digest
 
 IGNORE = -100
 
@@ -41,12 +43,33 @@ def target_features(
 
 class FeatureCache:
     """One safetensors file per (sequence row, label kind); row ids are stable across
-    epochs because a row's anchor offset is derived from the row, not the step."""
+    epochs because a row's anchor offset is derived from the row, not the step.
 
-    def __init__(self, directory: str | Path | None) -> None:
+    `key` names everything the features depend on (target weights and dtype, attended
+    layers, the token stream, sequence length, seed, row prefix). It is written once
+    beside the files, and a directory made under another key is refused: a row number
+    alone would pair stale K/V with new ids."""
+
+    KEY_FILE = "key.json"
+
+    def __init__(self, directory: str | Path | None, key: dict | None = None) -> None:
         self.directory = Path(directory) if directory is not None else None
-        if self.directory is not None:
-            self.directory.mkdir(parents=True, exist_ok=True)
+        if self.directory is None:
+            return
+        self.directory.mkdir(parents=True, exist_ok=True)
+        key_file = self.directory / self.KEY_FILE
+        wanted = digest(key or {})
+        if key_file.is_file():
+            if json.loads(key_file.read_text()).get("digest") != wanted:
+                raise ValueError(
+                    f"the feature cache {self.directory} was computed for another target, layer, corpus, sequence "
+                    "length, seed or row prefix than this run's: use another --feature-cache directory (or delete it)"
+                )
+        elif any(self.directory.glob("*.safetensors")):
+            raise ValueError(f"the feature cache {self.directory} has features but no {self.KEY_FILE} (made by an older "
+                             "longspec): use another --feature-cache directory (or delete it)")
+        else:
+            key_file.write_text(json.dumps({"digest": wanted, "key": key}, default=str, indent=1))
 
     def get_or_compute(self, key: str, compute) -> dict[str, torch.Tensor]:
         if self.directory is None:

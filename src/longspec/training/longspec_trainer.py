@@ -29,8 +29,9 @@ from tqdm.auto import tqdm
 from longspec.runtime.model import Decoder
 from longspec.speculation.drafters.longspec.checkpoint import load_draft, save_draft
 from longspec.speculation.drafters.longspec.config import DraftConfig
-from longspec.speculation.drafters.longspec.model import DraftModel, chunked_cross_entropy, target_rope
+from longspec.speculation.drafters.longspec.model import DraftModel, chunked_cross_entropy, cross_attention_bias, target_rope
 from longspec.training.data import SequenceSampler, most_frequent_ids
+from longspec.training.fingerprint import target_fingerprint, tokens_fingerprint
 from longspec.training.longspec_features import IGNORE, FeatureCache, target_features
 from longspec.training.longspec_visibility import NoisyShift, anchor_offset_positions
 
@@ -56,6 +57,9 @@ class TrainOptions:
     seed: int = 0
     save_every: int = 50
     visibility: object = field(default_factory=lambda: NoisyShift(5))
+    # Ids every row starts with, as every served prompt does (the tokenizer's BOS; see
+    # data.served_prefix). Their labels never count: the first query sees no target key.
+    row_prefix: tuple[int, ...] = ()
 
     def describe(self) -> dict:
         data = asdict(self)
@@ -90,8 +94,7 @@ class LongSpecTrainer:
         self.out = Path(out_dir)
         self.progress = progress
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        self.sampler = SequenceSampler(train_tokens, options.seq_len, options.seed)
-        self.cache = FeatureCache(feature_cache)
+        self.sampler = SequenceSampler(train_tokens, options.seq_len, options.seed, options.row_prefix)
         weights = self.out / WEIGHTS_NAME
         if weights.is_file():
             self.draft = load_draft(weights, target.config).requires_grad_(True).train()
@@ -111,6 +114,10 @@ class LongSpecTrainer:
                 eos = [t for t in target.config.eos_token_ids if t < target.config.vocab_size]
                 self.draft.vocab_ids.copy_(most_frequent_ids(train_tokens, target.config.vocab_size, draft_vocab, eos))
         config = self.draft.config
+        self.cache = FeatureCache(feature_cache, key={
+            "target": target_fingerprint(target), "layers": list(config.target_layers), "seq_len": options.seq_len,
+            "seed": options.seed, "row_prefix": list(options.row_prefix), "tokens": tokens_fingerprint(train_tokens),
+        })
         head_dtype = torch.bfloat16 if options.bf16_autocast else torch.float32
         self.head_rows = self.draft.head_rows(target.head_weight).to(head_dtype)
         self.label_map = torch.full((config.vocab_size,), IGNORE, dtype=torch.long)
@@ -257,8 +264,11 @@ def training_hidden(model, config: DraftConfig, target: Decoder, features: dict,
     def attend_self(m, q, k, v):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=self_mask, scale=config.self_head_dim ** -0.5)
 
+    bias = cross_attention_bias(config, positions, positions, cross_mask, dtype) if config.recency_bias else None
+
     def attend_cross(m, q):
         k, v = features[f"k{m}"].to(q.dtype), features[f"v{m}"].to(q.dtype)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=cross_mask, scale=scale, enable_gqa=True)
+        mask = cross_mask if bias is None else bias.to(q.dtype).unsqueeze(0)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
     return model(x, positions, rope, attend_self, attend_cross)[0]

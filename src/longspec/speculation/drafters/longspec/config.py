@@ -38,6 +38,11 @@ class DraftConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10_000.0  # the draft's own self-attention RoPE
     draft_vocab_size: int | None = None  # None: score the full vocabulary
+    # A fixed ALiBi-style bias on the cross-attention logits, -slope_h * (lag - 1) for
+    # a target key `lag` positions before the query, so the most recent target K/V
+    # starts with most of the mass (without it, the lag-1 key starts near 0.5% of the
+    # mass over hundreds of keys and its gradient dies: the draft reads a blur).
+    recency_bias: bool = False
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:

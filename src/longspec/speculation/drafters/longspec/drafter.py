@@ -28,11 +28,17 @@ from pathlib import Path
 
 import torch
 
-from longspec.runtime.attention import fused_attention
+from longspec.runtime.attention import biased_attention, fused_attention
 from longspec.runtime.linear import packed_linear, prepack
 from longspec.speculation.drafters.base import DraftContext
 from longspec.speculation.drafters.longspec.checkpoint import load_draft
-from longspec.speculation.drafters.longspec.model import DraftModel, PackedProjection, softcap, target_rope
+from longspec.speculation.drafters.longspec.model import (
+    DraftModel,
+    PackedProjection,
+    cross_attention_bias,
+    softcap,
+    target_rope,
+)
 from longspec.speculation.drafters.longspec.state import DraftState
 from longspec.speculation.drafters.longspec.strategies import Proposal, SampledChainStrategy
 from longspec.speculation.tree import Tree
@@ -215,8 +221,17 @@ class LongSpecDrafter:
         scale = model.config.attention_scale
         cross_kv = [view.layer_kv(layer) for layer in self.draft.config.target_layers]
 
+        recency = None
+        if self.draft.config.recency_bias and committed:
+            # The bias covers every committed key, so the prefix needs it too: one biased pass.
+            key_positions = torch.arange(committed)
+            visible = key_positions.unsqueeze(0) < positions.unsqueeze(1)
+            recency = cross_attention_bias(self.draft.config, positions, key_positions, visible, torch.float32)
+
         def attend_cross(m: int, q: torch.Tensor) -> torch.Tensor:
             k, v = cross_kv[m]
+            if recency is not None:
+                return biased_attention(q, k, v, recency, scale)
             # A query at position p sees target keys at positions < p (the committed
             # prefix holds positions < `committed`): keys before the first query's
             # position are visible to all, the rest by position.

@@ -174,6 +174,26 @@ class DraftModel(nn.Module):
         return self.vocab_ids[draft_ids] if self.reduced_vocab else draft_ids
 
 
+def recency_slopes(num_heads: int) -> torch.Tensor:
+    """ALiBi's geometric slopes 2^(-8h/H), h = 1..H: the steepest head looks at the
+    last few keys, the flattest hundreds of keys back."""
+    return torch.pow(2.0, -8.0 * torch.arange(1, num_heads + 1, dtype=torch.float64) / num_heads)
+
+
+def cross_attention_bias(config: DraftConfig, query_positions: torch.Tensor, key_positions: torch.Tensor,
+                         visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive cross-attention bias [H, T, S]: -inf where a key is not visible, else
+    the recency bias (zero when the draft has none). Training and inference both build
+    it from RoPE positions, so both see the same logits."""
+    H = config.cross_num_heads
+    if config.recency_bias:
+        lag = (query_positions.unsqueeze(1) - key_positions.unsqueeze(0)).to(torch.float64)
+        bias = -recency_slopes(H).view(H, 1, 1) * (lag - 1).clamp(min=0)
+    else:
+        bias = torch.zeros((H, *visible.shape), dtype=torch.float64)
+    return bias.masked_fill(~visible, float("-inf")).to(dtype)
+
+
 def rope_tables_from_freqs(freqs: torch.Tensor, scaling: float, dtype: torch.dtype):
     """(cos, sign-folded sin) [T, D] from angle table [T, D/2], as the runtime does."""
     angles = torch.cat([freqs, freqs], dim=-1)
