@@ -114,6 +114,7 @@ def _build_atomically(root: Path, name: str, build: Callable[[Path], None]) -> N
     temporary = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".partial", dir=root))
     try:
         build(temporary)
+        temporary.chmod(_DIRECTORY_MODE & ~_umask())  # mkdtemp's 0700 would hide the entry from other users
         _write_manifest(temporary)
         _fsync_directory(temporary)
         temporary.rename(root / name)
@@ -121,6 +122,15 @@ def _build_atomically(root: Path, name: str, build: Callable[[Path], None]) -> N
     except BaseException:  # Ctrl-C included: leave nothing half-built behind
         shutil.rmtree(temporary, ignore_errors=True)
         raise
+
+
+_DIRECTORY_MODE = 0o777
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _write_manifest(directory: Path) -> None:
