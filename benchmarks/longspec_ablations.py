@@ -73,6 +73,8 @@ def main() -> None:
     parser.add_argument("--eval-sequences", type=int, default=8)
     parser.add_argument("--eval-positions", type=int, nargs="+", default=[0, 4096])
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--variants", nargs="+", default=None, metavar="NAME",
+                        help="run only these variants (their names up to ' (', e.g. recipe 'no recency bias')")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -88,7 +90,13 @@ def main() -> None:
     eval_sequences = prefixed_rows(heldout, args.seq_len, prefix)[:count]
 
     rows = []
-    for name, (recipe, draft) in variants(args.gamma, prefix).items():
+    chosen = variants(args.gamma, prefix)
+    if args.variants:
+        unknown = set(args.variants) - {name.split(" (")[0] for name in chosen}
+        if unknown:
+            raise ValueError(f"unknown variants {sorted(unknown)}; choose from {[n.split(' (')[0] for n in chosen]}")
+        chosen = {name: v for name, v in chosen.items() if name.split(" (")[0] in args.variants}
+    for name, (recipe, draft) in chosen.items():
         options = TrainOptions(steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, warmup=10,
                                bf16_autocast=True, seed=0, save_every=25, **recipe)
         config = DraftConfig.for_target(target.model.config, **draft)

@@ -14,31 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 from longspec.api import LongSpecModel
 from longspec.cli.main import main as cli_main
 from longspec.runtime.loading import load_target
 from longspec.speculation.processors import SamplingParams, processed_probs
-from tiny_models import VOCAB_SIZE, random_ids, tiny_hf_model
-
-
-def char_tokenizer(size: int = 96) -> PreTrainedTokenizerFast:
-    """One token per printable character (ids 1..95), `size` entries in all."""
-    vocab = {"<unk>": 0, **{chr(32 + i): i + 1 for i in range(95)}}
-    vocab.update({f"<extra{i}>": i for i in range(len(vocab), size)})
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>")
-
-
-def save_checkpoint(directory: Path, family: str = "qwen3", tokenizer_size: int | None = 96, **overrides) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    tiny_hf_model(family, dtype=torch.float32, **overrides).save_pretrained(directory, safe_serialization=True)
-    if tokenizer_size is not None:
-        char_tokenizer(tokenizer_size).save_pretrained(directory)
-    return directory
+from tiny_models import VOCAB_SIZE, char_tokenizer, random_ids, save_checkpoint
 
 
 @pytest.fixture(scope="module")

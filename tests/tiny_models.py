@@ -16,13 +16,17 @@ never stops early; pass e.g. ``eos_token_id=5`` to get one.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
     Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
     PreTrainedModel,
+    PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
 )
@@ -173,3 +177,26 @@ def random_ids(length: int, *, seed: int = 0, vocab_size: int = VOCAB_SIZE) -> t
     """[1, length] random token ids."""
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (1, length), generator=generator)
+
+
+def char_tokenizer(size: int = 96) -> PreTrainedTokenizerFast:
+    """One token per printable character (ids 1..95), `size` entries in all."""
+    vocab = {"<unk>": 0, **{chr(32 + i): i + 1 for i in range(95)}}
+    vocab.update({f"<extra{i}>": i for i in range(len(vocab), size)})
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()  # characters join without spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>")
+
+
+def save_checkpoint(directory: Path, family: str = "qwen3", tokenizer_size: int | None = 96,
+                    chat_template: str | None = None, **overrides) -> Path:
+    """A tiny HF checkpoint directory (safetensors), with a character tokenizer of
+    `tokenizer_size` entries (None: no tokenizer) and optionally a chat template."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tiny_hf_model(family, dtype=torch.float32, **overrides).save_pretrained(directory, safe_serialization=True)
+    if tokenizer_size is not None:
+        tokenizer = char_tokenizer(tokenizer_size)
+        tokenizer.chat_template = chat_template
+        tokenizer.save_pretrained(directory)
+    return directory

@@ -141,19 +141,26 @@ class LongSpecModel:
                 )
             self._check_text_fits(prompt)
             if chat:
-                if not getattr(self.tokenizer, "chat_template", None):
-                    raise ValueError("this model's tokenizer has no chat template: drop --chat (chat=False in Python) "
-                                     "and write the prompt in the model's own format")
-                ids = self.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-                )
-                ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-                return torch.tensor(ids, dtype=torch.long)
+                return self.encode_chat([{"role": "user", "content": prompt}])
             return torch.tensor(self.tokenizer(prompt).input_ids, dtype=torch.long)
         ids = _prompt_ids(prompt)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}); got {int(ids.min())}..{int(ids.max())}")
         return ids
+
+    def encode_chat(self, messages: Sequence[dict]) -> torch.Tensor:
+        """Token ids of a conversation in the model's chat template, ending where the
+        assistant's reply begins."""
+        if self.tokenizer is None:
+            raise ValueError(f"{self.target.source} has no tokenizer files; a chat needs its tokenizer and template")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template: drop --chat (chat=False in Python) "
+                             "and write the prompt in the model's own format")
+        for message in messages:
+            self._check_text_fits(str(message.get("content", "")))
+        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        return torch.tensor(ids, dtype=torch.long)
 
     def _check_text_fits(self, text: str) -> None:
         """Refuse text that cannot fit the context before tokenizing it (a 20 MB file

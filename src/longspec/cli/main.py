@@ -8,8 +8,7 @@ import platform
 import sys
 from pathlib import Path
 
-from longspec.cli import bench
-from longspec.cli import train
+from longspec.cli import bench, serve, train
 from longspec.cli.faults import run_reporting_faults
 from longspec.cli.paths import read_prompt_file
 from longspec.speculation.methods import METHODS
@@ -138,11 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
     _info_parser(sub)
     bench.add_parser(sub)
     train.add_parser(sub)
+    serve.add_parser(sub)
     return parser
 
 
 COMMANDS = {"generate": _cmd_generate, "info": _cmd_info, "train": train.run}
 COMMANDS["bench"] = bench.run
+COMMANDS["serve"] = serve.run
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -90,6 +90,7 @@ class SpeculativeEngine:
         tree_budget = opts.max_tree_nodes if drafter is not None else 0
         capacity = prompt.numel() + max_new_tokens + tree_budget + 1
         cache = self.model.new_cache(capacity, max_forward_tokens=max(opts.prefill_chunk, tree_budget + 1))
+        stats.kv_cache_bytes = cache.nbytes()
         tokens = torch.empty(capacity, dtype=torch.long)
         tokens[: prompt.numel()] = prompt
         length = prompt.numel()  # committed tokens, the root included
@@ -127,7 +128,7 @@ class SpeculativeEngine:
             stats.verify_s += t2 - t1
             stats.bookkeeping_s += t3 - t2
             stats.new_tokens = produced
-            stats.record_round(tree.max_depth, verdict.accepted_tokens)
+            stats.record_round(tree.max_depth, verdict.accepted_tokens, tree.size - 1)
             yield new
             if stop_reason:
                 stats.stop_reason = stop_reason

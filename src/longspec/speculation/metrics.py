@@ -32,7 +32,11 @@ class GenerationStats:
     target_forwards: int = 0  # decode forwards (prefill excluded)
     proposed_by_depth: list[int] = field(default_factory=list)  # rounds whose tree reached depth d+1
     accepted_by_depth: list[int] = field(default_factory=list)  # rounds that accepted a node at depth d+1
+    draft_rounds: int = 0  # rounds whose tree had at least one speculative node
+    draft_tokens: int = 0  # speculative nodes proposed, over all rounds
+    accepted_tokens: int = 0  # speculative nodes accepted (bonus tokens excluded)
     stop_reason: str = ""
+    kv_cache_bytes: int = 0  # the target KV cache allocated for this sequence
     distinct: list[float] = field(default_factory=list)  # Distinct-1..4 of the output, set when generation ends
 
     @property
@@ -57,8 +61,13 @@ class GenerationStats:
         """P(node at depth d accepted | the tree reached depth d)."""
         return [a / p if p else 0.0 for a, p in zip(self.accepted_by_depth, self.proposed_by_depth)]
 
-    def record_round(self, tree_depth: int, accepted: int) -> None:
+    def record_round(self, tree_depth: int, accepted: int, nodes: int = 0) -> None:
+        """One verification: the tree's depth and speculative node count, and how many
+        of its nodes were accepted."""
         self.target_forwards += 1
+        self.draft_rounds += nodes > 0
+        self.draft_tokens += nodes
+        self.accepted_tokens += accepted
         for counts, upto in ((self.proposed_by_depth, tree_depth), (self.accepted_by_depth, accepted)):
             if len(counts) < upto:
                 counts.extend([0] * (upto - len(counts)))

@@ -1,0 +1,90 @@
+"""`longspec serve`: the OpenAI-compatible HTTP server (FastAPI on uvicorn)."""
+
+from __future__ import annotations
+
+import ipaddress
+import sys
+from pathlib import Path
+
+from longspec.speculation.methods import METHODS
+
+DEFAULT_HOST = "127.0.0.1"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    p.add_argument("--model", default=None, help="checkpoint dir, .gguf file or cached HF id (default: embedded Gemma 3 270M)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: from --model)")
+    p.add_argument("--host", default=DEFAULT_HOST, help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    p.add_argument("--max-concurrent", type=int, default=16, help="requests admitted at once (running + queued); "
+                                                                  "more get 429")
+    p.add_argument("--max-prompt-tokens", type=int, default=None, help="longest prompt accepted (default: the context)")
+    p.add_argument("--max-new-tokens", type=int, default=1024, help="largest max_tokens accepted, and the default of chat")
+    p.add_argument("--method", default="pld", choices=sorted(METHODS),
+                   help="speculation method when a request names none (default: pld, lossless)")
+    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) | float32 | float64")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_warnings(host: str, api_key: str | None) -> list[str]:
+    """What to tell a user who binds beyond loopback."""
+    if is_loopback(host):
+        return []
+    lines = [f"binding {host}: the server is reachable from other machines"]
+    if api_key is None:
+        lines.append(f"WARNING: no --api-key: anyone who can reach {host} can use the model")
+    return lines
+
+
+def served_name(model_arg: str | None) -> str:
+    from longspec.runtime.default_model import DEFAULT_MODEL_NAME
+
+    if model_arg is None:
+        return DEFAULT_MODEL_NAME
+    path = Path(model_arg)
+    return path.stem if path.suffix == ".gguf" else (path.name if path.exists() else model_arg)
+
+
+def run(args) -> int:
+    try:
+        import uvicorn
+
+        from longspec.serve import ServeOptions, create_app
+    except ImportError as error:
+        raise ValueError(f"`longspec serve` needs the serve extra ({error.name} is missing): "
+                         "pip install 'longspec[serve]'") from None
+    import longspec
+    from longspec.api import parse_dtype
+
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    parse_dtype(args.dtype)
+    options = ServeOptions(
+        model_name=args.served_model_name or served_name(args.model), method=args.method, api_key=args.api_key,
+        max_concurrent=args.max_concurrent, max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
+    )
+    for line in exposure_warnings(args.host, args.api_key):
+        print(f"longspec serve: {line}", file=sys.stderr)
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    from longspec.speculation.engine import EngineOptions
+
+    model = longspec.load(args.model, dtype=args.dtype, engine=EngineOptions(progress=False))
+    app = create_app(model, options)
+    print(f"longspec serve: {options.model_name} on http://{args.host}:{args.port}/v1 (method {options.method})",
+          file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0

@@ -1,0 +1,250 @@
+"""The OpenAI-compatible HTTP API (FastAPI): /v1/models, /v1/completions,
+/v1/chat/completions (streaming as Server-Sent Events), /health and /metrics.
+
+The app talks to the model's public API (`LongSpecModel.stream`) and to the
+generation worker, never to caches or drafters. Every refusal is an OpenAI-style
+JSON error with the status a client expects: 400 invalid request, 401 missing or
+wrong key, 404 unknown model, 415 not JSON, 429 at the concurrency limit.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.concurrency import run_in_threadpool
+
+from longspec.api import LongSpecModel, TokenStream
+from longspec.serve.metrics import ServerMetrics
+from longspec.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerationFields, error_body
+from longspec.serve.worker import GenerationWorker, Job, QueueFull
+from longspec.speculation.methods import METHODS
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    model_name: str
+    method: str = "pld"  # lossless, and the fastest method on long prompts today
+    api_key: str | None = None
+    max_concurrent: int = 16
+    max_prompt_tokens: int | None = None  # None: the model's context
+    max_new_tokens: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"unknown method {self.method!r}; available: {', '.join(METHODS)}")
+        for name in ("max_concurrent", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
+
+
+class RequestError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.param, self.code, self.kind = status, param, code, kind
+
+
+def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
+    metrics = ServerMetrics()
+    state: dict[str, GenerationWorker] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state["worker"] = GenerationWorker(metrics, options.max_concurrent)
+        try:
+            yield
+        finally:
+            state.pop("worker").close()
+
+    app = FastAPI(title="longspec", lifespan=lifespan)
+    app.state.metrics = metrics
+    app.state.state = state
+    context = model.config.max_position_embeddings
+    prompt_limit = min(options.max_prompt_tokens or context, context)
+
+    @app.exception_handler(RequestError)
+    async def request_error(request: Request, error: RequestError) -> JSONResponse:
+        metrics.errors.labels(status=str(error.status)).inc()
+        return JSONResponse(error_body(str(error), error.kind, error.param, error.code), status_code=error.status)
+
+    @app.middleware("http")
+    async def require_key(request: Request, call_next):
+        if options.api_key is not None and request.url.path != "/health":
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {options.api_key}".encode()):
+                metrics.errors.labels(status="401").inc()
+                body = error_body("missing or wrong API key: send 'Authorization: Bearer KEY'", "authentication_error",
+                                  code="invalid_api_key")
+                return JSONResponse(body, status_code=401)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> dict:
+        worker = state.get("worker")
+        return {"status": "ok", "requests_in_flight": worker.admitted if worker else 0}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": options.model_name, "object": "model", "created": 0,
+                                             "owned_by": "longspec", "max_model_len": context}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await _parse(request, CompletionRequest)
+        stream = await run_in_threadpool(_prepare, body, lambda: model.encode(body.prompt))
+        return await _respond(body, stream, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await _parse(request, ChatCompletionRequest)
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        stream = await run_in_threadpool(_prepare, body, lambda: model.encode_chat(messages))
+        return await _respond(body, stream, chat=True)
+
+    # ------------------------------------------------------------ helpers
+    async def _parse(request: Request, kind: type[BaseModel]):
+        content_type = request.headers.get("content-type", "")
+        if content_type.split(";")[0].strip().lower() != "application/json":
+            raise RequestError(415, f"the body must be JSON (Content-Type: application/json), got {content_type!r}",
+                               code="unsupported_media_type")
+        raw = await request.body()
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as error:
+            raise RequestError(400, f"the body is not UTF-8 (byte {error.start})") from None
+        except json.JSONDecodeError as error:
+            raise RequestError(400, f"the body is not valid JSON ({error.msg} at line {error.lineno} column {error.colno})") from None
+        if not isinstance(data, dict):
+            raise RequestError(400, f"the body must be a JSON object, got {type(data).__name__}")
+        try:
+            body = kind.model_validate(data)
+        except ValidationError as error:
+            first = error.errors()[0]
+            param = ".".join(str(p) for p in first["loc"]) or None
+            message = first["msg"].removeprefix("Value error, ")
+            raise RequestError(400, f"{param}: {message}" if param else message, param=param) from None
+        if body.model != options.model_name:
+            raise RequestError(404, f"the model {body.model!r} does not exist; this server serves {options.model_name!r}",
+                               param="model", code="model_not_found")
+        if body.method is not None and body.method not in METHODS:
+            raise RequestError(400, f"unknown method {body.method!r}; available: {', '.join(METHODS)}", param="method")
+        if body.max_tokens is not None and body.max_tokens > options.max_new_tokens:
+            raise RequestError(400, f"max_tokens={body.max_tokens} exceeds this server's limit of "
+                                    f"{options.max_new_tokens} new tokens", param="max_tokens")
+        return body
+
+    def _prepare(body: GenerationFields, encode) -> TokenStream:
+        """Everything that can fail on bad input, before the request is admitted."""
+        try:
+            ids = encode()
+            if ids.numel() > prompt_limit:
+                raise RequestError(400, f"the prompt has {ids.numel()} tokens, more than this server's limit of "
+                                        f"{prompt_limit}", param="prompt", code="context_length_exceeded")
+            max_new = body.max_tokens or max(1, min(options.max_new_tokens, context - ids.numel()))
+            return model.stream(
+                ids, max_new_tokens=max_new, method=body.method or options.method,
+                method_options=body.method_options, temperature=body.temperature,
+                top_p=body.top_p if body.top_p < 1.0 else None, top_k=body.top_k, min_p=body.min_p,
+                seed=body.seed, stop=body.stops,
+            )
+        except (ValueError, TypeError) as error:
+            raise RequestError(400, str(error)) from None
+        except FileNotFoundError as error:
+            raise RequestError(400, str(error), param="method_options") from None
+
+    async def _respond(body: GenerationFields, stream: TokenStream, *, chat: bool):
+        try:
+            job = state["worker"].submit(stream)
+        except QueueFull as error:
+            raise RequestError(429, str(error), kind="rate_limit_error", code="too_many_requests") from None
+        identity = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        if body.stream:
+            return StreamingResponse(_sse(job, body, identity, created, chat), media_type="text/event-stream")
+        text = []
+        try:
+            async for chunk in _chunks(job):
+                text.append(chunk.text)
+        finally:
+            job.cancelled.set()  # no-op when done; frees the row if this handler was cancelled
+        stats = stream.stats
+        finish = _finish_reason(stats.stop_reason)
+        metrics.record_finished(stats, finish)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": "".join(text)}, "finish_reason": finish}
+                  if chat else {"index": 0, "text": "".join(text), "logprobs": None, "finish_reason": finish})
+        return {"id": identity, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": options.model_name, "choices": [choice], "usage": _usage(stream)}
+
+    async def _sse(job: Job, body: GenerationFields, identity: str, created: int, chat: bool) -> AsyncIterator[bytes]:
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def event(choices: list, usage: dict | None = None) -> bytes:
+            data = {"id": identity, "object": kind, "created": created, "model": options.model_name, "choices": choices}
+            if body.include_usage:
+                data["usage"] = usage
+            return b"data: " + json.dumps(data).encode() + b"\n\n"
+
+        def choice(text: str | None, finish: str | None, first: bool = False) -> dict:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+                return {"index": 0, "delta": delta, "finish_reason": finish}
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+
+        finished = False
+        try:
+            if chat:
+                yield event([choice(None, None, first=True)])
+            async for chunk in _chunks(job):
+                if chunk.text:
+                    yield event([choice(chunk.text, None)])
+            finish = _finish_reason(job.stream.stats.stop_reason)
+            yield event([choice(None, finish)])
+            if body.include_usage:
+                yield event([], _usage(job.stream))
+            yield SSE_DONE
+            finished = True
+            metrics.record_finished(job.stream.stats, finish)
+        except RequestError as error:  # the generation failed after the response began
+            yield b"data: " + json.dumps(error_body(str(error), error.kind)).encode() + b"\n\n"
+        finally:
+            if not finished:
+                job.cancelled.set()  # the client went away: the worker stops this row at its next round
+
+    async def _chunks(job: Job):
+        while True:
+            kind, payload = await job.events.get()
+            if kind == "chunk":
+                yield payload
+            elif kind == "done":
+                return
+            else:
+                metrics.errors.labels(status="500").inc()
+                raise RequestError(500, f"generation failed: {type(payload).__name__}: {payload}", kind="server_error")
+
+    return app
+
+
+def _finish_reason(stop_reason: str) -> str:
+    return "length" if stop_reason == "length" else "stop"
+
+
+def _usage(stream: TokenStream) -> dict:
+    prompt, completion = stream.stats.prompt_tokens, len(stream.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

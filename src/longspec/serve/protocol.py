@@ -1,0 +1,123 @@
+"""The OpenAI-compatible request bodies the server accepts, validated by pydantic.
+
+Fields OpenAI defines but this server does not implement are accepted only at their
+neutral value (`n` = 1, no `logprobs`, zero presence/frequency penalties, ...) and
+refused otherwise with a message saying so; unknown fields are refused. Two extra
+fields choose the speculation per request: `method` (a registered method name) and
+`method_options` (that drafter's keyword options).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: StrictBool = False
+
+
+class GenerationFields(BaseModel):
+    """What completions and chat completions share."""
+
+    # Strict types: "0.5" is not a number and true is not 1; NaN and infinities are refused.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    model: str
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: StrictFloat = Field(default=1.0, ge=0.0)
+    top_p: StrictFloat = Field(default=1.0, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: StrictInt | None = Field(default=None, ge=0, le=2**64 - 1)
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    n: StrictInt = 1
+    presence_penalty: StrictFloat = 0.0
+    frequency_penalty: StrictFloat = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # longspec's own fields.
+    top_k: StrictInt | None = Field(default=None, ge=0)
+    min_p: StrictFloat | None = Field(default=None, ge=0.0, le=1.0)
+    method: str | None = None
+    method_options: dict[str, Any] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops_non_empty(cls, stop):
+        stops = [stop] if isinstance(stop, str) else (stop or [])
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        if len(stops) > 4:
+            raise ValueError(f"at most 4 stop strings, got {len(stops)}")
+        return stop
+
+    @model_validator(mode="after")
+    def _unsupported_values(self):
+        refused = {
+            "n": (self.n != 1, "n must be 1 (one choice per request)"),
+            "presence_penalty": (self.presence_penalty != 0, "presence_penalty is not supported (use repetition control "
+                                 "through the method's sampling, or leave it 0)"),
+            "frequency_penalty": (self.frequency_penalty != 0, "frequency_penalty is not supported; leave it 0"),
+            "logit_bias": (bool(self.logit_bias), "logit_bias is not supported"),
+            "stream_options": (self.stream_options is not None and not self.stream,
+                               "stream_options is only allowed with stream: true"),
+        }
+        for field, (bad, message) in refused.items():
+            if bad:
+                raise ValueError(f"{field}: {message}")
+        return self
+
+    @property
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(GenerationFields):
+    prompt: str | list[StrictInt]
+    max_tokens: StrictInt | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    logprobs: None = None
+    echo: Literal[False] = False
+    best_of: Literal[1] | None = None
+    suffix: None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_non_empty(cls, prompt):
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        return prompt
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant"]
+    content: str
+    name: str | None = None
+
+
+class ChatCompletionRequest(GenerationFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    logprobs: Literal[False] | None = None
+    top_logprobs: None = None
+
+    @model_validator(mode="after")
+    def _one_limit(self):
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise ValueError("give max_tokens or max_completion_tokens, not both")
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return self
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    """OpenAI's error shape."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}

@@ -1,0 +1,295 @@
+"""`longspec serve` on loopback with the official `openai` client: completions and
+chat, sync and streaming, equal to offline generation; malformed requests get the
+right status and the server keeps serving; the API key; the concurrency limit;
+clients that disconnect mid-stream leave nothing in flight; 16 concurrent clients.
+A tiny checkpoint with a character tokenizer keeps all of it to seconds."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+
+from longspec.api import LongSpecModel
+from longspec.runtime.loading import load_target
+from longspec.serve import ServeOptions, create_app
+from longspec.speculation.engine import EngineOptions
+from tiny_models import save_checkpoint
+
+NAME = "tiny"
+TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
+KEY = "sk-test-key"
+DEADLINE_S = 60
+
+
+class Server:
+    """A real uvicorn server on a free loopback port, in a thread."""
+
+    def __init__(self, model: LongSpecModel, options: ServeOptions) -> None:
+        self.app = create_app(model, options)
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + DEADLINE_S
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.01)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def client(self, key: str = KEY, **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=DEADLINE_S, **kwargs)
+
+    def metric(self, name: str, headers=None) -> float:
+        text = httpx.get(self.url + "/metrics", headers=headers, timeout=DEADLINE_S).text
+        values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ") or line.startswith(name + "{")]
+        return sum(values)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=DEADLINE_S)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> LongSpecModel:
+    directory = save_checkpoint(tmp_path_factory.mktemp("serve-model"), chat_template=TEMPLATE,
+                                max_position_embeddings=1 << 16)  # long streams: seconds, not milliseconds
+    return LongSpecModel(load_target(directory, dtype=torch.float32), EngineOptions(progress=False))
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    running = Server(model, ServeOptions(model_name=NAME, method="pld", max_concurrent=64, max_new_tokens=LONG,
+                                         max_prompt_tokens=1000))
+    yield running
+    running.stop()
+
+
+PROMPT = "the cat sat on the mat. the cat sat on the"
+LONG = 60_000  # tokens: a stream that lasts far longer than any test step
+
+
+def offline(model, prompt_ids, **kwargs):
+    return model.generate(prompt_ids, method="pld", ignore_eos=False, **kwargs)
+
+
+# ------------------------------------------------------------------ happy paths
+def test_models_and_health(server):
+    assert [m.id for m in server.client().models.list().data] == [NAME]
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+
+
+def test_greedy_completion_equals_offline_generation_sync_and_streaming(server, model):
+    client = server.client()
+    reference = offline(model, model.encode(PROMPT), max_new_tokens=40, temperature=0.0)
+    result = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=40, temperature=0)
+    assert result.choices[0].text == reference.text
+    assert result.usage.completion_tokens == len(reference.token_ids)
+    assert result.usage.prompt_tokens == len(PROMPT)
+    assert result.choices[0].finish_reason == ("length" if len(reference.token_ids) == 40 else "stop")
+    pieces, usage = [], None
+    for chunk in client.completions.create(model=NAME, prompt=PROMPT, max_tokens=40, temperature=0, stream=True,
+                                           stream_options={"include_usage": True}):
+        if chunk.choices:
+            pieces.append(chunk.choices[0].text)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert "".join(pieces) == reference.text
+    assert usage.completion_tokens == len(reference.token_ids)
+    # Token ids as the prompt, too.
+    ids = model.encode(PROMPT).tolist()
+    assert client.completions.create(model=NAME, prompt=ids, max_tokens=40, temperature=0).choices[0].text == reference.text
+
+
+def test_chat_equals_offline_generation_sync_and_streaming(server, model):
+    client = server.client()
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "say cat cat cat"}]
+    reference = offline(model, model.encode_chat(messages), max_new_tokens=30, temperature=0.0)
+    reply = client.chat.completions.create(model=NAME, messages=messages, max_tokens=30, temperature=0)
+    assert reply.choices[0].message.content == reference.text and reply.choices[0].message.role == "assistant"
+    streamed = client.chat.completions.create(model=NAME, messages=messages, max_tokens=30, temperature=0, stream=True)
+    chunks = list(streamed)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == reference.text
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_seeded_sampling_and_per_request_method(server, model):
+    client = server.client()
+    runs = [client.completions.create(model=NAME, prompt=PROMPT, max_tokens=30, temperature=0.9, top_p=0.9, seed=7,
+                                      extra_body={"method": method, "method_options": options}).choices[0].text
+            for method, options in (("ar", None), ("pld", {"num_tokens": 4}), ("ngram", {"k": 3}))]
+    assert runs[0] == runs[1] == runs[2]  # deterministic candidates make one draw per token: one seed, one output
+    assert runs[0] == offline(model, model.encode(PROMPT), max_new_tokens=30, temperature=0.9, top_p=0.9, seed=7).text
+
+
+def test_metrics_report_speculation(server):
+    client = server.client()
+    client.completions.create(model=NAME, prompt=PROMPT * 3, max_tokens=30, temperature=0)
+    assert server.metric("longspec:generation_tokens_total") > 0
+    assert server.metric("longspec:spec_decode_num_draft_tokens_total") > 0
+    assert server.metric("longspec:spec_decode_num_accepted_tokens_per_pos_total") > 0
+    assert server.metric("longspec:time_to_first_token_seconds_count") > 0
+    assert server.metric("longspec:num_requests_running") == 0
+
+
+# -------------------------------------------------------------------- refusals
+BAD_REQUESTS = [
+    # (name, content type, body, status, message fragment)
+    ("truncated JSON", "application/json", b'{"model": "tiny", "prompt": "hi"', 400, "not valid JSON"),
+    ("not an object", "application/json", b'["tiny", "hi"]', 400, "must be a JSON object"),
+    ("non-UTF-8 body", "application/json", b'{"model": "tiny", "prompt": "\xff\xfe"}', 400, "not UTF-8"),
+    ("wrong content type", "text/plain", b'{"model": "tiny", "prompt": "hi"}', 415, "Content-Type: application/json"),
+    ("missing prompt", "application/json", {"model": NAME}, 400, "prompt: Field required"),
+    ("missing model", "application/json", {"prompt": "hi"}, 400, "model: Field required"),
+    ("temperature as text", "application/json", {"model": NAME, "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("negative temperature", "application/json", {"model": NAME, "prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("negative max_tokens", "application/json", {"model": NAME, "prompt": "hi", "max_tokens": -5}, 400, "max_tokens"),
+    ("fractional max_tokens", "application/json", {"model": NAME, "prompt": "hi", "max_tokens": 4.5}, 400, "max_tokens"),
+    ("huge max_tokens", "application/json", {"model": NAME, "prompt": "hi", "max_tokens": 10**9}, 400,
+     f"exceeds this server's limit of {LONG}"),
+    ("top_p zero", "application/json", {"model": NAME, "prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("unknown method", "application/json", {"model": NAME, "prompt": "hi", "method": "magic"}, 400, "unknown method 'magic'"),
+    ("bad method option", "application/json", {"model": NAME, "prompt": "hi", "method": "pld",
+                                                "method_options": {"bogus": 1}}, 400, "has no option bogus"),
+    ("oversize prompt", "application/json", {"model": NAME, "prompt": "x" * 1500}, 400, "1500 tokens, more than this server's limit of 1000"),
+    ("unknown field", "application/json", {"model": NAME, "prompt": "hi", "temprature": 1}, 400, "temprature: Extra inputs"),
+    ("n > 1", "application/json", {"model": NAME, "prompt": "hi", "n": 2}, 400, "n must be 1"),
+    ("logprobs", "application/json", {"model": NAME, "prompt": "hi", "logprobs": 5}, 400, "logprobs"),
+    ("batch of prompts", "application/json", {"model": NAME, "prompt": ["a", "b"]}, 400, "prompt"),
+    ("empty stop", "application/json", {"model": NAME, "prompt": "hi", "stop": [""]}, 400, "stop strings must be non-empty"),
+    ("unknown model", "application/json", {"model": "gpt-9", "prompt": "hi"}, 404, "does not exist"),
+    ("out-of-vocabulary ids", "application/json", {"model": NAME, "prompt": [1, 999999]}, 400, "token ids must lie"),
+]
+
+
+@pytest.mark.parametrize("name,content_type,body,status,fragment", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_malformed_requests_get_the_right_status_and_the_server_keeps_serving(server, name, content_type, body, status,
+                                                                                 fragment):
+    data = body if isinstance(body, bytes) else __import__("json").dumps(body).encode()
+    response = httpx.post(server.url + "/v1/completions", content=data, headers={"content-type": content_type},
+                          timeout=DEADLINE_S)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert fragment in error["message"], error
+    assert error["type"]
+    ok = server.client().completions.create(model=NAME, prompt="hi", max_tokens=3, temperature=0)
+    assert ok.usage.completion_tokens >= 1
+
+
+def test_chat_refusals(server):
+    for body, fragment in [({"model": NAME, "messages": []}, "messages"),
+                           ({"model": NAME, "messages": [{"role": "wizard", "content": "x"}]}, "role"),
+                           ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 3,
+                             "max_completion_tokens": 3}, "not both")]:
+        response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=DEADLINE_S)
+        assert response.status_code == 400 and fragment in response.json()["error"]["message"], response.text
+
+
+# ---------------------------------------------------------- key, limit, faults
+def test_api_key_guards_every_endpoint_but_health(model):
+    guarded = Server(model, ServeOptions(model_name=NAME, api_key=KEY))
+    try:
+        for path in ("/v1/models", "/metrics"):
+            assert httpx.get(guarded.url + path).status_code == 401
+            assert httpx.get(guarded.url + path, headers={"authorization": "Bearer wrong"}).status_code == 401
+        assert httpx.post(guarded.url + "/v1/completions", json={"model": NAME, "prompt": "hi"}).status_code == 401
+        assert httpx.get(guarded.url + "/health").status_code == 200
+        with pytest.raises(openai.AuthenticationError):
+            guarded.client(key="wrong").models.list()
+        assert guarded.client().completions.create(model=NAME, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+    finally:
+        guarded.stop()
+
+
+def test_exposure_warnings():
+    from longspec.cli.serve import exposure_warnings, is_loopback
+
+    assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
+    assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.4")
+    assert exposure_warnings("127.0.0.1", None) == []
+    warned = " ".join(exposure_warnings("0.0.0.0", None))
+    assert "0.0.0.0" in warned and "no --api-key" in warned
+    assert not any("--api-key" in w for w in exposure_warnings("0.0.0.0", KEY))
+
+
+def _start_streams(url: str, count: int, max_tokens: int) -> list[httpx.Response]:
+    """`count` streaming requests, each read up to its first event."""
+    client = httpx.Client(timeout=DEADLINE_S)
+    streams = []
+    for _ in range(count):
+        request = client.build_request("POST", url + "/v1/completions",
+                                       json={"model": NAME, "prompt": PROMPT, "max_tokens": max_tokens, "stream": True,
+                                             "temperature": 0, "method": "ar"})
+        streams.append(client.send(request, stream=True))
+    return streams
+
+
+def read_first_event(stream: httpx.Response, keep: list) -> None:
+    """Read a stream's first line, keeping the line iterator alive: a collected iterator
+    closes its response, which the server (rightly) takes as a disconnect."""
+    lines = stream.iter_lines()
+    keep.append(lines)
+    assert next(lines).startswith("data: ")
+
+
+def wait_idle(server: Server) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        busy = (server.metric("longspec:num_requests_running"), server.metric("longspec:num_requests_waiting"),
+                server.metric("longspec:kv_cache_bytes"))
+        if busy == (0, 0, 0) and httpx.get(server.url + "/health").json()["requests_in_flight"] == 0:
+            return
+        assert time.monotonic() < deadline, f"still busy after the clients left: {busy}"
+        time.sleep(0.05)
+
+
+def test_concurrency_limit_gives_429(model):
+    limited = Server(model, ServeOptions(model_name=NAME, max_concurrent=1, method="ar", max_new_tokens=LONG))
+    try:
+        (first,) = _start_streams(limited.url, 1, LONG)
+        read_first_event(first, keep := [])  # generating
+        with pytest.raises(openai.RateLimitError, match="limit of 1 concurrent"):
+            limited.client().completions.create(model=NAME, prompt="hi", max_tokens=2)
+        first.close()
+        wait_idle(limited)
+        assert limited.client().completions.create(model=NAME, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+    finally:
+        limited.stop()
+
+
+def test_fifty_clients_disconnecting_mid_stream_leave_nothing_in_flight(server):
+    cancelled_before = server.metric("longspec:request_cancelled_total")
+    streams = _start_streams(server.url, 50, LONG)
+    read_first_event(streams[0], keep := [])  # the first one really is generating; the others wait behind it
+    for stream in streams:
+        stream.close()
+    wait_idle(server)
+    assert server.metric("longspec:request_cancelled_total") - cancelled_before == 50
+    assert server.client().completions.create(model=NAME, prompt="hi", max_tokens=3).usage.completion_tokens >= 1
+
+
+def test_sixteen_concurrent_clients_all_complete_with_offline_outputs(server, model):
+    prompts = [f"{PROMPT} {i} {i} {i}" for i in range(16)]
+    expected = {p: offline(model, model.encode(p), max_new_tokens=24, temperature=0.0).text for p in prompts}
+
+    def client_session(prompt: str) -> list[str]:
+        client = server.client()
+        return [client.completions.create(model=NAME, prompt=prompt, max_tokens=24, temperature=0).choices[0].text
+                for _ in range(3)]
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        results = dict(zip(prompts, pool.map(client_session, prompts, timeout=DEADLINE_S * 4)))
+    for prompt, texts in results.items():
+        assert texts == [expected[prompt]] * 3
+    wait_idle(server)
