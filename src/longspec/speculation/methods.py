@@ -14,6 +14,7 @@ from longspec.speculation.drafters import NgramDrafter, PromptLookupDrafter
 from longspec.speculation.drafters.base import Drafter
 from longspec.speculation.drafters.longspec.presets import LONGSPEC_METHODS
 from longspec.speculation.drafters.tokenswift.drafter import TokenSwiftDrafter
+from longspec.speculation.drafters.tokenswift.one_pass import OnePassTokenSwiftDrafter
 
 
 def _autoregressive(**options: Any) -> None:
@@ -27,6 +28,7 @@ METHODS: dict[str, Callable[..., Drafter | None]] = {
     "pld": PromptLookupDrafter,
     "ngram": NgramDrafter,
     "tokenswift": TokenSwiftDrafter,
+    "tokenswift-onepass": OnePassTokenSwiftDrafter,
     **LONGSPEC_METHODS,
 }
 

@@ -1,0 +1,99 @@
+"""TokenSwift's heads on the verification pass (Medusa-style self-drafting): one
+target forward per round instead of two.
+
+The verification forward already computes the final hidden state of every tree
+node; the engine hands the accepted path's to drafters (`TargetView.last_hidden`).
+At the last accepted node that state predicts the bonus token through the LM head,
+and TokenSwift's head i predicts the token i + 1 after the bonus — so the next
+round's tree, rooted at the bonus, is the Cartesian tree of the heads' top
+candidates ([w1, w2, w3] for heads 1..3) plus the n-gram continuations of the bonus.
+
+Where a forward is dominated by weight reads (small targets, CPU), the paper's
+drafting forward over a partial KV cache costs nearly a whole second forward; this
+mode drops it and pays only the heads (one batched matmul through the LM head).
+Where K/V reads dominate (a large target at 100k tokens), the partial cache's
+cheaper forward and its LM-head depth-1 candidate can win instead.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from longspec.speculation.drafters.base import DraftContext
+from longspec.speculation.drafters.ngram import NgramTable, _check_positive_int
+from longspec.speculation.drafters.tokenswift.drafter import default_heads_path
+from longspec.speculation.drafters.tokenswift.heads import TokenSwiftHeads
+from longspec.speculation.drafters.tokenswift.tree import add_chains_within, cartesian_within
+from longspec.speculation.tree import Tree
+
+
+class OnePassTokenSwiftDrafter:
+    """Options:
+    heads: `TokenSwiftHeads`, a heads file, or None for the heads shipped for the
+        embedded Gemma 3 270M.
+    widths: candidates per depth, from heads 1, 2, ... (at most one per head).
+    k: n-gram continuations of the bonus token joined to the tree (0 disables).
+    """
+
+    def __init__(self, heads: TokenSwiftHeads | str | Path | None = None, *, widths: tuple[int, ...] = (4, 2, 1),
+                 k: int = 8, ngram: int = 4) -> None:
+        self.heads_source = heads
+        self.heads: TokenSwiftHeads | None = heads if isinstance(heads, TokenSwiftHeads) else None
+        self.widths = tuple(_check_positive_int("widths", int(w), 1) for w in widths)
+        if not self.widths:
+            raise ValueError("widths needs at least one depth")
+        self.k = k if k == 0 else _check_positive_int("k", k, 0)
+        self.ngram = _check_positive_int("ngram", ngram, 2)
+        self.table = NgramTable(ngram)
+        self._view = None
+        self.hidden_used: torch.Tensor | None = None  # the state the last tree was drafted from (for tests)
+
+    def check_target(self, config) -> None:
+        if self.heads is None:
+            path = default_heads_path() if self.heads_source is None else Path(self.heads_source)
+            self.heads = TokenSwiftHeads.load(path, config)
+        else:
+            self.heads.config.check_fits(config)
+        if len(self.widths) > self.heads.config.num_heads:
+            raise ValueError(f"widths {self.widths} need {len(self.widths)} heads; these have {self.heads.config.num_heads}")
+
+    def begin(self, context: DraftContext) -> None:
+        view = context.target
+        if view is None:
+            raise ValueError("the one-pass TokenSwift drafter reads the verification's hidden states: it needs a TargetView")
+        self.check_target(view.config)
+        wide = torch.float64 if view.model.dtype == torch.float64 else torch.float32
+        self.heads = self.heads.to(wide)
+        self._view = view
+        self.table = NgramTable(self.ngram)
+        self.table.update(torch.as_tensor(context.tokens, dtype=torch.long).reshape(-1))
+        self.hidden_used = None
+
+    def observe(self, committed: torch.Tensor) -> None:
+        self.table.update(committed)
+
+    def state_nbytes(self) -> int:
+        return self.table.nbytes()
+
+    @torch.inference_mode()
+    def propose(self, context: DraftContext) -> Tree:
+        if self._view is None:
+            raise RuntimeError("call begin() before propose()")
+        root = context.root
+        if self.table.length != context.tokens.numel():
+            self.table = NgramTable(self.ngram)
+            self.table.update(torch.as_tensor(context.tokens, dtype=torch.long).reshape(-1))
+        hidden = self._view.last_hidden
+        if hidden is None:  # the first round: no verification has run yet
+            tree = Tree.chain(root, [])
+        else:
+            self.hidden_used = hidden[-1]
+            head_logits = self.heads.logits(self._view.model, hidden[-1])[: len(self.widths)]
+            candidates = [torch.topk(logits, width).indices for width, logits in zip(self.widths, head_logits)]
+            tree = cartesian_within(root, candidates, context.max_nodes)
+        if self.k:
+            chains = [c.tolist() for c in self.table.top_continuations(root, self.k)]
+            tree = add_chains_within(tree, chains, context.max_nodes)
+        return tree
