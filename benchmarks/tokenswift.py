@@ -1,6 +1,8 @@
-"""TokenSwift on long generation: AR vs TokenSwift vs TokenSwift without token
-reutilization vs without the dynamic partial cache, in one run, sampling as in
-the paper (min-p 0.1, contextual penalty θ = 1.2 over W = 1024, temperature 1).
+"""TokenSwift on long generation: AR vs TokenSwift (the paper's drafting forward over
+a dynamic partial cache) vs the heads on the verification pass (one forward per
+round, `tokenswift-onepass`) vs TokenSwift without token reutilization vs without the
+dynamic partial cache, in one run, sampling as in the paper (min-p 0.1, contextual
+penalty θ = 1.2 over W = 1024, temperature 1), or greedy with --greedy.
 
     python benchmarks/tokenswift.py --prompt-tokens 2048 --new-tokens 2048 4096
 
@@ -25,6 +27,7 @@ from common import machine, write_results
 from longspec.api import parse_dtype
 from longspec.speculation.metrics import distinct_n
 from longspec.speculation.drafters.tokenswift.drafter import TokenSwiftDrafter
+from longspec.speculation.drafters.tokenswift.one_pass import OnePassTokenSwiftDrafter
 from longspec.speculation.metrics import GenerationStats
 from longspec.speculation.processors import SamplingParams
 
@@ -32,9 +35,11 @@ BOOK = Path(__file__).resolve().parents[2] / "shared" / "data" / "books" / "aust
 
 VARIANTS = {
     "ar": None,
-    "tokenswift": {},
-    "no-reutilization": {"k": 0},
-    "no-dynamic-cache": {"dynamic_cache": False},
+    "tokenswift": lambda heads: TokenSwiftDrafter(heads),
+    "one-pass": lambda heads: OnePassTokenSwiftDrafter(heads),
+    "one-pass-wide": lambda heads: OnePassTokenSwiftDrafter(heads, widths=(3, 3, 3), k=20),
+    "no-reutilization": lambda heads: TokenSwiftDrafter(heads, k=0),
+    "no-dynamic-cache": lambda heads: TokenSwiftDrafter(heads, dynamic_cache=False),
 }
 
 
@@ -73,23 +78,28 @@ def main() -> None:
     parser.add_argument("--penalty", type=float, default=1.2)
     parser.add_argument("--penalty-window", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--greedy", action="store_true", help="greedy decoding (with the same penalty)")
+    parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=Path("bench-out/tokenswift.jsonl"))
     args = parser.parse_args()
-    params = SamplingParams(temperature=1.0, min_p=args.min_p, penalty=args.penalty, penalty_window=args.penalty_window)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    params = (SamplingParams(penalty=args.penalty, penalty_window=args.penalty_window) if args.greedy else
+              SamplingParams(temperature=1.0, min_p=args.min_p, penalty=args.penalty, penalty_window=args.penalty_window))
     model = longspec.load(args.model, dtype=parse_dtype(args.dtype))
     ids = book_prompt(model.tokenizer, args.prompt_tokens)
     for name in args.variants:
-        options = VARIANTS[name]
-        drafter = None if options is None else TokenSwiftDrafter(args.heads, **options)
-        run(model, ids[:256], 16, drafter, params, args.seed)
+        make = VARIANTS[name]
+        run(model, ids[:256], 16, make and make(args.heads), params, args.seed)
     rows = []
     header = {"benchmark": "tokenswift", "machine": machine(), "model": model.target.source, "time": time.ctime(),
-              "params": {"min_p": args.min_p, "penalty": args.penalty, "window": args.penalty_window}}
+              "params": {"greedy": args.greedy, "min_p": args.min_p, "penalty": args.penalty, "window": args.penalty_window},
+              "threads": torch.get_num_threads()}
     for new_tokens in args.new_tokens:
         ar_tps = None
         for name in args.variants:
-            options = VARIANTS[name]
-            drafter = None if options is None else TokenSwiftDrafter(args.heads, **options)
+            make = VARIANTS[name]
+            drafter = make and make(args.heads)
             out, stats, wall = run(model, ids, new_tokens, drafter, params, args.seed)
             tps = out.numel() / wall
             ar_tps = tps if name == "ar" else ar_tps
@@ -101,8 +111,8 @@ def main() -> None:
                 "distinct": [distinct_n(tokens, n) for n in (1, 2, 3, 4)],
                 "time_split_s": {"draft": stats.draft_s, "verify": stats.verify_s, "bookkeeping": stats.bookkeeping_s,
                                  "warm_up_and_other": wall - stats.decode_s},
-                "rebuilds": drafter.cache.rebuilds if drafter is not None else None,
-                "budget": drafter.cache.budget if drafter is not None else None,
+                "rebuilds": drafter.cache.rebuilds if isinstance(drafter, TokenSwiftDrafter) else None,
+                "budget": drafter.cache.budget if isinstance(drafter, TokenSwiftDrafter) else None,
             }
             rows.append(row)
             print(row, flush=True)
