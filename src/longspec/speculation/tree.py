@@ -85,10 +85,11 @@ class Tree:
         if not isinstance(q, torch.Tensor) or not q.is_floating_point() or q.shape != (self.size, vocab_size):
             shape = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
             return f"draft_probs must be a float tensor of shape [nodes, vocabulary] = [{self.size}, {vocab_size}], got {shape}"
-        bad_row = _first(~torch.isfinite(q).all(dim=1) | (q < 0).any(dim=1))
+        # Two passes over [n, V]: a NaN or infinity makes its row's sum non-finite.
+        sums = q.sum(dim=1, dtype=torch.float64)
+        bad_row = _first(~torch.isfinite(sums) | (q.amin(dim=1) < 0))
         if bad_row is not None:
             return f"node {bad_row}: draft_probs row has negative or non-finite entries"
-        sums = q.sum(dim=1, dtype=torch.float64)
         tolerance = _ROW_SUM_TOLERANCE.get(q.dtype, _ROW_SUM_TOLERANCE_DEFAULT)
         bad_row = _first(((sums - 1).abs() > tolerance) & (sums != 0))
         if bad_row is not None:
