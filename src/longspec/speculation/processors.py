@@ -134,15 +134,18 @@ def penalize(logits: torch.Tensor, histories: torch.Tensor, theta: float) -> tor
     scores = logits.to(_compute_dtype(logits), copy=True)
     if theta == 1.0 or histories.shape[1] == 0:
         return scores
-    n, v = scores.shape
+    v = scores.shape[1]
     hist = histories.to(device=scores.device, dtype=torch.long)
-    # Padding and out-of-vocab ids land in an extra column that is dropped, like HF.
-    idx = torch.where((hist >= 0) & (hist < v), hist, v)
-    seen = torch.zeros(n, v + 1, dtype=torch.bool, device=scores.device)
-    seen.scatter_(1, idx, True)
-    seen = seen[:, :v]
-    penalized = torch.where(scores < 0, scores * theta, scores / theta)
-    return torch.where(seen, penalized, scores)
+    valid = (hist >= 0) & (hist < v)  # padding and out-of-vocab ids are ignored, like HF
+    # Touch only the history's columns (O(N * W), not O(N * V)): gather, penalize,
+    # scatter back. Invalid slots repeat a valid token of their row, so every write to a
+    # column carries the same value (the penalty is applied to the original score, once).
+    has_valid = valid.any(dim=1, keepdim=True)
+    stand_in = hist.gather(1, valid.to(torch.int8).argmax(dim=1, keepdim=True))
+    index = torch.where(valid, hist, torch.where(has_valid, stand_in, 0))
+    current = scores.gather(1, index)
+    penalized = torch.where(current < 0, current * theta, current / theta)
+    return scores.scatter_(1, index, torch.where(has_valid, penalized, current))
 
 
 def history_windows(tokens: torch.Tensor, ends: torch.Tensor, window: int) -> torch.Tensor:
@@ -275,6 +278,9 @@ def greedy_tokens(
     logits: torch.Tensor, histories: torch.Tensor | None, params: SamplingParams
 ) -> torch.Tensor:
     """Argmax after the penalty (ties -> lowest index). Returns [N] int64."""
+    if not params.uses_history:
+        _check_logits(logits)
+        return logits.argmax(dim=-1)  # widening is exact and keeps the order: no copy needed
     return _penalized(logits, histories, params).argmax(dim=-1)
 
 
