@@ -4,31 +4,22 @@ ratio is the AR speed no implementation can beat while memory-bound."""
 
 from __future__ import annotations
 
-import os
 import platform
 import time
-from pathlib import Path
 
 import torch
+
+from longspec.runtime.machine import machine_identity
 
 
 def machine() -> dict:
     """CPU, cores, threads and library versions, for report headers."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     import transformers
 
     import longspec
 
     return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
+        **machine_identity(),
         "torch_threads": torch.get_num_threads(),
         "longspec": longspec.__version__,
         "torch": torch.__version__,

@@ -1,0 +1,156 @@
+"""The measured cost of one target forward of k new tokens (a speculation tree),
+on this machine.
+
+Verifying a tree of k nodes costs about one forward while the forward is bound by
+reading the weights, and grows once the matrix products become compute-bound; where
+that knee lies depends on the machine, the model, its dtype and the context. Drafters
+and controllers size their trees from this measurement, never from a paper's GPU
+default. Measuring takes seconds; results are cached per machine, model, dtype,
+context, thread count and torch version under the longspec cache directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from bisect import bisect_left
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from longspec.runtime.machine import machine_identity
+from longspec.runtime.model import Decoder
+from longspec.speculation.tree import Tree
+
+DEFAULT_KS = (1, 2, 4, 8, 16, 32, 64)
+CACHE_SUBDIR = "cost-model"
+FORMAT = "longspec-forward-cost/1"
+
+
+def binary_tree_parents(k: int) -> torch.Tensor:
+    """Parents of a root plus k nodes shaped like a binary heap: depth ~log2 k, the
+    middle ground between a chain (depth k) and a star (depth 1)."""
+    return torch.tensor([-1] + [(i - 1) // 2 for i in range(1, k + 1)], dtype=torch.long)
+
+
+@dataclass(frozen=True)
+class ForwardCost:
+    """seconds[i]: best-of-N wall time of one forward of ks[i] new tokens (root
+    included in the count: k = 1 is plain decoding) over `context` committed tokens."""
+
+    key: dict
+    ks: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.ks or len(self.ks) != len(self.seconds) or list(self.ks) != sorted(set(self.ks)) or self.ks[0] != 1:
+            raise ValueError(f"ks must be increasing, start at 1 and match seconds; got {self.ks}, {self.seconds}")
+
+    def seconds_for(self, k: int) -> float:
+        """Linear interpolation between measured k; beyond the last, the last slope."""
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        ks, secs = self.ks, self.seconds
+        i = bisect_left(ks, k)
+        if i < len(ks) and ks[i] == k:
+            return secs[i]
+        if i == len(ks):
+            if len(ks) == 1:
+                return secs[0] * k
+            slope = (secs[-1] - secs[-2]) / (ks[-1] - ks[-2])
+            return secs[-1] + slope * (k - ks[-1])
+        lo, hi = i - 1, i
+        return secs[lo] + (secs[hi] - secs[lo]) * (k - ks[lo]) / (ks[hi] - ks[lo])
+
+    def relative(self, k: int) -> float:
+        """Cost of k tokens in units of one decode forward."""
+        return self.seconds_for(k) / self.seconds_for(1)
+
+    def to_json(self) -> str:
+        return json.dumps({"format": FORMAT, **asdict(self)}, indent=1)
+
+    @staticmethod
+    def from_json(text: str) -> "ForwardCost":
+        data = json.loads(text)
+        if data.get("format") != FORMAT:
+            raise ValueError(f"not a forward-cost file (format {data.get('format')!r})")
+        return ForwardCost(data["key"], tuple(data["ks"]), tuple(data["seconds"]))
+
+
+def cost_key(model: Decoder, context: int, machine: dict) -> dict:
+    """Everything the measurement depends on."""
+    config = json.dumps(asdict(model.config), sort_keys=True, default=str)
+    return {
+        "machine": machine, "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "model": hashlib.sha256(config.encode()).hexdigest()[:16], "dtype": str(model.dtype), "context": context,
+    }
+
+
+def measure_forward_cost(
+    model: Decoder,
+    *,
+    context: int,
+    ks: Sequence[int] = DEFAULT_KS,
+    repeats: int = 5,
+    parents_for: Callable[[int], torch.Tensor] = binary_tree_parents,
+    machine: dict | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> ForwardCost:
+    """Time one forward of k tokens (a tree of k - 1 nodes below a root) after a
+    prefill of `context` random tokens; best of `repeats` per k after one warm-up."""
+    ks = tuple(sorted(set(int(k) for k in ks)))
+    if not ks or ks[0] != 1:
+        ks = (1, *ks)
+    if context < 1 or context + ks[-1] > model.config.max_position_embeddings:
+        raise ValueError(f"context {context} + {ks[-1]} tokens must fit the model's "
+                         f"{model.config.max_position_embeddings} positions")
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (context + ks[-1],), generator=generator)
+    cache = model.new_cache(context + ks[-1] + 1, max_forward_tokens=max(512, ks[-1]))
+    with torch.inference_mode():
+        for begin in range(0, context, 512):
+            model(ids[begin : min(begin + 512, context)].unsqueeze(0), cache, logits_rows=slice(0, 0))
+            cache.commit()
+        seconds = []
+        for k in ks:
+            tree = Tree.from_parents(ids[context : context + k], parents_for(k - 1))
+            mask = None if tree.is_chain() else tree.ancestor_mask()
+            positions = cache.length + tree.depths
+            best = float("inf")
+            for attempt in range(repeats + 1):
+                start = clock()
+                model(tree.tokens.unsqueeze(0), cache, tree_mask=mask, positions=positions)
+                elapsed = clock() - start
+                cache.drop_pending()
+                if attempt:  # the first run warms kernels and allocations
+                    best = min(best, elapsed)
+            seconds.append(best)
+    return ForwardCost(cost_key(model, context, machine or machine_identity()), ks, tuple(seconds))
+
+
+def cached_forward_cost(model: Decoder, *, context: int, directory: Path | None = None, **measure_options) -> ForwardCost:
+    """The measurement for this machine/model/dtype/context/threads, from the cache
+    when one was made under the same key, else measured now and stored."""
+    from longspec.runtime.default_model import cache_root
+
+    machine = measure_options.pop("machine", None) or machine_identity()
+    key = cost_key(model, context, machine)
+    directory = directory or cache_root() / CACHE_SUBDIR
+    path = directory / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24] + ".json")
+    if path.is_file():
+        try:
+            cost = ForwardCost.from_json(path.read_text())
+            if cost.key == key and (not measure_options.get("ks") or set(measure_options["ks"]) <= set(cost.ks)):
+                return cost
+        except (ValueError, KeyError, TypeError):
+            pass  # unreadable or foreign: measure again and replace it
+    cost = measure_forward_cost(model, context=context, machine=machine, **measure_options)
+    directory.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary.write_text(cost.to_json())
+    temporary.replace(path)
+    return cost
