@@ -2,7 +2,8 @@
 starting with BOS as served prompts do, a recency bias on the cross-attention,
 anchor offsets, flash-noisy shifts, self-distilled labels) against the same recipe
 with one piece changed — no BOS, no recency bias, no anchor offsets, shift 1 only
-(no noise), GLIDE's block-wise mask, and the corpus's next tokens as labels.
+(no noise), GLIDE's block-wise mask, and the corpus's next tokens as labels — and the
+EAGLE-style variant that fuses the target's hidden state into the draft's input.
 
     python benchmarks/longspec_ablations.py --shards RUN/shards --out bench-out/ablations --steps 150
 
@@ -53,6 +54,7 @@ def variants(gamma: int, prefix: tuple[int, ...]) -> dict[str, tuple[dict, dict]
         "recipe (BOS, recency bias, anchor offsets, noisy, self-distilled)": (recipe, draft),
         "no BOS": ({**recipe, "row_prefix": ()}, draft),
         "no recency bias": (recipe, {**draft, "recency_bias": False}),
+        "hidden input (EAGLE-style)": (recipe, {**draft, "hidden_input": True}),
         "no anchor offsets": ({**recipe, "anchor_offset": False}, draft),
         "no noise (shift 1)": ({**recipe, "visibility": ShiftVisibility(1)}, draft),
         "block-wise mask (GLIDE)": ({**recipe, "visibility": BlockVisibility(gamma)}, draft),

@@ -59,24 +59,29 @@ def test_greedy_identity(family, strategy):
         assert torch.equal(run(engine, prompt, drafter), reference)
 
 
+@pytest.mark.parametrize("variant", ["recency_bias", "hidden_input"])
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
-def test_greedy_identity_with_recency_bias(strategy):
+def test_greedy_identity_of_the_draft_variants(strategy, variant):
     model = tiny_decoder("gemma3", dtype=torch.float64)
     engine = SpeculativeEngine(model, EngineOptions(prefill_chunk=7, max_tree_nodes=20, progress=False))
     prompt = torch.cat([random_ids(6, seed=4)[0].repeat(3), random_ids(5, seed=54)[0]])
     reference = run(engine, prompt)
-    draft = random_draft(model, recency_bias=True)
+    draft = random_draft(model, **{variant: True})
     plain = random_draft(model)
-    assert not torch.equal(_root_logprobs(model, draft, prompt), _root_logprobs(model, plain, prompt))  # the bias acts
+    assert not torch.equal(_root_logprobs(model, draft, prompt), _root_logprobs(model, plain, prompt))  # the variant acts
     assert torch.equal(run(engine, prompt, LongSpecDrafter(draft, STRATEGIES[strategy]())), reference)
+    merged = LongSpecDrafter(draft, STRATEGIES[strategy](), retrieval=PromptLookupDrafter(num_tokens=4)) \
+        if strategy != "sampled-chain" else LongSpecDrafter(draft, STRATEGIES[strategy]())
+    assert torch.equal(run(engine, prompt, merged), reference)
 
 
 def _root_logprobs(model, draft, prompt):
     cache = model.new_cache(64)
-    model(prompt[:-1].unsqueeze(0), cache)
+    prefill = model(prompt[:-1].unsqueeze(0), cache)
     cache.commit()
     drafter = LongSpecDrafter(draft, ChainStrategy(1))
     view = TargetView(model, cache)
+    view.prefill_hidden = prefill.hidden[0]
     drafter.begin(DraftContext(prompt, view, 4))
     drafter.propose(DraftContext(prompt, view, 4))
     return drafter._root_logprobs

@@ -85,23 +85,26 @@ class RecordingChain:
         return proposal
 
 
-@pytest.mark.parametrize("recency_bias", [False, True], ids=["plain", "recency-bias"])
+@pytest.mark.parametrize("variant", ["plain", "recency-bias", "hidden-input"])
 @pytest.mark.parametrize("family", ["gemma3", "llama"])
-def test_training_forward_equals_inference_drafting(family, recency_bias):
+def test_training_forward_equals_inference_drafting(family, variant):
     """The root and tree nodes at depth d see the target's K/V of positions before the
     root; training with a per-row shift of d + 1 computes exactly the same logits
-    (with the recency bias too: both build it from the same positions)."""
+    (with the recency bias too, and with the EAGLE-style input: both read the target's
+    hidden state of the newest position a query may see)."""
     target = tiny_decoder(family, dtype=torch.float64)
-    config = small_draft_config(target, window=64, recency_bias=recency_bias)
+    config = small_draft_config(target, window=64, recency_bias=variant == "recency-bias",
+                                hidden_input=variant == "hidden-input")
     draft = DraftModel(config).reset_parameters(seed=3, std=0.3).to(torch.float64)
     prompt = random_ids(20, seed=8)[0]
     L = prompt.numel() - 1  # root position
     cache = target.new_cache(64)
-    target(prompt[:-1].unsqueeze(0), cache)
+    prefill = target(prompt[:-1].unsqueeze(0), cache)
     cache.commit()
     strategy = RecordingChain()
     drafter = LongSpecDrafter(draft, strategy)
     view = TargetView(target, cache)
+    view.prefill_hidden = prefill.hidden[0]  # as the engine hands it over
     drafter.begin(DraftContext(prompt, view, 8))
     tree = drafter.propose(DraftContext(prompt, view, 8))
     ids = torch.cat([prompt, tree.tokens[1:3]])  # root, then the two expanded nodes
@@ -109,9 +112,10 @@ def test_training_forward_equals_inference_drafting(family, recency_bias):
     features = target_features(target, ids, positions, draft.config.target_layers, self_distill=False)
     features.update(ids=ids, positions=positions)
     index = torch.arange(ids.numel())
-    cross_mask = index.unsqueeze(0) < torch.clamp(index, max=L).unsqueeze(1)  # k < min(i, L)
-    cross_mask[0, 0] = True  # row 0 sees nothing; unused
-    hidden = training_hidden(draft, draft.config, target, features, cross_mask)
+    visible = index.unsqueeze(0) < torch.clamp(index, max=L).unsqueeze(1)  # k < min(i, L)
+    cross_mask = visible.clone()
+    cross_mask[0, 0] = True  # row 0 sees nothing; a dummy key, unused
+    hidden = training_hidden(draft, draft.config, target, features, cross_mask, visible)
     logprobs = torch.log_softmax(hidden @ target.head_weight.t(), dim=-1)
     for depth, seen in enumerate(strategy.seen):
         torch.testing.assert_close(seen, logprobs[L + depth], rtol=1e-9, atol=1e-9)
@@ -333,3 +337,46 @@ def test_long_position_agreement_keeps_the_anchors():
     assert seen[0].tolist() == list(range(24))
     assert seen[1][:4].tolist() == [0, 1, 2, 3] and seen[1][4:].tolist() == list(range(2004, 2024))
     assert scores[0].top1 != scores[1].top1 or scores[0].cross_entropy != scores[1].cross_entropy  # positions matter
+
+
+@pytest.mark.parametrize("with_retrieval", [False, True], ids=["draft-every-round", "retrieval-first"])
+def test_hidden_input_drafter_reads_the_right_states_round_after_round(with_retrieval):
+    """Through the engine, every round's root distribution of an EAGLE-style draft equals
+    the training forward over the final sequence (shift 1): the states the drafter kept
+    from prefill and from each verification are the target's states at those positions."""
+    from longspec.speculation.drafters import PromptLookupDrafter
+    from longspec.speculation.drafters.longspec import ChainStrategy
+    from longspec.speculation.engine import EngineOptions, SpeculativeEngine
+    from longspec.training.longspec_visibility import shifted_mask
+
+    target = tiny_decoder("gemma3", dtype=torch.float64)
+    draft = DraftModel(small_draft_config(target, window=64, hidden_input=True)).reset_parameters(seed=4, std=0.3)
+    draft = draft.to(torch.float64)
+    seen = []
+
+    class Recording(LongSpecDrafter):
+        def propose(self, context):
+            skipped = self.skipped_rounds
+            tree = super().propose(context)
+            if self.skipped_rounds == skipped:  # the draft ran this round (retrieval may skip it)
+                seen.append((context.tokens.numel(), self._root_logprobs.clone()))
+            return tree
+
+    engine = SpeculativeEngine(target, EngineOptions(prefill_chunk=8, max_tree_nodes=8, progress=False))
+    prompt = torch.cat([random_ids(6, seed=3)[0].repeat(3), random_ids(4, seed=7)[0]])
+    retrieval = PromptLookupDrafter(num_tokens=3) if with_retrieval else None
+    drafter = Recording(draft, ChainStrategy(3), retrieval=retrieval)
+    out = torch.cat(list(engine.generate(prompt, max_new_tokens=30, drafter=drafter)))
+    assert not with_retrieval or drafter.skipped_rounds > 0
+    ids = torch.cat([prompt, out])
+    positions = torch.arange(ids.numel())
+    features = target_features(target, ids, positions, draft.config.target_layers, self_distill=False)
+    features.update(ids=ids, positions=positions)
+    visible, counted = shifted_mask(ids.numel(), 1)
+    cross_mask = visible.clone()
+    cross_mask[~counted, 0] = True
+    hidden = training_hidden(draft, draft.config, target, features, cross_mask, visible)
+    logprobs = torch.log_softmax(hidden @ target.head_weight.t(), dim=-1)
+    assert len(seen) > 3
+    for length, root_logprobs in seen:
+        torch.testing.assert_close(root_logprobs, logprobs[length - 1], rtol=1e-8, atol=1e-8)

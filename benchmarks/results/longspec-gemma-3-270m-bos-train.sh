@@ -9,7 +9,7 @@ PYTHONPATH=src exec python3 -m longspec.cli.main train longspec \
   --stdlib --corpus ../shared/data/books \
   --exclude test --exclude tests --exclude idlelib --exclude tkinter --exclude turtledemo --exclude lib2to3 --exclude ensurepip \
   --shards "$RUNS"/longspec-gemma270m-bos/shards \
-  --out "$RUNS"/longspec-gemma270m-bos --feature-cache "$RUNS"/longspec-gemma270m-bos/features \
+  --out "$RUNS"/longspec-gemma270m-bos --feature-cache "$RUNS"/longspec-gemma270m-bos/features-v2 \
   --init-from src/longspec/weights/longspec-gemma-3-270m.safetensors \
   --steps 2000 --seq-len 512 --batch-size 2 --lr 1e-3 --warmup 10 --save-every 10 \
   --window 512 --gamma 5 --noisy --anchor-offset --labels target --bos \

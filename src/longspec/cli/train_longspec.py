@@ -36,6 +36,9 @@ def add_parser(sub) -> None:
     p.add_argument("--anchor-offset", action=argparse.BooleanOptionalAction, default=True, help="Anchor-Offset Indices")
     p.add_argument("--recency-bias", action=argparse.BooleanOptionalAction, default=True,
                    help="ALiBi-style recency bias on the cross-attention (new drafts; --init-from keeps the draft's)")
+    p.add_argument("--hidden-input", action=argparse.BooleanOptionalAction, default=False,
+                   help="EAGLE-style variant: fuse the target's hidden state at the newest visible position into the "
+                        "draft's input (new drafts)")
     p.add_argument("--bos", action=argparse.BooleanOptionalAction, default=True,
                    help="start every row with what the tokenizer puts before a served prompt (BOS), as served "
                         "sequences do")
@@ -108,7 +111,7 @@ def run(args) -> int:
         architecture = {}
     else:
         config = DraftConfig.for_target(target.model.config, num_layers=args.layers, window=args.window,
-                                        recency_bias=args.recency_bias)
+                                        recency_bias=args.recency_bias, hidden_input=args.hidden_input)
         architecture = {"draft_config": config, "draft_vocab": args.draft_vocab}
     trainer = LongSpecTrainer(
         target.model, load_split(shards, "train"), args.out, options, feature_cache=args.feature_cache,

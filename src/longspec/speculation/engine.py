@@ -97,10 +97,12 @@ class SpeculativeEngine:
         eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long)
 
         start = time.perf_counter()
-        self._prefill(prompt[:-1], cache)
+        keep_hidden = int(getattr(drafter, "prefill_hidden_rows", 0) or 0)
+        prefill_hidden = self._prefill(prompt[:-1], cache, keep_hidden)
         stats.prefill_s = time.perf_counter() - start
 
         view = TargetView(self.model, cache)
+        view.prefill_hidden = prefill_hidden
         draft_generator = drafter_generator(generator) if generator is not None else None
         if drafter is not None:
             drafter.begin(DraftContext(tokens[:length], view, tree_budget, draft_generator))
@@ -136,15 +138,23 @@ class SpeculativeEngine:
         stats.stop_reason = "length"
 
     # ------------------------------------------------------------------ internals
-    def _prefill(self, ids: torch.Tensor, cache: KVCache) -> None:
+    def _prefill(self, ids: torch.Tensor, cache: KVCache, keep_hidden: int = 0) -> torch.Tensor | None:
+        """Fill the cache. Returns the final hidden states of the last `keep_hidden`
+        prompt tokens (for drafters that read the target's features), else None."""
         chunk = self.options.prefill_chunk
         show = self.options.progress and ids.numel() >= _PROGRESS_MIN_TOKENS
+        first_kept = max(0, ids.numel() - keep_hidden) if keep_hidden else ids.numel()
+        kept = []
         with tqdm(total=ids.numel(), desc="prefill", unit="tok", disable=None if show else True, leave=False) as bar:
             for begin in range(0, ids.numel(), chunk):
                 piece = ids[begin : begin + chunk]
-                self.model(piece.unsqueeze(0), cache, logits_rows=slice(0, 0))
+                rows = slice(max(0, first_kept - begin), None) if begin + piece.numel() > first_kept else slice(0, 0)
+                out = self.model(piece.unsqueeze(0), cache, logits_rows=rows, with_logits=False)
                 cache.commit()
                 bar.update(piece.numel())
+                if out.hidden.shape[1]:
+                    kept.append(out.hidden[0])
+        return torch.cat(kept) if kept else None
 
     def _verify_round(self, tree, tokens, length, cache, params, generator):
         positions = cache.length + tree.depths

@@ -92,7 +92,8 @@ def _scored_positions(draft, target, ids, positions, features, depth):
     visible, counted = shifted_mask(ids.numel(), depth)
     cross_mask = visible.clone()
     cross_mask[~counted, 0] = True  # nothing to see there: a dummy key, not scored
-    hidden = training_hidden(draft.eval(), draft.config, target, {**features, "ids": ids, "positions": positions}, cross_mask)
+    hidden = training_hidden(draft.eval(), draft.config, target, {**features, "ids": ids, "positions": positions},
+                             cross_mask, visible)
     head = draft.head_rows(target.head_weight).to(hidden.dtype)
     logits = softcap(hidden[counted] @ head.t(), target.config.final_logit_softcapping).float()
     return logits, features["labels"][counted]

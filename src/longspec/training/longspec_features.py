@@ -19,15 +19,19 @@ from longspec.runtime.model import Decoder
 from longspec.training.fingerprint import digest
 
 IGNORE = -100
+# Bumped when the stored tensors change (2: the target's hidden states added), so a
+# cache of an older layout is refused rather than read.
+FEATURES_VERSION = 2
 
 
 def target_features(
     target: Decoder, ids: torch.Tensor, positions: torch.Tensor, layers: tuple[int, ...], self_distill: bool
 ) -> dict[str, torch.Tensor]:
-    """ids [n] -> {"k{m}", "v{m}": [1, Hkv, n, D] per draft layer m, "labels": [n]}."""
+    """ids [n] -> {"k{m}", "v{m}": [1, Hkv, n, D] per draft layer m, "labels": [n],
+    "hidden": [n, H] the target's final hidden states (for EAGLE-style drafts)}."""
     n = ids.numel()
     cache = target.new_cache(n, max_forward_tokens=n)
-    out = target(ids.unsqueeze(0), cache, positions=positions, logits_rows=None if self_distill else slice(0, 0), with_logits=False)
+    out = target(ids.unsqueeze(0), cache, positions=positions, with_logits=False)
     features = {}
     for m, layer in enumerate(layers):
         k, v = cache.prefix(layer, include_pending=True)
@@ -38,6 +42,7 @@ def target_features(
     else:
         labels = torch.cat([ids[1:], torch.tensor([IGNORE])])
     features["labels"] = labels.clone().long()
+    features["hidden"] = out.hidden[0].clone()
     return features
 
 

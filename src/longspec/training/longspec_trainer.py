@@ -32,7 +32,7 @@ from longspec.speculation.drafters.longspec.config import DraftConfig
 from longspec.speculation.drafters.longspec.model import DraftModel, chunked_cross_entropy, cross_attention_bias, target_rope
 from longspec.training.data import SequenceSampler, most_frequent_ids
 from longspec.training.fingerprint import target_fingerprint, tokens_fingerprint
-from longspec.training.longspec_features import IGNORE, FeatureCache, target_features
+from longspec.training.longspec_features import FEATURES_VERSION, IGNORE, FeatureCache, target_features
 from longspec.training.longspec_visibility import NoisyShift, anchor_offset_positions
 
 WEIGHTS_NAME = "draft.safetensors"
@@ -115,7 +115,7 @@ class LongSpecTrainer:
                 self.draft.vocab_ids.copy_(most_frequent_ids(train_tokens, target.config.vocab_size, draft_vocab, eos))
         config = self.draft.config
         self.cache = FeatureCache(feature_cache, key={
-            "target": target_fingerprint(target), "layers": list(config.target_layers), "seq_len": options.seq_len,
+            "features": FEATURES_VERSION, "target": target_fingerprint(target), "layers": list(config.target_layers), "seq_len": options.seq_len,
             "seed": options.seed, "row_prefix": list(options.row_prefix), "tokens": tokens_fingerprint(train_tokens),
         })
         head_dtype = torch.bfloat16 if options.bf16_autocast else torch.float32
@@ -179,7 +179,7 @@ class LongSpecTrainer:
             sync = i == len(batch) - 1 or self.world == 1
             context = contextlib.nullcontext() if sync else self.model.no_sync()
             with context:
-                loss = self._row_loss(features, y, cross_mask) / max(total, 1)
+                loss = self._row_loss(features, y, cross_mask, visible) / max(total, 1)
                 loss.backward()
             loss_sum += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(self.draft.parameters(), opts.grad_clip)
@@ -204,11 +204,11 @@ class LongSpecTrainer:
         generator = torch.Generator().manual_seed(self.options.seed * 7919 + row)
         return anchor_offset_positions(n, self.target.config.max_position_embeddings, generator)
 
-    def _row_loss(self, features, labels, cross_mask) -> torch.Tensor:
+    def _row_loss(self, features, labels, cross_mask, visible) -> torch.Tensor:
         opts = self.options
         autocast = torch.autocast("cpu", dtype=torch.bfloat16) if opts.bf16_autocast else contextlib.nullcontext()
         with autocast:
-            hidden = training_hidden(self.model, self.draft.config, self.target, features, cross_mask)
+            hidden = training_hidden(self.model, self.draft.config, self.target, features, cross_mask, visible)
             keep = labels != IGNORE
             return chunked_cross_entropy(
                 hidden[keep], self.head_rows, labels[keep], chunk=opts.loss_chunk, cap=self.target.config.final_logit_softcapping
@@ -249,10 +249,13 @@ class LongSpecTrainer:
 
 
 
-def training_hidden(model, config: DraftConfig, target: Decoder, features: dict, cross_mask: torch.Tensor) -> torch.Tensor:
+def training_hidden(model, config: DraftConfig, target: Decoder, features: dict, cross_mask: torch.Tensor,
+                    visible: torch.Tensor | None = None) -> torch.Tensor:
     """Draft hidden states [n, H] for one training row: self-attention causal within
     the window (by RoPE position), cross-attention onto the row's target K/V under
-    `cross_mask` [n, n] (query index x key index). `model` may be DDP-wrapped."""
+    `cross_mask` [n, n] (query index x key index). `visible`: the visibility without
+    the dummy keys that rows seeing nothing get in `cross_mask` (default: cross_mask);
+    it picks the EAGLE-style hidden input. `model` may be DDP-wrapped."""
     positions = features["positions"]
     dtype = next(model.parameters()).dtype
     x = target.embed(features["ids"].unsqueeze(0)).to(dtype)
@@ -260,6 +263,10 @@ def training_hidden(model, config: DraftConfig, target: Decoder, features: dict,
     distance = positions.unsqueeze(1) - positions.unsqueeze(0)
     self_mask = (distance >= 0) & (distance < config.window)
     scale = target.config.attention_scale
+    target_hidden = None
+    if config.hidden_input:
+        target_hidden = newest_visible_hidden(features["hidden"], cross_mask if visible is None else visible)
+        target_hidden = target_hidden.to(dtype).unsqueeze(0)
 
     def attend_self(m, q, k, v):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=self_mask, scale=config.self_head_dim ** -0.5)
@@ -271,4 +278,14 @@ def training_hidden(model, config: DraftConfig, target: Decoder, features: dict,
         mask = cross_mask if bias is None else bias.to(q.dtype).unsqueeze(0)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
-    return model(x, positions, rope, attend_self, attend_cross)[0]
+    return model(x, positions, rope, attend_self, attend_cross, target_hidden=target_hidden)[0]
+
+
+def newest_visible_hidden(hidden: torch.Tensor, cross_mask: torch.Tensor) -> torch.Tensor:
+    """[n, H]: for each query, the target's hidden state at the newest key index it may
+    see under `cross_mask` [n, n] (zeros where it sees none) — what inference hands a
+    draft node: the state of the last committed token."""
+    index = torch.arange(cross_mask.shape[1])
+    newest = torch.where(cross_mask, index, -1).amax(dim=1)
+    picked = hidden[newest.clamp(min=0)]
+    return picked.masked_fill((newest < 0).unsqueeze(1), 0.0)

@@ -6,7 +6,9 @@ the engine hands it, and owns only bounded state of its own. Drafters may also
 offer ``check_target(config)``, which the engine calls before any work (prefill) so
 that weights that do not fit the target fail first, naming the mismatch; and
 ``state_nbytes() -> int``, the bytes of their per-sequence state (caches, rings,
-indexes; not weights), which benchmarks report beside the target's cache.
+indexes; not weights), which benchmarks report beside the target's cache; and
+``prefill_hidden_rows`` (an int), how many of the prompt's last final hidden states
+the engine keeps from prefill for them (`TargetView.prefill_hidden`).
 """
 
 from __future__ import annotations
@@ -87,6 +89,10 @@ class TargetView:
         # Final-norm hidden states [a + 1, H] of the last verification's accepted
         # path (root first), for drafters that read the target's features.
         self.last_hidden: torch.Tensor | None = None
+        # Final-norm hidden states [c, H] of the last c prefilled prompt tokens (positions
+        # committed_length - c .. committed_length - 1 after prefill), c being what the
+        # drafter asked for with `prefill_hidden_rows`; None when it asked for none.
+        self.prefill_hidden: torch.Tensor | None = None
 
     @property
     def model(self):

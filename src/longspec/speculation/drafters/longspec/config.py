@@ -43,6 +43,10 @@ class DraftConfig:
     # starts with most of the mass (without it, the lag-1 key starts near 0.5% of the
     # mass over hundreds of keys and its gradient dies: the draft reads a blur).
     recency_bias: bool = False
+    # EAGLE-style input (a variant of LongSpec): the target's final hidden state at the
+    # newest target position a query may see is normalised and fused with the token
+    # embedding. Depth-1 drafts then read the target's own prediction state directly.
+    hidden_input: bool = False
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:

@@ -39,7 +39,7 @@ from longspec.speculation.drafters.longspec.model import (
     softcap,
     target_rope,
 )
-from longspec.speculation.drafters.longspec.state import DraftState
+from longspec.speculation.drafters.longspec.state import DraftState, RecentTargetHidden
 from longspec.speculation.drafters.longspec.strategies import Proposal, SampledChainStrategy
 from longspec.speculation.tree import Tree
 
@@ -88,6 +88,9 @@ class LongSpecDrafter:
         self._project: PackedProjection | None = None
         self._root_logprobs: torch.Tensor | None = None
         self._last_token: int | None = None
+        self._view = None
+        self._length = 0  # committed tokens, as observed
+        self._recent_hidden: RecentTargetHidden | None = None  # EAGLE-style drafts only
 
     # --------------------------------------------------------------- protocol
     def check_target(self, config) -> None:
@@ -114,8 +117,17 @@ class LongSpecDrafter:
         if self.state is None or self.state.capacity != capacity or self.state.ring_k.dtype != dtype:
             self.state = DraftState(self.draft.config, capacity, dtype)
         self.state.reset()
+        self._length = int(context.tokens.numel())
+        self._recent_hidden = None
+        if self.draft.config.hidden_input:
+            # The catch-up reads the state of up to a window of committed positions.
+            self._recent_hidden = RecentTargetHidden(self.draft.config.window + capacity + 1,
+                                                     self.draft.config.hidden_size, dtype)
+            if view.prefill_hidden is not None:
+                self._recent_hidden.write(view.committed_length - view.prefill_hidden.shape[0], view.prefill_hidden)
         self._sequence_generator = self.generator if self.generator is not None else context.generator
         self._target = view.model
+        self._view = view
         self._root_logprobs = None
         self._last_token = None
         self._retrieval_chains_proposed = []
@@ -125,16 +137,28 @@ class LongSpecDrafter:
             self.retrieval.begin(context)
 
     def observe(self, committed: torch.Tensor) -> None:
+        view = self._view
+        if self._recent_hidden is not None and view is not None and view.last_hidden is not None:
+            # The accepted path's states, root first: the root sat at position length - 1.
+            self._recent_hidden.write(self._length - 1, view.last_hidden)
+        self._length += int(committed.numel())
         if self.retrieval is not None:
             self.retrieval.observe(committed)
             accepted = committed.tolist()[:-1]  # the bonus token was not proposed
             from_retrieval = max((_common_prefix(chain, accepted) for chain in self._retrieval_chains_proposed), default=0)
             self._on_streak = self.retrieval_streak is not None and from_retrieval >= self.retrieval_streak
 
+    @property
+    def prefill_hidden_rows(self) -> int:
+        """An EAGLE-style draft's catch-up reads the target's state of up to a window of
+        prompt positions before the root."""
+        return self.draft.config.window + 1 if self.draft.config.hidden_input else 0
+
     def state_nbytes(self) -> int:
         """The draft's ring and pending buffer (constant in context length), plus
         the retrieval drafter's index when one is merged in."""
         own = self.state.nbytes() if self.state is not None else 0
+        own += self._recent_hidden.nbytes() if self._recent_hidden is not None else 0
         return own + (self.retrieval.state_nbytes() if self.retrieval is not None else 0)
 
     @torch.inference_mode()
@@ -244,7 +268,11 @@ class LongSpecDrafter:
             tail_mask = key_pos.unsqueeze(0) < positions.unsqueeze(1)
             return fused_attention(q, k[:, :, :split], v[:, :, :split], None, k[:, :, split:], v[:, :, split:], tail_mask, scale)
 
-        return self.draft(x, positions, rope, self.state.attend, attend_cross, self._project)[0]
+        target_hidden = None
+        if self._recent_hidden is not None:
+            # Each query reads the state of the newest target token it may see.
+            target_hidden = self._recent_hidden.read(torch.clamp(positions, max=committed) - 1).unsqueeze(0)
+        return self.draft(x, positions, rope, self.state.attend, attend_cross, self._project, target_hidden)[0]
 
     def _logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = softcap(packed_linear(hidden, self._head_rows, self._packed_head), self._target.config.final_logit_softcapping)

@@ -94,6 +94,9 @@ class DraftModel(nn.Module):
         # Rows of the shared head the draft scores (None: all). Saved with the weights.
         vocab = torch.arange(c.draft_vocab_size if c.draft_vocab_size else 0, dtype=torch.long)
         self.register_buffer("vocab_ids", vocab)
+        if c.hidden_input:
+            self.hidden_norm = DraftRMSNorm(c.hidden_size, c.rms_norm_eps)
+            self.hidden_fuse = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=False)
 
     @property
     def reduced_vocab(self) -> bool:
@@ -107,6 +110,10 @@ class DraftModel(nn.Module):
                     param.fill_(1.0)
                 else:
                     param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float64) * std)
+            if self.config.hidden_input:
+                # Start as plain LongSpec (the embedding passes through); the hidden half learns.
+                H = self.config.hidden_size
+                self.hidden_fuse.weight[:, :H].copy_(torch.eye(H))
         return self
 
     # ----------------------------------------------------------------- forward
@@ -118,8 +125,11 @@ class DraftModel(nn.Module):
         attend_self: SelfAttention,
         attend_cross: CrossAttention,
         project: Projection | None = None,
+        target_hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x: embedded input tokens [B, T, H] (the target's embedding); positions [T];
+        target_hidden [B, T, H]: with `hidden_input`, the target's final hidden state at
+        the newest target position each query may see (zeros where it sees none);
         target_rope: (cos, signed_sin) [T, D] of the target's attended layers;
         project(linear, x): how a linear layer is applied (default: the module
         itself; inference passes prepacked weights, see `PackedProjection`).
@@ -127,6 +137,10 @@ class DraftModel(nn.Module):
         c = self.config
         apply = project or (lambda linear, inputs: linear(inputs))
         B, T, _ = x.shape
+        if c.hidden_input:
+            if target_hidden is None:
+                raise ValueError("this draft fuses the target's hidden state into its input: pass target_hidden")
+            x = apply(self.hidden_fuse, torch.cat([x, self.hidden_norm(target_hidden.to(x.dtype))], dim=-1))
         self_rope = self._self_rope(positions, x.dtype)
         cross_rope = tuple(t.to(x.dtype) for t in target_rope)
         for m, layer in enumerate(self.layers):

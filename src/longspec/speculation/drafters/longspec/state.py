@@ -95,3 +95,38 @@ class DraftState:
 
     def drop_pending(self) -> None:
         self.pending = 0
+
+
+class RecentTargetHidden:
+    """The target's final hidden states of the most recent positions, in a ring of
+    fixed size (what an EAGLE-style draft fuses into its input): position p lives in
+    slot p % size. Reading a position that was never written, or was overwritten,
+    gives zeros — the same input training gives a query that sees no target token."""
+
+    def __init__(self, size: int, hidden_size: int, dtype: torch.dtype) -> None:
+        if size < 1:
+            raise ValueError(f"ring size must be >= 1, got {size}")
+        self.values = torch.zeros((size, hidden_size), dtype=dtype)
+        self.positions = torch.full((size,), _EMPTY, dtype=torch.long)
+
+    def write(self, first_position: int, rows: torch.Tensor) -> None:
+        """rows [n, H]: the states of positions first_position .. first_position + n - 1."""
+        size = self.values.shape[0]
+        if rows.shape[0] > size:  # only the last `size` can be kept
+            first_position += rows.shape[0] - size
+            rows = rows[-size:]
+        positions = first_position + torch.arange(rows.shape[0])
+        slots = positions % self.values.shape[0]
+        self.values[slots] = rows.to(self.values.dtype)
+        self.positions[slots] = positions
+
+    def read(self, positions: torch.Tensor) -> torch.Tensor:
+        slots = positions.clamp(min=0) % self.values.shape[0]
+        known = (self.positions[slots] == positions) & (positions >= 0)
+        return self.values[slots].masked_fill(~known.unsqueeze(1), 0.0)
+
+    def reset(self) -> None:
+        self.positions.fill_(_EMPTY)
+
+    def nbytes(self) -> int:
+        return self.values.numel() * self.values.element_size() + self.positions.numel() * 8
