@@ -38,6 +38,7 @@ from longspec.training.data import (
     stdlib_dir,
 )
 from longspec.training.longspec_eval import draft_agreement
+from longspec.training.longspec_features import FEATURES_VERSION
 from longspec.training.longspec_trainer import LongSpecTrainer, TrainOptions
 from longspec.training.longspec_visibility import BlockVisibility, NoisyShift, ShiftVisibility
 
@@ -105,7 +106,7 @@ def main() -> None:
         run_dir = args.out / name.split(" (")[0].replace(" ", "-")
         start = time.perf_counter()
         # Features depend on the row prefix (the cache refuses a mismatch): one cache per prefix.
-        features = args.out / ("features-bos" if options.row_prefix else "features-no-bos")
+        features = args.out / f"features-v{FEATURES_VERSION}-{'bos' if options.row_prefix else 'no-bos'}"
         trainer = LongSpecTrainer(target.model, train_tokens, run_dir, options, draft_config=config,
                                   draft_vocab=args.draft_vocab, feature_cache=features, progress=False)
         trainer.train()
