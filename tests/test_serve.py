@@ -10,7 +10,6 @@ import concurrent.futures
 import socket
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -258,7 +257,8 @@ def test_concurrency_limit_gives_429(model):
     limited = Server(model, ServeOptions(model_name=NAME, max_concurrent=1, method="ar", max_new_tokens=LONG))
     try:
         (first,) = _start_streams(limited.url, 1, LONG)
-        read_first_event(first, keep := [])  # generating
+        keep: list = []
+        read_first_event(first, keep)  # generating
         with pytest.raises(openai.RateLimitError, match="limit of 1 concurrent"):
             limited.client().completions.create(model=NAME, prompt="hi", max_tokens=2)
         first.close()
@@ -271,7 +271,8 @@ def test_concurrency_limit_gives_429(model):
 def test_fifty_clients_disconnecting_mid_stream_leave_nothing_in_flight(server):
     cancelled_before = server.metric("longspec:request_cancelled_total")
     streams = _start_streams(server.url, 50, LONG)
-    read_first_event(streams[0], keep := [])  # the first one really is generating; the others wait behind it
+    keep: list = []
+    read_first_event(streams[0], keep)  # the first one really is generating; the others wait behind it
     for stream in streams:
         stream.close()
     wait_idle(server)

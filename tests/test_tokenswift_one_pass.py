@@ -16,8 +16,8 @@ from test_engine_sampling import ALPHA, SAMPLING, empirical_counts, exact_distri
 from tiny_models import random_ids, tiny_decoder
 
 
-def heads_for(model, seed=0):
-    return TokenSwiftHeads.for_target(model.config).randomize(torch.Generator().manual_seed(seed))
+def heads_for(target, seed=0):
+    return TokenSwiftHeads.for_target(target.config).randomize(torch.Generator().manual_seed(seed))
 
 
 def run(engine, prompt, drafter=None, params=SamplingParams(), max_new_tokens=60, stats=None):
@@ -27,19 +27,19 @@ def run(engine, prompt, drafter=None, params=SamplingParams(), max_new_tokens=60
 @pytest.mark.parametrize("family", ["gemma3", "qwen3", "mistral"])
 @pytest.mark.parametrize("widths,k", [((4, 2, 1), 8), ((2, 2, 2), 0), ((3,), 4)])
 def test_greedy_output_equals_autoregressive(family, widths, k):
-    model = tiny_decoder(family, dtype=torch.float64)
-    engine = SpeculativeEngine(model, EngineOptions(prefill_chunk=7, max_tree_nodes=24, progress=False))
+    target = tiny_decoder(family, dtype=torch.float64)
+    engine = SpeculativeEngine(target, EngineOptions(prefill_chunk=7, max_tree_nodes=24, progress=False))
     prompt = torch.cat([random_ids(6, seed=1)[0].repeat(4), random_ids(5, seed=9)[0]])
     reference = run(engine, prompt)
     stats = GenerationStats()
-    out = run(engine, prompt, OnePassTokenSwiftDrafter(heads_for(model), widths=widths, k=k), stats=stats)
+    out = run(engine, prompt, OnePassTokenSwiftDrafter(heads_for(target), widths=widths, k=k), stats=stats)
     assert torch.equal(out, reference)
     assert stats.draft_tokens > 0
 
 
 def test_heads_read_the_hidden_state_of_the_last_accepted_node():
-    model = tiny_decoder("gemma3", dtype=torch.float64)
-    engine = SpeculativeEngine(model, EngineOptions(max_tree_nodes=24, progress=False))
+    target = tiny_decoder("gemma3", dtype=torch.float64)
+    engine = SpeculativeEngine(target, EngineOptions(max_tree_nodes=24, progress=False))
     prompt = torch.cat([random_ids(6, seed=2)[0].repeat(4), random_ids(3, seed=5)[0]])
     checked = []
 
@@ -50,14 +50,14 @@ def test_heads_read_the_hidden_state_of_the_last_accepted_node():
                 # The state that predicted the root (the bonus) in a fresh forward over
                 # the committed sequence: row -2 of its hidden states.
                 ids = context.tokens
-                cache = model.new_cache(ids.numel())
-                fresh = model(ids.unsqueeze(0), cache).hidden[0, -2]
+                cache = target.new_cache(ids.numel())
+                fresh = target(ids.unsqueeze(0), cache).hidden[0, -2]
                 torch.testing.assert_close(self.hidden_used, fresh, rtol=1e-9, atol=1e-9)
                 checked.append(1)
             return tree
 
     reference = run(engine, prompt, max_new_tokens=30)
-    assert torch.equal(run(engine, prompt, Checking(heads_for(model)), max_new_tokens=30), reference)
+    assert torch.equal(run(engine, prompt, Checking(heads_for(target)), max_new_tokens=30), reference)
     assert len(checked) > 5
 
 
@@ -71,6 +71,6 @@ def test_sampled_sequences_follow_the_target_distribution(model):  # noqa: F811
 def test_options_are_validated():
     with pytest.raises(ValueError, match="widths"):
         OnePassTokenSwiftDrafter(widths=())
-    model = tiny_decoder("llama", dtype=torch.float64)
+    target = tiny_decoder("llama", dtype=torch.float64)
     with pytest.raises(ValueError, match="need 4 heads; these have 3"):
-        OnePassTokenSwiftDrafter(heads_for(model), widths=(1, 1, 1, 1)).check_target(model.config)
+        OnePassTokenSwiftDrafter(heads_for(target), widths=(1, 1, 1, 1)).check_target(target.config)

@@ -31,6 +31,15 @@ def default_heads_path() -> Path:
     return Path(str(resources.files("longspec") / "weights" / DEFAULT_HEADS))
 
 
+def heads_for_target(heads: TokenSwiftHeads | None, source: str | Path | None, config) -> TokenSwiftHeads:
+    """`heads` checked against the target `config`, or loaded (once) from `source`
+    (None: the heads shipped for the embedded Gemma 3 270M) with the same check."""
+    if heads is None:
+        return TokenSwiftHeads.load(default_heads_path() if source is None else Path(source), config)
+    heads.config.check_fits(config)
+    return heads
+
+
 class TokenSwiftDrafter:
     """Options:
     heads: `TokenSwiftHeads`, a path to a heads file, or None for the shipped heads
@@ -84,11 +93,7 @@ class TokenSwiftDrafter:
     # ------------------------------------------------------------------ setup
     def check_target(self, config) -> None:
         """Load the heads (once) and raise if they do not fit `config` or the widths."""
-        if self.heads is None:
-            path = default_heads_path() if self.heads_source is None else Path(self.heads_source)
-            self.heads = TokenSwiftHeads.load(path, config)
-        else:
-            self.heads.config.check_fits(config)
+        self.heads = heads_for_target(self.heads, self.heads_source, config)
         if len(self.widths) - 1 > self.heads.config.num_heads:
             raise ValueError(f"widths {self.widths} need {len(self.widths) - 1} heads; these have {self.heads.config.num_heads}")
 

@@ -23,7 +23,7 @@ import torch
 
 from longspec.speculation.drafters.base import DraftContext
 from longspec.speculation.drafters.ngram import NgramTable, _check_positive_int
-from longspec.speculation.drafters.tokenswift.drafter import default_heads_path
+from longspec.speculation.drafters.tokenswift.drafter import heads_for_target
 from longspec.speculation.drafters.tokenswift.heads import TokenSwiftHeads
 from longspec.speculation.drafters.tokenswift.tree import add_chains_within, cartesian_within
 from longspec.speculation.tree import Tree
@@ -51,11 +51,8 @@ class OnePassTokenSwiftDrafter:
         self.hidden_used: torch.Tensor | None = None  # the state the last tree was drafted from (for tests)
 
     def check_target(self, config) -> None:
-        if self.heads is None:
-            path = default_heads_path() if self.heads_source is None else Path(self.heads_source)
-            self.heads = TokenSwiftHeads.load(path, config)
-        else:
-            self.heads.config.check_fits(config)
+        """Load the heads (once) and raise if they do not fit `config` or the widths."""
+        self.heads = heads_for_target(self.heads, self.heads_source, config)
         if len(self.widths) > self.heads.config.num_heads:
             raise ValueError(f"widths {self.widths} need {len(self.widths)} heads; these have {self.heads.config.num_heads}")
 
