@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -125,6 +126,9 @@ class LongSpecModel:
         self.tokenizer = target.tokenizer
         self.engine = SpeculativeEngine(target.model, engine)
         self._max_token_bytes: int | None = None  # longest vocabulary entry, computed on first use
+        # A fast tokenizer's Rust core refuses concurrent use ("Already borrowed"): a
+        # server encodes new prompts while another request's tokens are decoded.
+        self._tokenizer_lock = threading.Lock()
 
     @property
     def config(self):
@@ -142,7 +146,8 @@ class LongSpecModel:
             self._check_text_fits(prompt)
             if chat:
                 return self.encode_chat([{"role": "user", "content": prompt}])
-            return torch.tensor(self.tokenizer(prompt).input_ids, dtype=torch.long)
+            with self._tokenizer_lock:
+                return torch.tensor(self.tokenizer(prompt).input_ids, dtype=torch.long)
         ids = _prompt_ids(prompt)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}); got {int(ids.min())}..{int(ids.max())}")
@@ -158,7 +163,8 @@ class LongSpecModel:
                              "and write the prompt in the model's own format")
         for message in messages:
             self._check_text_fits(str(message.get("content", "")))
-        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        with self._tokenizer_lock:
+            ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
         ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
         return torch.tensor(ids, dtype=torch.long)
 
@@ -168,7 +174,9 @@ class LongSpecModel:
         the longest vocabulary entry, so bytes / that length is a lower bound on the
         token count."""
         if self._max_token_bytes is None:
-            self._max_token_bytes = max((len(t.encode("utf-8")) for t in self.tokenizer.get_vocab()), default=1)
+            with self._tokenizer_lock:
+                vocabulary = self.tokenizer.get_vocab()
+            self._max_token_bytes = max((len(t.encode("utf-8")) for t in vocabulary), default=1)
         size = len(text.encode("utf-8"))
         at_least = -(-size // self._max_token_bytes)
         context = self.config.max_position_embeddings
@@ -243,7 +251,8 @@ class LongSpecModel:
                 if decoder is None:
                     continue
                 before = len(text)
-                text += decoder.push(token)
+                with self._tokenizer_lock:
+                    text += decoder.push(token)
                 if stop and len(text) > before:
                     search_from = max(0, before - holdback)
                     hits = [i for i in (text.find(s, search_from) for s in stop) if i >= 0]
