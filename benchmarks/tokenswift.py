@@ -38,6 +38,7 @@ VARIANTS = {
     "tokenswift": lambda heads: TokenSwiftDrafter(heads),
     "one-pass": lambda heads: OnePassTokenSwiftDrafter(heads),
     "one-pass-wide": lambda heads: OnePassTokenSwiftDrafter(heads, widths=(3, 3, 3), k=20),
+    "one-pass-small": lambda heads: OnePassTokenSwiftDrafter(heads, widths=(2, 1, 1), k=2),
     "no-reutilization": lambda heads: TokenSwiftDrafter(heads, k=0),
     "no-dynamic-cache": lambda heads: TokenSwiftDrafter(heads, dynamic_cache=False),
 }
