@@ -193,7 +193,7 @@ def test_cli_messages_point_at_the_fix(argv, fragments, capsys):
 def test_chat_and_tokenizer_messages(tmp_path, checkpoint, capsys):
     status, _, err = run_cli(["generate", "hi", "--chat", "--model", str(checkpoint)], capsys)
     assert status == 2
-    assert_one_line_error(err, "no chat template: drop --chat")
+    assert_one_line_error(err, "no chat template (a base model)", "drop --chat")
     bare = save_checkpoint(tmp_path / "no-tokenizer", tokenizer_size=None)
     status, _, err = run_cli(["generate", "hi", "--model", str(bare)], capsys)
     assert status == 2

@@ -159,8 +159,8 @@ class LongSpecModel:
         if self.tokenizer is None:
             raise ValueError(f"{self.target.source} has no tokenizer files; a chat needs its tokenizer and template")
         if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template: drop --chat (chat=False in Python) "
-                             "and write the prompt in the model's own format")
+            raise ValueError("this model's tokenizer has no chat template (a base model): write the prompt in the "
+                             "model's own format instead — drop --chat, chat=False in Python, /v1/completions over HTTP")
         for message in messages:
             self._check_text_fits(str(message.get("content", "")))
         with self._tokenizer_lock:
