@@ -37,8 +37,9 @@ VARIANTS = {
     "ar": None,
     "tokenswift": lambda heads: TokenSwiftDrafter(heads),
     "one-pass": lambda heads: OnePassTokenSwiftDrafter(heads),
+    "one-pass-large": lambda heads: OnePassTokenSwiftDrafter(heads, widths=(4, 2, 1), k=8),
     "one-pass-wide": lambda heads: OnePassTokenSwiftDrafter(heads, widths=(3, 3, 3), k=20),
-    "one-pass-small": lambda heads: OnePassTokenSwiftDrafter(heads, widths=(2, 1, 1), k=2),
+    "one-pass-full-vocab": lambda heads: OnePassTokenSwiftDrafter(heads, context_vocab=False),
     "no-reutilization": lambda heads: TokenSwiftDrafter(heads, k=0),
     "no-dynamic-cache": lambda heads: TokenSwiftDrafter(heads, dynamic_cache=False),
 }

@@ -25,14 +25,15 @@ def run(engine, prompt, drafter=None, params=SamplingParams(), max_new_tokens=60
 
 
 @pytest.mark.parametrize("family", ["gemma3", "qwen3", "mistral"])
-@pytest.mark.parametrize("widths,k", [((4, 2, 1), 8), ((2, 2, 2), 0), ((3,), 4)])
-def test_greedy_output_equals_autoregressive(family, widths, k):
+@pytest.mark.parametrize("widths,k,context_vocab", [((4, 2, 1), 8, True), ((2, 2, 2), 0, False), ((3,), 4, True)])
+def test_greedy_output_equals_autoregressive(family, widths, k, context_vocab):
     target = tiny_decoder(family, dtype=torch.float64)
     engine = SpeculativeEngine(target, EngineOptions(prefill_chunk=7, max_tree_nodes=24, progress=False))
     prompt = torch.cat([random_ids(6, seed=1)[0].repeat(4), random_ids(5, seed=9)[0]])
     reference = run(engine, prompt)
     stats = GenerationStats()
-    out = run(engine, prompt, OnePassTokenSwiftDrafter(heads_for(target), widths=widths, k=k), stats=stats)
+    drafter = OnePassTokenSwiftDrafter(heads_for(target), widths=widths, k=k, context_vocab=context_vocab)
+    out = run(engine, prompt, drafter, stats=stats)
     assert torch.equal(out, reference)
     assert stats.draft_tokens > 0
 

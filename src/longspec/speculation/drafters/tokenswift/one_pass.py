@@ -10,7 +10,11 @@ candidates ([w1, w2, w3] for heads 1..3) plus the n-gram continuations of the bo
 
 Where a forward is dominated by weight reads (small targets, CPU), the paper's
 drafting forward over a partial KV cache costs nearly a whole second forward; this
-mode drops it and pays only the heads (one batched matmul through the LM head).
+mode drops it and pays only the heads. Scoring the heads through the whole LM head
+would still read it once more per round (on Gemma 3 270M, 262k x 640: about half a
+forward's bytes), so by default the heads score only the tokens the sequence has
+used so far (`context_vocab`): their candidates may be approximate — verification
+stays exact over the full vocabulary.
 Where K/V reads dominate (a large target at 100k tokens), the partial cache's
 cheaper forward and its LM-head depth-1 candidate can win instead.
 """
@@ -35,10 +39,14 @@ class OnePassTokenSwiftDrafter:
         embedded Gemma 3 270M.
     widths: candidates per depth, from heads 1, 2, ... (at most one per head).
     k: n-gram continuations of the bonus token joined to the tree (0 disables).
+    context_vocab: the heads score only the distinct tokens of the sequence so far
+        (False: the whole vocabulary).
     """
 
-    def __init__(self, heads: TokenSwiftHeads | str | Path | None = None, *, widths: tuple[int, ...] = (4, 2, 1),
-                 k: int = 8, ngram: int = 4) -> None:
+    # Small trees by default: on this project's CPUs a forward turns compute-bound near 6-8
+    # tokens (BENCHMARKS.md, "Forward cost"); (2, 1, 1) + 2 chains stays near that knee.
+    def __init__(self, heads: TokenSwiftHeads | str | Path | None = None, *, widths: tuple[int, ...] = (2, 1, 1),
+                 k: int = 2, ngram: int = 4, context_vocab: bool = True) -> None:
         self.heads_source = heads
         self.heads: TokenSwiftHeads | None = heads if isinstance(heads, TokenSwiftHeads) else None
         self.widths = tuple(_check_positive_int("widths", int(w), 1) for w in widths)
@@ -47,6 +55,9 @@ class OnePassTokenSwiftDrafter:
         self.k = k if k == 0 else _check_positive_int("k", k, 0)
         self.ngram = _check_positive_int("ngram", ngram, 2)
         self.table = NgramTable(ngram)
+        self.context_vocab = bool(context_vocab)
+        self._vocab: torch.Tensor | None = None  # distinct token ids seen, in order of first use
+        self._rows: torch.Tensor | None = None  # their rows of the LM head
         self._view = None
         self.hidden_used: torch.Tensor | None = None  # the state the last tree was drafted from (for tests)
 
@@ -64,15 +75,42 @@ class OnePassTokenSwiftDrafter:
         wide = torch.float64 if view.model.dtype == torch.float64 else torch.float32
         self.heads = self.heads.to(wide)
         self._view = view
+        tokens = torch.as_tensor(context.tokens, dtype=torch.long).reshape(-1)
         self.table = NgramTable(self.ngram)
-        self.table.update(torch.as_tensor(context.tokens, dtype=torch.long).reshape(-1))
+        self.table.update(tokens)
+        self._vocab, self._rows = None, None
+        if self.context_vocab:
+            self._add_to_vocab(tokens)
         self.hidden_used = None
 
     def observe(self, committed: torch.Tensor) -> None:
         self.table.update(committed)
+        if self.context_vocab:
+            self._add_to_vocab(committed)
+
+    def _add_to_vocab(self, tokens: torch.Tensor) -> None:
+        new = torch.unique(tokens)
+        if self._vocab is not None:
+            new = new[~torch.isin(new, self._vocab)]
+        if new.numel():
+            rows = self._view.model.head_weight.index_select(0, new)
+            self._vocab = new if self._vocab is None else torch.cat([self._vocab, new])
+            self._rows = rows if self._rows is None else torch.cat([self._rows, rows])
 
     def state_nbytes(self) -> int:
-        return self.table.nbytes()
+        rows = self._rows.numel() * self._rows.element_size() if self._rows is not None else 0
+        return self.table.nbytes() + rows
+
+    def _candidates(self, hidden: torch.Tensor) -> list[torch.Tensor]:
+        """Top `widths[i]` tokens of head i + 1 at the last accepted node's state."""
+        model = self._view.model
+        count = len(self.widths)
+        if not self.context_vocab:
+            logits = self.heads.logits(model, hidden)[:count]
+            return [torch.topk(row, width).indices for width, row in zip(self.widths, logits)]
+        states = model.final_norm(self.heads.hidden_states(model, hidden)[:count].to(model.dtype))
+        scores = states @ self._rows.t()  # the final soft-cap is monotonic: top-k unchanged
+        return [self._vocab[torch.topk(row, min(width, row.numel())).indices] for width, row in zip(self.widths, scores)]
 
     @torch.inference_mode()
     def propose(self, context: DraftContext) -> Tree:
@@ -87,8 +125,7 @@ class OnePassTokenSwiftDrafter:
             tree = Tree.chain(root, [])
         else:
             self.hidden_used = hidden[-1]
-            head_logits = self.heads.logits(self._view.model, hidden[-1])[: len(self.widths)]
-            candidates = [torch.topk(logits, width).indices for width, logits in zip(self.widths, head_logits)]
+            candidates = self._candidates(hidden[-1])
             tree = cartesian_within(root, candidates, context.max_nodes)
         if self.k:
             chains = [c.tolist() for c in self.table.top_continuations(root, self.k)]
