@@ -1,8 +1,10 @@
 #!/bin/sh
-# Continue the shipped LongSpec draft for Gemma 3 270M on rows that start with BOS, as
-# served prompts do (the shipped draft was trained without it). Rerun the same command to
-# resume; RUNS (default: runs/ in the repository) holds shards, cached target features and
-# checkpoints. The shared data sets are expected at ../shared next to the repository.
+# Continue the LongSpec draft for Gemma 3 270M on rows that start with BOS, as served
+# prompts do. The draft shipped now is this run at step 480 (from the earlier draft trained
+# without BOS). Rerun the same command to resume while RUNS (default: runs/ in the
+# repository) holds the run; on a machine without it, the command starts a new schedule
+# from the shipped weights. The shared data sets are expected at ../shared next to the
+# repository.
 cd "$(dirname "$0")/../.." || exit 1
 RUNS="${RUNS:-runs}"
 PYTHONPATH=src exec python3 -m longspec.cli.main train longspec \
