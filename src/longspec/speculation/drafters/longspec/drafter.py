@@ -249,8 +249,8 @@ class LongSpecDrafter:
         if self.draft.config.recency_bias and committed:
             # The bias covers every committed key, so the prefix needs it too: one biased pass.
             key_positions = torch.arange(committed)
-            visible = key_positions.unsqueeze(0) < positions.unsqueeze(1)
-            recency = cross_attention_bias(self.draft.config, positions, key_positions, visible, torch.float32)
+            key_visible = key_positions.unsqueeze(0) < positions.unsqueeze(1)
+            recency = cross_attention_bias(self.draft.config, positions, key_positions, key_visible, torch.float64)
 
         def attend_cross(m: int, q: torch.Tensor) -> torch.Tensor:
             k, v = cross_kv[m]
