@@ -16,11 +16,11 @@ def draft_for(target, **options):
 
 def test_longspec_sampled_chain_follows_the_target_distribution(model):  # noqa: F811
     """A reduced draft vocabulary makes q(1) = 0 while p(1) > 0: the residual
-    distribution must put that mass back; the draft's cross-attention has the recency
-    bias (the plain one meets the same verifier). (Deterministic LongSpec trees, beams and
+    distribution must put that mass back; the draft has the recency bias and the
+    EAGLE-style hidden input (the plain one meets the same verifier). (Deterministic LongSpec trees, beams and
     merged retrieval chains, go through the same verifier as the engine's
     deterministic-tree test and are proven greedy-identical in test_longspec_drafting.)"""
-    draft = draft_for(model, draft_vocab_size=3, recency_bias=True)
+    draft = draft_for(model, draft_vocab_size=3, recency_bias=True, hidden_input=True)
     draft.vocab_ids.copy_(torch.tensor([0, 2, 3]))
     factory = lambda g: LongSpecDrafter(draft, SampledChainStrategy(3, temperature=0.7), generator=g)  # noqa: E731
     exact = exact_distribution(model, SAMPLING)

@@ -72,6 +72,8 @@ def test_sampled_sequences_follow_the_target_distribution(model):  # noqa: F811
 def test_options_are_validated():
     with pytest.raises(ValueError, match="widths"):
         OnePassTokenSwiftDrafter(widths=())
+    with pytest.raises(ValueError, match="context_vocab must be true or false"):
+        OnePassTokenSwiftDrafter(context_vocab="no")
     target = tiny_decoder("llama", dtype=torch.float64)
     with pytest.raises(ValueError, match="need 4 heads; these have 3"):
         OnePassTokenSwiftDrafter(heads_for(target), widths=(1, 1, 1, 1)).check_target(target.config)

@@ -55,7 +55,9 @@ class OnePassTokenSwiftDrafter:
         self.k = k if k == 0 else _check_positive_int("k", k, 0)
         self.ngram = _check_positive_int("ngram", ngram, 2)
         self.table = NgramTable(ngram)
-        self.context_vocab = bool(context_vocab)
+        if not isinstance(context_vocab, bool):
+            raise ValueError(f"context_vocab must be true or false, got {context_vocab!r}")
+        self.context_vocab = context_vocab
         self._vocab: torch.Tensor | None = None  # distinct token ids seen, in order of first use
         self._rows: torch.Tensor | None = None  # their rows of the LM head
         self._view = None
