@@ -15,7 +15,8 @@ the oracle in tests.
 Shapes: q [B, Hq, T, D]; k_prefix/v_prefix [B, Hkv, P, D] (P may be 0);
 prefix_mask [T, P] or None (all visible); k_new/v_new [B, Hkv, T, D] or None
 (no new part: the caller already wrote them into the prefix); new_mask [T, T].
-Masks are bool tensors (True = visible) or `Mask` objects wrapping one.
+Masks are bool tensors (True = visible) or `Mask` objects wrapping one; a mask
+may also be [B, T, S], one per batch row (rows of different lengths and trees).
 Hq must be a multiple of Hkv (grouped-query attention); K/V are never repeated.
 """
 
@@ -27,22 +28,34 @@ import torch
 
 
 class Mask:
-    """A [T, S] visibility mask (True = visible) that remembers the forms the fused
-    kernel needs, so a forward converts it once for all its layers, not per layer."""
+    """A [T, S] (or per batch row [B, T, S]) visibility mask (True = visible) that
+    remembers the forms the fused kernel needs, so a forward converts it once for
+    all its layers, not per layer."""
 
     def __init__(self, visible: torch.Tensor) -> None:
         self.visible = visible
-        self.empty_rows = ~visible.any(dim=1)
+        self.empty_rows = ~visible.any(dim=-1)  # [T] or [B, T]
         self.has_empty_rows = bool(self.empty_rows.any())
         self._bias: dict[tuple[torch.dtype, int], torch.Tensor] = {}
 
+    @property
+    def per_row(self) -> bool:
+        return self.visible.dim() == 3
+
     def bias(self, dtype: torch.dtype, group: int) -> torch.Tensor:
-        """Additive mask (0 / -inf) repeated for `group` stacked query heads."""
+        """Additive mask (0 / -inf) repeated for `group` stacked query heads:
+        [group*T, S], or [B, 1, group*T, S] for a per-row mask."""
         key = (dtype, group)
         if key not in self._bias:
             bias = torch.zeros(self.visible.shape, dtype=dtype).masked_fill_(~self.visible, float("-inf"))
-            self._bias[key] = bias.repeat(group, 1) if group > 1 else bias
+            if group > 1:
+                bias = bias.repeat(1, group, 1) if self.per_row else bias.repeat(group, 1)
+            self._bias[key] = bias.unsqueeze(1) if self.per_row else bias
         return self._bias[key]
+
+    def head_broadcast(self, rows: torch.Tensor) -> torch.Tensor:
+        """A [T] or [B, T] per-query tensor shaped to broadcast over [B, H, T]."""
+        return rows.unsqueeze(1) if self.per_row else rows
 
 
 def as_mask(mask: "Mask | torch.Tensor | None") -> "Mask | None":
@@ -72,7 +85,9 @@ def reference_attention(q, k_prefix, v_prefix, prefix_mask, k_new, v_new, new_ma
     if k_new is not None:
         keys = torch.cat([k_prefix, k_new], dim=2)
         values = torch.cat([v_prefix, v_new], dim=2)
-        mask = torch.cat([mask, as_mask(new_mask).visible], dim=1)
+        mask = torch.cat([mask, as_mask(new_mask).visible], dim=-1)
+    if mask.dim() == 3:
+        mask = mask.unsqueeze(1)  # one mask per batch row, shared by its heads
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     keys = keys.repeat_interleave(group, dim=1).to(compute)
     values = values.repeat_interleave(group, dim=1).to(compute)
@@ -141,6 +156,7 @@ def _grouped_flash(q, k, v, mask, scale):
     if mask is not None and mask.has_empty_rows:
         # Rows with no visible key: the kernel's output there is undefined (0 or
         # NaN depending on its blocking); the merge needs out 0 and lse -inf.
-        lse = lse.masked_fill(mask.empty_rows, float("-inf"))
-        out = out.masked_fill(mask.empty_rows.unsqueeze(-1), 0.0)
+        empty = mask.head_broadcast(mask.empty_rows)
+        lse = lse.masked_fill(empty, float("-inf"))
+        out = out.masked_fill(empty.unsqueeze(-1), 0.0)
     return out, lse

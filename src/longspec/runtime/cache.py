@@ -62,6 +62,10 @@ class KVCache:
         self.pending_ring_slots = torch.empty(0, dtype=torch.long)
 
     # ---------------------------------------------------------------- forward side
+    def next_positions(self, T: int) -> torch.Tensor:
+        """Positions of T consecutive tokens after the committed prefix."""
+        return self.length + torch.arange(T)
+
     def begin_forward(self, positions: torch.Tensor) -> None:
         """Reserve slots for T new tokens at the given RoPE positions."""
         T = positions.numel()

@@ -102,6 +102,11 @@ class DecoderLayer(nn.Module):
             # window of committed keys and the tree visibility among new tokens.
             k_ring, v_ring = cache.prefix(self.index)
             attn = attention(q, k_ring, v_ring, plan.ring_mask, None, None, None, c.attention_scale)
+        elif plan.full_mask is not None:
+            # Rows of a batch end at different slots: one masked call over every
+            # row's prefix and its own pending tokens.
+            k_all, v_all = cache.prefix(self.index, include_pending=True)
+            attn = attention(q, k_all, v_all, plan.full_mask, None, None, None, c.attention_scale)
         elif plan.single_token:
             # One new token sees everything: attend the cache including itself, no mask.
             k_all, v_all = cache.prefix(self.index, include_pending=True)
@@ -125,10 +130,13 @@ class DecoderLayer(nn.Module):
 class ForwardPlan:
     """Masks and positions shared by all layers of one forward."""
 
-    positions: torch.Tensor  # [T]
-    new_mask: Mask  # [T, T] visibility among the new tokens
-    ring_mask: Mask | None  # [T, R] visible ring slots: committed in window, and new tokens per new_mask
+    positions: torch.Tensor  # [T], or [B, T] for the rows of a batch
+    new_mask: Mask | None  # [T, T] visibility among the new tokens (None for a batch: see full_mask)
+    ring_mask: Mask | None  # [(B,) T, R] visible ring slots: committed in window, and new tokens per new_mask
     single_token: bool
+    # Rows of a batch only: [B, T, S] visible full-layer slots, each row's committed
+    # prefix and its own pending tokens.
+    full_mask: Mask | None = None
 
 
 class Decoder(nn.Module):
@@ -194,15 +202,17 @@ class Decoder(nn.Module):
     ) -> ForwardOutput:
         """Run T new tokens [B, T] after the cache's committed prefix.
 
-        tree_mask: [T, T] bool ancestor mask (None: causal, i.e. a chain).
-        positions: [T] RoPE positions (None: consecutive after the prefix).
+        tree_mask: [T, T] bool ancestor mask (None: causal, i.e. a chain); [B, T, T]
+            for the rows of a `RowsView` (a batch), one tree per row.
+        positions: [T] RoPE positions (None: consecutive after the prefix); [B, T]
+            for the rows of a batch, each after its own prefix.
         logits_rows: which of the T rows get logits (None: all).
         with_logits: False returns only those rows' hidden states (see `greedy_tokens`).
         The new tokens are left *pending* in the cache: call cache.commit(...).
         """
         B, T = input_ids.shape
         if positions is None:
-            positions = cache.length + torch.arange(T)
+            positions = cache.next_positions(T)
         cache.begin_forward(positions)
         plan = self._plan(T, cache, tree_mask, positions)
         rope = {s: self._rope(plan.positions, s) for s in set(self.config.layer_is_sliding)}
@@ -243,6 +253,8 @@ class Decoder(nn.Module):
         return self
 
     def _plan(self, T, cache, tree_mask, positions) -> ForwardPlan:
+        if positions.dim() == 2:
+            return self._rows_plan(T, cache, tree_mask, positions)
         if tree_mask is None:
             new_mask = torch.ones((T, T), dtype=torch.bool).tril_()
         else:
@@ -256,9 +268,21 @@ class Decoder(nn.Module):
             ring_mask = Mask(ring_mask)
         return ForwardPlan(positions, Mask(new_mask), ring_mask, single_token=T == 1)
 
+    def _rows_plan(self, T, cache, tree_mask, positions) -> ForwardPlan:
+        """Masks of a forward over the rows of a batch: every row has its own
+        committed length, positions and tree."""
+        B = positions.shape[0]
+        if tree_mask is None:
+            tree_mask = torch.ones((T, T), dtype=torch.bool).tril_()
+        tree_mask = tree_mask.expand(B, T, T)
+        sliding = self.config.layer_is_sliding
+        full_mask = Mask(cache.full_mask(tree_mask)) if not all(sliding) else None
+        ring_mask = Mask(cache.ring_mask(positions, tree_mask)) if any(sliding) else None
+        return ForwardPlan(positions, None, ring_mask, single_token=False, full_mask=full_mask)
+
     def _rope(self, positions: torch.Tensor, sliding: bool):
         """cos and a sign-folded sin [T, D] in the activation dtype, computed in
-        float32 as `transformers` does."""
+        float32 as `transformers` does ([B, 1, T, D] for per-row positions [B, T])."""
         inv_freq = getattr(self, f"inv_freq_{'sliding' if sliding else 'full'}")
         freqs = positions.float().unsqueeze(-1) * inv_freq
         scaling = self.rope_scaling[sliding]
@@ -267,9 +291,11 @@ class Decoder(nn.Module):
         half = sin.shape[-1] // 2
         # rotate_half(x) * sin == roll(x, half) * [-sin_lo, sin_hi]
         signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        if positions.dim() == 2:
+            return cos.unsqueeze(1), signed_sin.unsqueeze(1)  # broadcast over heads
         return cos, signed_sin
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    # x [B, H, T, D]; cos/signed_sin [T, D]
+    # x [B, H, T, D]; cos/signed_sin [T, D] or [B, 1, T, D]
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin

@@ -119,7 +119,7 @@ class SpeculativeEngine:
             t2 = time.perf_counter()
             cache.commit(verdict.path)
             new = torch.cat([tree.tokens[verdict.path[1:]], torch.tensor([verdict.bonus])])
-            new, stop_reason = _truncate(new, eos, max_new_tokens - produced)
+            new, stop_reason = truncate_at_stop(new, eos, max_new_tokens - produced)
             tokens[length : length + new.numel()] = new
             length += new.numel()
             produced += new.numel()
@@ -166,22 +166,26 @@ class SpeculativeEngine:
         return verify(tree, out.logits[0], histories, params, generator), out.hidden[0]
 
     def _propose(self, drafter: Drafter, context: DraftContext) -> Tree:
-        """The drafter's tree, every invariant checked once before the target sees it."""
-        name = type(drafter).__name__
-        try:
-            tree = drafter.propose(context)
-        except MalformedTreeError as error:  # raised while the drafter built its tree
-            raise MalformedTreeError(f"drafter {name} proposed a malformed tree: {error}") from None
-        if not isinstance(tree, Tree):
-            raise TypeError(f"drafter {name} returned {type(tree).__name__} from propose(), expected a Tree")
-        problem = tree.problem(self.model.config.vocab_size)
-        if problem is None and int(tree.tokens[0]) != context.root:
-            problem = f"node 0 carries token {int(tree.tokens[0])}, but the root (last committed token) is {context.root}"
-        if problem is None and tree.size - 1 > context.max_nodes:
-            problem = f"{tree.size - 1} speculative nodes, more than max_tree_nodes={context.max_nodes}"
-        if problem:
-            raise MalformedTreeError(f"drafter {name} proposed a malformed tree: {problem}")
-        return tree
+        return checked_proposal(drafter, context, self.model.config.vocab_size)
+
+
+def checked_proposal(drafter: Drafter, context: DraftContext, vocab_size: int) -> Tree:
+    """The drafter's tree, every invariant checked once before the target sees it."""
+    name = type(drafter).__name__
+    try:
+        tree = drafter.propose(context)
+    except MalformedTreeError as error:  # raised while the drafter built its tree
+        raise MalformedTreeError(f"drafter {name} proposed a malformed tree: {error}") from None
+    if not isinstance(tree, Tree):
+        raise TypeError(f"drafter {name} returned {type(tree).__name__} from propose(), expected a Tree")
+    problem = tree.problem(vocab_size)
+    if problem is None and int(tree.tokens[0]) != context.root:
+        problem = f"node 0 carries token {int(tree.tokens[0])}, but the root (last committed token) is {context.root}"
+    if problem is None and tree.size - 1 > context.max_nodes:
+        problem = f"{tree.size - 1} speculative nodes, more than max_tree_nodes={context.max_nodes}"
+    if problem:
+        raise MalformedTreeError(f"drafter {name} proposed a malformed tree: {problem}")
+    return tree
 
 
 def node_histories(committed: torch.Tensor, tree: Tree, window: int) -> torch.Tensor:
@@ -198,7 +202,8 @@ def node_histories(committed: torch.Tensor, tree: Tree, window: int) -> torch.Te
     return torch.cat([shared.expand(n, window), path_tokens], dim=1)
 
 
-def _truncate(new: torch.Tensor, eos: torch.Tensor, room: int) -> tuple[torch.Tensor, str]:
+def truncate_at_stop(new: torch.Tensor, eos: torch.Tensor, room: int) -> tuple[torch.Tensor, str]:
+    """This round's tokens up to the first EOS (kept) or the room left; the reason, if any."""
     if eos.numel():
         hits = torch.nonzero(torch.isin(new, eos)).flatten()
         if hits.numel() and int(hits[0]) < room:

@@ -102,6 +102,9 @@ class PartialKVCache:
         self._storing: int | None = None  # full-layer group index of the layer being run
 
     # ---------------------------------------------------------------- forward side
+    def next_positions(self, T: int) -> torch.Tensor:
+        return self.length + torch.arange(T)
+
     def begin_forward(self, positions: torch.Tensor) -> None:
         T = positions.numel()
         if self.pending:

@@ -1,0 +1,322 @@
+"""A KV cache for many sequences at once (ragged rows), owned by a batching engine.
+
+Storage is `KVCache`'s layout with a row axis of fixed size (``max_rows``): full
+layers [layers, rows, Hkv, row_capacity, D], sliding layers a ring [layers, rows,
+Hkv, R, D] per row, R = window + headroom. Every row has its own committed length
+and its own ring bookkeeping, so rows of different lengths share one forward.
+
+Occupied rows are kept in the leading slots 0..n-1: a forward over the occupied
+rows is a slice (a view, never a copy), and a row that leaves is replaced by the
+last occupied row (one row's K/V moved), so rows come and go without reallocating
+the cache. Callers hold a `CacheRow`, whose slot follows those moves.
+
+A forward over rows [a, b) goes through `RowsView`, which implements what
+`Decoder.forward` needs of a cache with per-row positions [B, T]: pending tokens
+sit after each row's own length; `commit` keeps a different path per row, all
+rows and layers compacted with one gather/scatter per tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from longspec.runtime.cache import _EMPTY_SLOT
+from longspec.runtime.config import DecoderConfig
+
+
+class CacheRow:
+    """One sequence's place in a `BatchKVCache`; its slot moves when rows leave."""
+
+    def __init__(self, cache: "BatchKVCache", slot: int) -> None:
+        self._cache = cache
+        self.slot = slot
+        self.released = False
+
+    @property
+    def length(self) -> int:
+        return int(self._cache.lengths[self.slot])
+
+    def prefix(self, layer: int, include_pending: bool = False):
+        """This row's committed K/V [1, Hkv, length, D] of a full layer (a view), or its ring."""
+        return self._cache.rows(self.slot, self.slot + 1).prefix(layer, include_pending)
+
+    def view(self) -> "RowsView":
+        return self._cache.rows(self.slot, self.slot + 1)
+
+
+class BatchKVCache:
+    def __init__(
+        self,
+        config: DecoderConfig,
+        row_capacity: int,
+        max_rows: int,
+        *,
+        max_forward_tokens: int = 256,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if row_capacity < 1:
+            raise ValueError(f"row_capacity must be >= 1, got {row_capacity}")
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+        if max_forward_tokens < 1:
+            raise ValueError(f"max_forward_tokens must be >= 1, got {max_forward_tokens}")
+        self.config = config
+        self.row_capacity = row_capacity
+        self.max_rows = max_rows
+        self.max_forward_tokens = max_forward_tokens
+        self.window = config.sliding_window
+        full_layers = [i for i, s in enumerate(config.layer_is_sliding) if not s]
+        ring_layers = [i for i, s in enumerate(config.layer_is_sliding) if s]
+        self.group_index = {layer: j for j, layer in enumerate(full_layers)}
+        self.group_index.update({layer: j for j, layer in enumerate(ring_layers)})
+        tail = (max_rows, config.num_kv_heads)
+        D = config.head_dim
+        self.full_k = torch.zeros((len(full_layers), *tail, row_capacity, D), dtype=dtype, device=device)
+        self.full_v = torch.zeros_like(self.full_k)
+        self.ring_size = min(row_capacity, (self.window or 0) + max_forward_tokens) if ring_layers else 0
+        self.ring_k = torch.zeros((len(ring_layers), *tail, self.ring_size, D), dtype=dtype, device=device)
+        self.ring_v = torch.zeros_like(self.ring_k)
+        self.ring_positions = torch.full((max_rows, self.ring_size), _EMPTY_SLOT, dtype=torch.long, device=device)
+        self.lengths = torch.zeros(max_rows, dtype=torch.long, device=device)
+        self._rows: list[CacheRow] = []  # occupied, in slot order
+        self.pending_view: RowsView | None = None  # the view whose forward awaits commit
+
+    # ------------------------------------------------------------------ rows
+    @property
+    def occupied(self) -> int:
+        return len(self._rows)
+
+    @property
+    def free_rows(self) -> int:
+        return self.max_rows - len(self._rows)
+
+    def acquire(self) -> CacheRow:
+        """An empty row (length 0) in the first free slot."""
+        if not self.free_rows:
+            raise RuntimeError(f"all {self.max_rows} rows of the cache are occupied")
+        row = CacheRow(self, len(self._rows))
+        self._clear(row.slot)
+        self._rows.append(row)
+        return row
+
+    def release(self, row: CacheRow) -> None:
+        """Free a row; the last occupied row moves into its slot (K/V copied once)."""
+        if row.released or row._cache is not self:
+            raise ValueError("this row is not held by this cache")
+        last = self._rows[-1]
+        if last is not row:
+            self._move(last.slot, row.slot)
+            self._rows[row.slot] = last
+            last.slot = row.slot
+        self._rows.pop()
+        row.released = True
+        self._clear(len(self._rows))
+
+    def row_at(self, slot: int) -> CacheRow:
+        return self._rows[slot]
+
+    def swap(self, a: CacheRow, b: CacheRow) -> None:
+        """Exchange the slots of two held rows (their K/V move with them)."""
+        for row in (a, b):
+            if row.released or row._cache is not self:
+                raise ValueError("this row is not held by this cache")
+        if a is b:
+            return
+        spare = self._rows[-1].slot + 1 if self.free_rows else None
+        if spare is not None:  # through a free slot: three one-row moves
+            self._move(a.slot, spare)
+            self._move(b.slot, a.slot)
+            self._move(spare, b.slot)
+            self._clear(spare)
+        else:
+            self._exchange(a.slot, b.slot)
+        self._rows[a.slot], self._rows[b.slot] = b, a
+        a.slot, b.slot = b.slot, a.slot
+
+    def rows(self, begin: int = 0, end: int | None = None) -> "RowsView":
+        end = len(self._rows) if end is None else end
+        if not 0 <= begin < end <= len(self._rows):
+            raise ValueError(f"rows {begin}..{end} are not occupied ({len(self._rows)} rows are)")
+        return RowsView(self, begin, end)
+
+    # ------------------------------------------------------------ accounting
+    def bytes_per_row(self) -> int:
+        return self.nbytes() // self.max_rows
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.full_k, self.full_v, self.ring_k, self.ring_v))
+
+    def bytes_in_use(self) -> int:
+        """Bytes of the rows now held by sequences (a free row costs nothing to reuse)."""
+        return self.occupied * self.bytes_per_row()
+
+    # ------------------------------------------------------------- internals
+    def _clear(self, slot: int) -> None:
+        self.lengths[slot] = 0
+        if self.ring_size:
+            self.ring_positions[slot] = _EMPTY_SLOT
+
+    def _exchange(self, a: int, b: int) -> None:
+        for t in (self.full_k, self.full_v, self.ring_k, self.ring_v):
+            t[:, [a, b]] = t[:, [b, a]]
+        self.ring_positions[[a, b]] = self.ring_positions[[b, a]]
+        self.lengths[[a, b]] = self.lengths[[b, a]]
+
+    def _move(self, src: int, dst: int) -> None:
+        length = int(self.lengths[src])
+        self.full_k[:, dst, :, :length] = self.full_k[:, src, :, :length]
+        self.full_v[:, dst, :, :length] = self.full_v[:, src, :, :length]
+        if self.ring_size:
+            self.ring_k[:, dst] = self.ring_k[:, src]
+            self.ring_v[:, dst] = self.ring_v[:, src]
+            self.ring_positions[dst] = self.ring_positions[src]
+        self.lengths[dst] = length
+
+
+class RowsView:
+    """The cache as `Decoder.forward` sees it for a forward over rows [begin, end):
+    positions are per row [B, T], and the masks of every layer come from here."""
+
+    def __init__(self, cache: BatchKVCache, begin: int, end: int) -> None:
+        self.cache = cache
+        self.begin, self.end = begin, end
+        self.config = cache.config
+        self.window = cache.window
+        self.ring_size = cache.ring_size
+
+    @property
+    def batch_size(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.cache.lengths[self.begin : self.end]
+
+    @property
+    def length(self) -> int:
+        """A single row's committed length (what a drafter's view reads)."""
+        if self.batch_size != 1:
+            raise ValueError("length is per row: read `lengths` for a view of several rows")
+        return int(self.lengths[0])
+
+    @property
+    def pending(self) -> int:
+        return getattr(self, "_pending", 0)
+
+    def next_positions(self, T: int) -> torch.Tensor:
+        """[B, T] positions of T consecutive tokens after each row's prefix."""
+        return self.lengths.unsqueeze(1) + torch.arange(T)
+
+    # ---------------------------------------------------------------- forward
+    def begin_forward(self, positions: torch.Tensor) -> None:
+        if positions.dim() != 2 or positions.shape[0] != self.batch_size:
+            raise ValueError(f"positions must be [{self.batch_size}, T] (one row per sequence), got {tuple(positions.shape)}")
+        T = positions.shape[1]
+        if self.cache.pending_view is not None:
+            raise RuntimeError("the previous forward's tokens were neither committed nor dropped")
+        if T > self.cache.max_forward_tokens:
+            raise ValueError(f"a forward of {T} tokens per row exceeds max_forward_tokens={self.cache.max_forward_tokens}")
+        longest = int(self.lengths.max())
+        if longest + T > self.cache.row_capacity:
+            raise ValueError(f"a row is full: {longest} committed + {T} new tokens > row capacity {self.cache.row_capacity}")
+        self._pending = T
+        self.cache.pending_view = self
+        self._batch_index = torch.arange(self.begin, self.end).unsqueeze(1)  # [B, 1]
+        self.pending_slots = self.lengths.unsqueeze(1) + torch.arange(T)  # [B, T] full-layer slots
+        if self.ring_size:
+            self.pending_ring_slots = self.pending_slots % self.ring_size
+            self.cache.ring_positions[self._batch_index, self.pending_ring_slots] = positions
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write this forward's K/V [B, Hkv, T, D] of one layer at each row's slots."""
+        c = self.cache
+        j = c.group_index[layer]
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, T, Hkv, D], the indexed layout
+        if self.config.layer_is_sliding[layer]:
+            c.ring_k[j][self._batch_index, :, self.pending_ring_slots] = k
+            c.ring_v[j][self._batch_index, :, self.pending_ring_slots] = v
+        else:
+            c.full_k[j][self._batch_index, :, self.pending_slots] = k
+            c.full_v[j][self._batch_index, :, self.pending_slots] = v
+
+    def prefix(self, layer: int, include_pending: bool = False):
+        """Full layer: slots 0..max(length)(+T) of every row (rows mask their own
+        ends); sliding layer: the rings."""
+        c = self.cache
+        j = c.group_index[layer]
+        rows = slice(self.begin, self.end)
+        if self.config.layer_is_sliding[layer]:
+            return c.ring_k[j, rows], c.ring_v[j, rows]
+        end = int(self.lengths.max()) + (self.pending if include_pending else 0)
+        return c.full_k[j, rows, :, :end], c.full_v[j, rows, :, :end]
+
+    def full_mask(self, tree_mask: torch.Tensor) -> torch.Tensor:
+        """[B, T, S] visibility of full-layer slots 0..S-1 (S = longest row + T):
+        a row's committed prefix, then its own pending tokens under its tree mask."""
+        T = self.pending
+        S = int(self.lengths.max()) + T
+        visible = torch.arange(S).view(1, 1, S) < self.lengths.view(-1, 1, 1)
+        visible = visible.expand(-1, T, -1).clone()
+        visible.scatter_(2, self.pending_slots.unsqueeze(1).expand(-1, T, -1), tree_mask)
+        return visible
+
+    def ring_mask(self, positions: torch.Tensor, tree_mask: torch.Tensor) -> torch.Tensor:
+        """[B, T, R] visibility of each row's ring: committed keys within the window,
+        and the row's pending tokens under its tree mask and the window."""
+        T = self.pending
+        slot_pos = self.cache.ring_positions[self.begin : self.end]  # [B, R]
+        committed = slot_pos < self.lengths.unsqueeze(1)
+        in_window = slot_pos.unsqueeze(1) > (positions.unsqueeze(2) - self.window)
+        visible = committed.unsqueeze(1) & in_window
+        distance = positions.unsqueeze(2) - positions.unsqueeze(1)  # [B, T, T]
+        visible.scatter_(2, self.pending_ring_slots.unsqueeze(1).expand(-1, T, -1), tree_mask & (distance < self.window))
+        return visible
+
+    # ----------------------------------------------------------------- commit
+    def commit(self, kept: Sequence[torch.Tensor] | None = None) -> None:
+        """Keep, per row, pending tokens ``kept[b]`` (indices into this forward's T
+        tokens, in sequence order) as that row's next positions; drop the rest.
+        ``None`` keeps every pending token of every row."""
+        c = self.cache
+        T, B = self.pending, self.batch_size
+        if c.pending_view is not self:
+            raise RuntimeError("this view has no pending forward to commit")
+        lengths = self.lengths.clone()
+        if kept is None:
+            counts = torch.full((B,), T, dtype=torch.long)
+        else:
+            if len(kept) != B:
+                raise ValueError(f"commit needs one kept-index tensor per row ({B}), got {len(kept)}")
+            kept = [k.to(torch.long).reshape(-1) for k in kept]
+            for b, k in enumerate(kept):
+                if k.numel() > T or (k.numel() and (int(k.max()) >= T or int(k.min()) < 0)):
+                    raise ValueError(f"row {b}: kept indices {k.tolist()} out of range for {T} pending tokens")
+            counts = torch.tensor([k.numel() for k in kept], dtype=torch.long)
+            moves = [(b, k) for b, k in enumerate(kept) if not bool((k == torch.arange(k.numel())).all())]
+            if moves:
+                rows = torch.cat([torch.full((k.numel(),), self.begin + b) for b, k in moves])
+                src = torch.cat([lengths[b] + k for b, k in moves])
+                dst = torch.cat([lengths[b] + torch.arange(k.numel()) for b, k in moves])
+                if c.full_k.shape[0]:
+                    c.full_k[:, rows, :, dst] = c.full_k[:, rows, :, src]
+                    c.full_v[:, rows, :, dst] = c.full_v[:, rows, :, src]
+                if c.ring_size:
+                    rsrc, rdst = src % c.ring_size, dst % c.ring_size
+                    c.ring_k[:, rows, :, rdst] = c.ring_k[:, rows, :, rsrc]
+                    c.ring_v[:, rows, :, rdst] = c.ring_v[:, rows, :, rsrc]
+        if c.ring_size and T:
+            c.ring_positions[self._batch_index, self.pending_ring_slots] = _EMPTY_SLOT
+            index = torch.arange(T).unsqueeze(0)
+            keep = index < counts.unsqueeze(1)  # [B, T]
+            new_positions = lengths.unsqueeze(1) + index
+            rows = self._batch_index.expand(-1, T)[keep]
+            c.ring_positions[rows, new_positions[keep] % c.ring_size] = new_positions[keep]
+        c.lengths[self.begin : self.end] = lengths + counts
+        self._pending = 0
+        c.pending_view = None
+
+    def drop_pending(self) -> None:
+        self.commit([torch.empty(0, dtype=torch.long)] * self.batch_size)

@@ -1,0 +1,374 @@
+"""Speculative decoding of many sequences at once, with continuous batching.
+
+Every request is a row with its own prompt, drafter, sampling parameters, seed and
+stopping rule. Each `step()`:
+
+1. admits waiting requests into free cache rows (FIFO) and runs a bounded amount of
+   their prefill (`BatchOptions.prefill_tokens_per_step`), so a long prompt that
+   joins does not stall the rows already decoding for more than that budget;
+2. runs one round for every decoding row: each row's drafter proposes its tree; the
+   trees are padded to a common node count and verified in ONE target forward with
+   per-row positions and tree masks (`RowsView`); each row is verified by the same
+   lossless rules as a single sequence (DESIGN.md §5) with its own random stream;
+   every row's accepted path is compacted into its cache in one operation;
+3. hands each row's committed tokens to its `RequestHandle`; rows that hit EOS,
+   their token limit or a cancellation leave, and their cache row is reused.
+
+A row's output is the output of `SpeculativeEngine.generate` for the same request:
+the rows share forwards, never state.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from longspec.runtime.batch_cache import BatchKVCache, CacheRow
+from longspec.runtime.model import Decoder
+from longspec.speculation.drafters.base import DraftContext, Drafter, TargetView
+from longspec.speculation.engine import (
+    EngineOptions,
+    SpeculativeEngine,
+    checked_proposal,
+    node_histories,
+    truncate_at_stop,
+)
+from longspec.speculation.metrics import GenerationStats
+from longspec.speculation.processors import SamplingParams
+from longspec.speculation.seeding import drafter_generator
+from longspec.speculation.tree import Tree
+from longspec.speculation.verification import verify
+
+
+@dataclass(frozen=True)
+class BatchOptions:
+    max_rows: int = 8  # sequences decoded together (cache rows)
+    row_capacity: int = 8192  # token slots per row: prompt + max_new_tokens + tree budget + 1 must fit
+    # Prompt tokens prefilled per step while other rows decode: a joining 4k prompt
+    # then delays each decoding round by about one 256-token forward, not 4k.
+    prefill_tokens_per_step: int = 256
+    max_waiting: int | None = None  # requests queued for a free row (None: unbounded)
+
+    def __post_init__(self) -> None:
+        for name in ("max_rows", "row_capacity", "prefill_tokens_per_step"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_waiting is not None and self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+
+
+class EngineBusy(RuntimeError):
+    """Every row is taken and the waiting queue is full."""
+
+
+class RequestHandle:
+    """A submitted request: its committed tokens arrive round by round.
+
+    ``take()`` returns the token tensors committed since the last call (one per
+    round); ``tokens`` is everything so far; ``finished`` is set when the row has
+    left (``stats.stop_reason`` says why: "eos", "length" or "cancelled").
+    ``on_tokens``, when given, is called with each round's tokens as they commit.
+    """
+
+    def __init__(self, request_id: int, stats: GenerationStats, on_tokens: Callable[[torch.Tensor], None] | None) -> None:
+        self.request_id = request_id
+        self.stats = stats
+        self.on_tokens = on_tokens
+        self.finished = False
+        self.error: BaseException | None = None
+        self._rounds: deque[torch.Tensor] = deque()
+        self._all: list[torch.Tensor] = []
+
+    def take(self) -> list[torch.Tensor]:
+        rounds = list(self._rounds)
+        self._rounds.clear()
+        return rounds
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return torch.cat(self._all) if self._all else torch.empty(0, dtype=torch.long)
+
+    def _push(self, new: torch.Tensor) -> None:
+        self._rounds.append(new)
+        self._all.append(new)
+        if self.on_tokens is not None:
+            self.on_tokens(new)
+
+
+@dataclass
+class _Row:
+    handle: RequestHandle
+    prompt: torch.Tensor
+    params: SamplingParams
+    max_new_tokens: int
+    drafter: Drafter | None
+    eos: torch.Tensor
+    generator: torch.Generator | None
+    tokens: torch.Tensor  # committed tokens (prompt, then output), preallocated
+    length: int  # committed tokens, the root included
+    tree_budget: int  # speculative nodes the drafter may propose per round
+    cache_row: CacheRow | None = None
+    view: TargetView | None = None
+    prefilled: int = 0  # prompt tokens (all but the root) already in the cache
+    produced: int = 0
+    draft_generator: torch.Generator | None = None
+    prefill_hidden: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def stats(self) -> GenerationStats:
+        return self.handle.stats
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.prefilled == self.prompt.numel() - 1
+
+
+
+class BatchEngine:
+    """Continuous batching over one `BatchKVCache`. Not thread-safe: one thread calls
+    `submit`, `cancel` and `step` (a server runs them on its generation thread)."""
+
+    def __init__(self, model: Decoder, options: EngineOptions = EngineOptions(), batch: BatchOptions = BatchOptions()) -> None:
+        self.model = model
+        self.options = options
+        self.batch = batch
+        self._single = SpeculativeEngine(model, options)  # request checks shared with B = 1
+        self.cache = BatchKVCache(
+            model.config, batch.row_capacity, batch.max_rows,
+            max_forward_tokens=max(options.prefill_chunk, options.max_tree_nodes + 1),
+            dtype=model.dtype, device=model.embed_weight.device,
+        )
+        self._waiting: deque[_Row] = deque()
+        self._prefilling: list[_Row] = []  # hold cache rows in slots after the decoding rows
+        self._decoding: list[_Row] = []  # row i sits in cache slot i
+        self._next_id = 0
+
+    # ------------------------------------------------------------------ requests
+    def submit(
+        self,
+        prompt_ids: torch.Tensor | Sequence[int],
+        *,
+        params: SamplingParams = SamplingParams(),
+        max_new_tokens: int = 256,
+        drafter: Drafter | None = None,
+        eos_token_ids: Sequence[int] = (),
+        generator: torch.Generator | None = None,
+        stats: GenerationStats | None = None,
+        on_tokens: Callable[[torch.Tensor], None] | None = None,
+    ) -> RequestHandle:
+        """Queue a request; it joins at the next `step` with a free row. Everything
+        that can be refused is refused here, before any prefill."""
+        prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)
+        self._single.check_request(prompt.numel(), max_new_tokens)
+        check_target = getattr(drafter, "check_target", None)
+        if check_target is not None:
+            check_target(self.model.config)
+        budget = self.options.max_tree_nodes if drafter is not None else 0
+        needed = prompt.numel() + max_new_tokens + budget + 1
+        if needed > self.batch.row_capacity:
+            raise ValueError(
+                f"this request needs {needed} token slots (prompt {prompt.numel()} + max_new_tokens {max_new_tokens} "
+                f"+ tree budget {budget} + 1) but a cache row holds {self.batch.row_capacity} "
+                f"({self.cache.bytes_per_row():,} bytes per row); lower max_new_tokens or start the engine with "
+                f"BatchOptions(row_capacity >= {needed})"
+            )
+        if (self.batch.max_waiting is not None and not self.cache.free_rows
+                and len(self._waiting) >= self.batch.max_waiting):
+            raise EngineBusy(f"all {self.batch.max_rows} rows are busy and {len(self._waiting)} requests wait; retry later")
+        stats = stats if stats is not None else GenerationStats()
+        stats.prompt_tokens = prompt.numel()
+        stats.kv_cache_bytes = self.cache.bytes_per_row()
+        handle = RequestHandle(self._next_id, stats, on_tokens)
+        self._next_id += 1
+        tokens = torch.empty(prompt.numel() + max_new_tokens, dtype=torch.long)
+        tokens[: prompt.numel()] = prompt
+        row = _Row(handle, prompt, params, max_new_tokens, drafter,
+                   torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long), generator, tokens, prompt.numel(), budget)
+        self._waiting.append(row)
+        return handle
+
+    def cancel(self, handle: RequestHandle) -> None:
+        """Stop a request now (between steps); its cache row is freed at once."""
+        for rows in (self._waiting, self._prefilling, self._decoding):
+            for row in rows:
+                if row.handle is handle:
+                    self._finish(row, "cancelled")
+                    return
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._prefilling or self._decoding)
+
+    @property
+    def active_rows(self) -> int:
+        return len(self._prefilling) + len(self._decoding)
+
+    def bytes_in_use(self) -> int:
+        """Target cache bytes held by rows now in use (prefilling or decoding)."""
+        return self.cache.bytes_in_use()
+
+    def run(self) -> None:
+        while self.has_work:
+            self.step()
+
+    def generate_all(self, requests: Sequence[dict]) -> list[RequestHandle]:
+        """Submit every request (keyword arguments of `submit`) and run them to the end."""
+        handles = [self.submit(**request) for request in requests]
+        self.run()
+        return handles
+
+    # ---------------------------------------------------------------------- step
+    def step(self) -> None:
+        """Admit and prefill (within the step's budget), then one round of every decoding row."""
+        while self._waiting and self.cache.free_rows:
+            row = self._waiting.popleft()
+            row.cache_row = self.cache.acquire()
+            self._prefilling.append(row)
+        # Alone, a prompt prefills at full speed; beside decoding rows, within the budget.
+        budget = None if not self._decoding else self.batch.prefill_tokens_per_step
+        while self._prefilling and (budget is None or budget > 0):
+            row = self._prefilling[0]
+            budget = self._prefill_some(row, budget)
+            if row.prefill_done:
+                self._start_decoding(row)
+        if self._decoding:
+            self._round()
+
+    # ------------------------------------------------------------------ prefill
+    def _prefill_some(self, row: _Row, budget: int | None) -> int | None:
+        ids = row.prompt[:-1]
+        keep_hidden = int(getattr(row.drafter, "prefill_hidden_rows", 0) or 0)
+        first_kept = ids.numel() - keep_hidden if keep_hidden else ids.numel()
+        chunk = self.options.prefill_chunk if budget is None else min(self.options.prefill_chunk, budget)
+        start = time.perf_counter()
+        while not row.prefill_done and (budget is None or budget > 0):
+            begin = row.prefilled
+            piece = ids[begin : begin + (chunk if budget is None else min(chunk, budget))]
+            kept = slice(max(0, first_kept - begin), None) if begin + piece.numel() > first_kept else slice(0, 0)
+            view = row.cache_row.view()
+            out = self.model(piece.unsqueeze(0), view, positions=view.next_positions(piece.numel()),
+                             logits_rows=kept, with_logits=False)
+            view.commit()
+            if out.hidden.shape[1]:
+                row.prefill_hidden.append(out.hidden[0])
+            row.prefilled += piece.numel()
+            if budget is not None:
+                budget -= piece.numel()
+        row.stats.prefill_s += time.perf_counter() - start
+        return budget
+
+    def _start_decoding(self, row: _Row) -> None:
+        self._prefilling.remove(row)
+        slot = len(self._decoding)
+        if row.cache_row.slot != slot:  # decoding rows stay in the leading slots
+            self.cache.swap(row.cache_row, self.cache.row_at(slot))
+        self._decoding.append(row)
+        row.view = TargetView(self.model, row.cache_row)
+        row.view.prefill_hidden = torch.cat(row.prefill_hidden) if row.prefill_hidden else None
+        row.prefill_hidden = []
+        row.draft_generator = drafter_generator(row.generator) if row.generator is not None else None
+        if row.drafter is not None:
+            row.drafter.begin(self._context(row))
+
+    def _context(self, row: _Row) -> DraftContext:
+        return DraftContext(row.tokens[: row.length], row.view, row.tree_budget, row.draft_generator)
+
+    # -------------------------------------------------------------------- round
+    def _round(self) -> None:
+        rows = self._decoding
+        vocab = self.model.config.vocab_size
+        trees: list[Tree] = []
+        for row in rows:
+            t0 = time.perf_counter()
+            if row.drafter is None:
+                trees.append(Tree.chain(int(row.tokens[row.length - 1]), []))
+            else:
+                trees.append(checked_proposal(row.drafter, self._context(row), vocab))
+            row.stats.draft_s += time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        view = self.cache.rows(0, len(rows))
+        ids, positions, masks = _pad_trees(trees, view.lengths)
+        out = self.model(ids, view, tree_mask=masks, positions=positions, with_logits=False)
+        width = ids.shape[1]
+        real = torch.cat([b * width + torch.arange(tree.size) for b, tree in enumerate(trees)])
+        hidden = out.hidden.reshape(-1, out.hidden.shape[-1])[real]
+        logits = self.model.logits(hidden).split([tree.size for tree in trees])
+        hidden = hidden.split([tree.size for tree in trees])
+        forward_s = (time.perf_counter() - t0) / len(rows)  # the shared forward, split evenly
+
+        paths = []
+        for row, tree, row_logits, row_hidden in zip(rows, trees, logits, hidden):
+            t1 = time.perf_counter()
+            histories = None
+            if row.params.uses_history:
+                histories = node_histories(row.tokens[: row.length], tree, row.params.penalty_window)
+            verdict = verify(tree, row_logits, histories, row.params, row.generator)
+            row.view.last_hidden = row_hidden[verdict.path]
+            paths.append(verdict)
+            row.stats.verify_s += forward_s + time.perf_counter() - t1
+        t1 = time.perf_counter()
+        view.commit([verdict.path for verdict in paths])
+        commit_s = (time.perf_counter() - t1) / len(rows)
+
+        finished = []
+        for row, tree, verdict in zip(rows, trees, paths):
+            t2 = time.perf_counter()
+            new = torch.cat([tree.tokens[verdict.path[1:]], torch.tensor([verdict.bonus])])
+            new, stop_reason = truncate_at_stop(new, row.eos, row.max_new_tokens - row.produced)
+            row.tokens[row.length : row.length + new.numel()] = new
+            row.length += new.numel()
+            row.produced += new.numel()
+            if row.drafter is not None and not stop_reason:
+                row.drafter.observe(new)
+            stats = row.stats
+            stats.bookkeeping_s += commit_s + time.perf_counter() - t2
+            stats.new_tokens = row.produced
+            stats.record_round(tree.max_depth, verdict.accepted_tokens, tree.size - 1)
+            row.handle._push(new)
+            if stop_reason:
+                finished.append((row, stop_reason))
+        for row, reason in finished:
+            self._finish(row, reason)
+
+    # ------------------------------------------------------------------- leave
+    def _finish(self, row: _Row, reason: str) -> None:
+        if row in self._waiting:
+            self._waiting.remove(row)
+        elif row in self._prefilling:
+            self._prefilling.remove(row)
+            self.cache.release(row.cache_row)
+        else:
+            # Keep decoding rows in the leading slots: the last decoding row takes the
+            # leaving row's slot, then the cache fills the freed slot from the end.
+            last = self._decoding[-1]
+            if last is not row:
+                self.cache.swap(row.cache_row, last.cache_row)
+                i, j = self._decoding.index(row), len(self._decoding) - 1
+                self._decoding[i], self._decoding[j] = last, row
+            self._decoding.pop()
+            self.cache.release(row.cache_row)
+        row.view = None
+        row.handle.stats.stop_reason = reason
+        row.handle.stats.record_output(row.tokens[row.prompt.numel() : row.length].tolist())
+        row.handle.finished = True
+
+
+def _pad_trees(trees: Sequence[Tree], lengths: torch.Tensor):
+    """Token ids [B, W], positions [B, W] and tree masks [B, W, W] of trees padded to
+    the widest. A padding node sees only itself (no row of a mask is empty) and is
+    never kept; its position is the root's."""
+    B, width = len(trees), max(tree.size for tree in trees)
+    ids = torch.zeros((B, width), dtype=torch.long)
+    depths = torch.zeros((B, width), dtype=torch.long)
+    masks = torch.eye(width, dtype=torch.bool).repeat(B, 1, 1)
+    for b, tree in enumerate(trees):
+        n = tree.size
+        ids[b, :n] = tree.tokens
+        depths[b, :n] = tree.depths
+        masks[b, :n, :n] = tree.ancestor_mask()
+    return ids, lengths.unsqueeze(1) + depths, masks
