@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from longspec.runtime.loading import LoadedTarget, load_target
+from longspec.speculation.batch_engine import BatchEngine, BatchOptions, RequestHandle
 from longspec.speculation.drafters.base import Drafter
 from longspec.speculation.engine import EngineOptions, SpeculativeEngine
 from longspec.speculation.methods import make_drafter
@@ -106,6 +107,56 @@ class TokenStream:
             self.token_ids.extend(chunk.token_ids)
             yield chunk
         self.stats.record_output(self.token_ids)
+
+
+@dataclass
+class _Request:
+    ids: torch.Tensor
+    params: SamplingParams
+    drafter: Drafter | None
+    eos: Sequence[int]
+    generator: torch.Generator
+    stats: GenerationStats
+
+
+def _rounds_of(handle: RequestHandle) -> Iterator[torch.Tensor]:
+    """A row's committed rounds as they arrive. `_RowFeed` advances it only while a
+    round is pending or after the row has left, so it never waits: no pending round
+    means the row is over."""
+    while handle.pending_rounds:
+        yield handle.pop_round()
+
+
+class _RowFeed:
+    """Runs one row's text pipeline (`LongSpecModel._chunks`: detokenizing, stop
+    strings) as its rounds commit, on the thread that steps the batch."""
+
+    def __init__(self, handle: RequestHandle, chunks: Iterator[StreamChunk]) -> None:
+        self.handle = handle
+        self.chunks = chunks
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.ended = False  # the pipeline is done: the row left, or a stop string ended it
+
+    def pump(self) -> bool:
+        """Consume the committed rounds; True when a stop string has just ended the
+        row (the caller then cancels it, so its cache row is freed)."""
+        while not self.ended and (self.handle.pending_rounds or self.handle.finished):
+            try:
+                chunk = next(self.chunks)
+            except StopIteration:
+                self.ended = True
+                break
+            self.text += chunk.text
+            self.token_ids.extend(chunk.token_ids)
+            if self.handle.stats.stop_reason == "stop":
+                self.ended = True
+                return not self.handle.finished
+        return False
+
+    def result(self) -> GenerationResult:
+        self.handle.stats.record_output(self.token_ids)
+        return GenerationResult(self.text, self.token_ids, self.handle.stats)
 
 
 def load(
@@ -205,6 +256,70 @@ class LongSpecModel:
         chat: bool = False,
         ignore_eos: bool = False,
     ) -> TokenStream:
+        stops = _stop_strings(stop)
+        request = self._request(
+            prompt, max_new_tokens=max_new_tokens, method=method, method_options=method_options,
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, eta=eta, penalty=penalty,
+            penalty_window=penalty_window, seed=seed, chat=chat, ignore_eos=ignore_eos,
+        )
+        self.engine.check_request(request.ids.numel(), max_new_tokens)
+        rounds = self.engine.generate(
+            request.ids, params=request.params, max_new_tokens=max_new_tokens, drafter=request.drafter,
+            eos_token_ids=request.eos, generator=request.generator, stats=request.stats,
+        )
+        return TokenStream(self._chunks(rounds, stops, request.stats), request.stats)
+
+    def generate_batch(
+        self,
+        prompts: Sequence[str | Sequence[int] | torch.Tensor],
+        *,
+        max_rows: int = 8,
+        seed: int | None = None,
+        stop: str | Sequence[str] = (),
+        method: str = "ar",
+        **kwargs,
+    ) -> list[GenerationResult]:
+        """Generate for many prompts at once (continuous batching: up to ``max_rows``
+        rows share each target forward; the others join as rows finish). Each
+        result equals ``generate(prompts[i], seed=seed + i, ...)`` for the same
+        options; ``method`` is a method name (every row gets its own drafter)."""
+        if isinstance(prompts, (str, torch.Tensor)) or not isinstance(prompts, Sequence):
+            raise TypeError("generate_batch takes a list of prompts; for one prompt call generate")
+        if not prompts:
+            raise ValueError("generate_batch needs at least one prompt")
+        if not isinstance(method, str):
+            raise TypeError("generate_batch takes a method name: every row needs a drafter of its own")
+        _check_int("max_rows", max_rows, low=1)
+        if seed is not None:
+            _check_int("seed", seed, low=0, high=MAX_SEED - len(prompts) + 1)
+        stops = _stop_strings(stop)
+        requests = [self._request(p, method=method, seed=None if seed is None else seed + i, **kwargs)
+                    for i, p in enumerate(prompts)]
+        max_new_tokens = kwargs.get("max_new_tokens", 256)
+        budget = self.engine.options.max_tree_nodes if method != "ar" else 0
+        longest = max(r.ids.numel() for r in requests) + max_new_tokens + budget + 1
+        batch = BatchEngine(self.model, self.engine.options, BatchOptions(max_rows=min(max_rows, len(prompts)), row_capacity=longest))
+        feeds = []
+        for request in requests:
+            handle = batch.submit(request.ids, params=request.params, max_new_tokens=max_new_tokens,
+                                  drafter=request.drafter, eos_token_ids=request.eos, generator=request.generator,
+                                  stats=request.stats)
+            feeds.append(_RowFeed(handle, self._chunks(_rounds_of(handle), stops, request.stats)))
+        while batch.has_work:
+            batch.step()
+            for feed in feeds:
+                if feed.pump():  # a stop string ended it: free its row now
+                    batch.cancel(feed.handle)
+        for feed in feeds:
+            feed.pump()
+        return [feed.result() for feed in feeds]
+
+    def _request(self, prompt, *, max_new_tokens: int = 256, method: str | Drafter = "ar",
+                 method_options: dict[str, Any] | None = None, temperature: float = 0.0, top_k: int | None = None,
+                 top_p: float | None = None, min_p: float | None = None, eta: float | None = None,
+                 penalty: float = 1.0, penalty_window: int = 1024, seed: int | None = None, chat: bool = False,
+                 ignore_eos: bool = False) -> "_Request":
+        """A validated request: ids, processors, drafter, random stream, stats."""
         params = SamplingParams(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, eta=eta,
             penalty=penalty, penalty_window=penalty_window,
@@ -212,7 +327,6 @@ class LongSpecModel:
         _check_int("max_new_tokens", max_new_tokens, low=1)
         if seed is not None:
             _check_int("seed", seed, low=0, high=MAX_SEED)
-        stop = _stop_strings(stop)
         if method_options is not None and not isinstance(method_options, dict):
             raise TypeError(f"method_options must be a dict of drafter options, got {type(method_options).__name__}")
         ids = self.encode(prompt, chat=chat)
@@ -224,12 +338,8 @@ class LongSpecModel:
         generator = torch.Generator().manual_seed(seed) if seed is not None else torch.Generator().manual_seed(
             int(torch.randint(0, 2**62, ()).item())
         )
-        stats = GenerationStats(method=name)
-        rounds = self.engine.generate(
-            ids, params=params, max_new_tokens=max_new_tokens, drafter=drafter,
-            eos_token_ids=() if ignore_eos else self.config.eos_token_ids, generator=generator, stats=stats,
-        )
-        return TokenStream(self._chunks(rounds, stop, stats), stats)
+        eos = () if ignore_eos else self.config.eos_token_ids
+        return _Request(ids, params, drafter, eos, generator, GenerationStats(method=name))
 
     def generate(self, prompt, **kwargs) -> GenerationResult:
         stream = self.stream(prompt, **kwargs)

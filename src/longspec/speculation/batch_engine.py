@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -71,13 +71,11 @@ class RequestHandle:
     ``take()`` returns the token tensors committed since the last call (one per
     round); ``tokens`` is everything so far; ``finished`` is set when the row has
     left (``stats.stop_reason`` says why: "eos", "length" or "cancelled").
-    ``on_tokens``, when given, is called with each round's tokens as they commit.
     """
 
-    def __init__(self, request_id: int, stats: GenerationStats, on_tokens: Callable[[torch.Tensor], None] | None) -> None:
+    def __init__(self, request_id: int, stats: GenerationStats) -> None:
         self.request_id = request_id
         self.stats = stats
-        self.on_tokens = on_tokens
         self.finished = False
         self.error: BaseException | None = None
         self._rounds: deque[torch.Tensor] = deque()
@@ -89,14 +87,21 @@ class RequestHandle:
         return rounds
 
     @property
+    def pending_rounds(self) -> int:
+        """Rounds committed but not yet taken."""
+        return len(self._rounds)
+
+    def pop_round(self) -> torch.Tensor:
+        """The oldest round not yet taken."""
+        return self._rounds.popleft()
+
+    @property
     def tokens(self) -> torch.Tensor:
         return torch.cat(self._all) if self._all else torch.empty(0, dtype=torch.long)
 
     def _push(self, new: torch.Tensor) -> None:
         self._rounds.append(new)
         self._all.append(new)
-        if self.on_tokens is not None:
-            self.on_tokens(new)
 
 
 @dataclass
@@ -158,7 +163,6 @@ class BatchEngine:
         eos_token_ids: Sequence[int] = (),
         generator: torch.Generator | None = None,
         stats: GenerationStats | None = None,
-        on_tokens: Callable[[torch.Tensor], None] | None = None,
     ) -> RequestHandle:
         """Queue a request; it joins at the next `step` with a free row. Everything
         that can be refused is refused here, before any prefill."""
@@ -182,7 +186,7 @@ class BatchEngine:
         stats = stats if stats is not None else GenerationStats()
         stats.prompt_tokens = prompt.numel()
         stats.kv_cache_bytes = self.cache.bytes_per_row()
-        handle = RequestHandle(self._next_id, stats, on_tokens)
+        handle = RequestHandle(self._next_id, stats)
         self._next_id += 1
         tokens = torch.empty(prompt.numel() + max_new_tokens, dtype=torch.long)
         tokens[: prompt.numel()] = prompt
@@ -353,7 +357,8 @@ class BatchEngine:
             self._decoding.pop()
             self.cache.release(row.cache_row)
         row.view = None
-        row.handle.stats.stop_reason = reason
+        if row.handle.stats.stop_reason != "stop":  # a stop string found by the caller's text pipeline stays
+            row.handle.stats.stop_reason = reason
         row.handle.stats.record_output(row.tokens[row.prompt.numel() : row.length].tolist())
         row.handle.finished = True
 

@@ -1,0 +1,274 @@
+"""Batched speculative decoding is lossless per row.
+
+* A forward over ragged rows with one tree each gives every row the logits of its
+  own single-row forward (float64, every family, rings wrapping).
+* Every row of a continuously batched run equals its B = 1 run token for token:
+  greedy with every drafter (several drafters in one batch), rows of different
+  prompt lengths finishing at different times, rows joining as others leave.
+* Sampled rows: exact seeded identity with B = 1 for every processor, and the
+  chi-square test of the row distribution against the exact target distribution.
+* Rows free their cache when they leave or are cancelled; requests that cannot
+  fit are refused before any prefill.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from longspec.runtime.batch_cache import BatchKVCache
+from longspec.speculation.batch_engine import BatchEngine, BatchOptions, EngineBusy
+from longspec.speculation.drafters import NgramDrafter, PromptLookupDrafter
+from longspec.speculation.drafters.tokenswift.heads import TokenSwiftHeads
+from longspec.speculation.drafters.tokenswift.one_pass import OnePassTokenSwiftDrafter
+from longspec.speculation.engine import EngineOptions, SpeculativeEngine
+from longspec.speculation.processors import SamplingParams
+from longspec.speculation.tree import Tree
+from test_engine_exact import PROCESSORS, diverse_model, real_drafters
+from test_engine_greedy import OracleGarbageDrafter
+from test_engine_sampling import (
+    PENALIZED,
+    PROMPT,
+    SAMPLING,
+    CartesianDrafter,
+    SampledChainDrafter,
+    SampledTreeDrafter,
+    exact_distribution,
+    goodness_of_fit,
+)
+from test_engine_sampling import N as SAMPLES
+from test_engine_sampling import K as SAMPLE_TOKENS
+from test_engine_sampling import model as sampling_model  # noqa: F401 - pytest fixture
+from tiny_models import FAMILIES, random_ids, tiny_decoder
+
+OPTIONS = EngineOptions(progress=False, max_tree_nodes=24, prefill_chunk=16)
+
+
+def single_run(model, prompt, *, drafter=None, params=SamplingParams(), max_new_tokens, seed=None, eos=()):
+    engine = SpeculativeEngine(model, OPTIONS)
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    rounds = engine.generate(prompt, params=params, max_new_tokens=max_new_tokens, drafter=drafter,
+                             generator=generator, eos_token_ids=eos)
+    return torch.cat(list(rounds))
+
+
+def random_tree(size: int, generator: torch.Generator, vocab: int) -> Tree:
+    parents = [-1] + [int(torch.randint(0, i, (), generator=generator)) for i in range(1, size)]
+    return Tree.from_parents(torch.randint(0, vocab, (size,), generator=generator), torch.tensor(parents))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_tree_forward_matches_single_rows(family):
+    model = tiny_decoder(family, dtype=torch.float64)
+    vocab = model.config.vocab_size
+    lengths = [5, 13, 9]
+    batch = BatchKVCache(model.config, 96, 4, max_forward_tokens=16, dtype=torch.float64)
+    singles = []
+    for i, length in enumerate(lengths):
+        prompt = random_ids(length, seed=i)[0]
+        view = batch.acquire().view()
+        model(prompt.unsqueeze(0), view, positions=view.next_positions(length))
+        view.commit()
+        single = model.new_cache(96, max_forward_tokens=16)
+        model(prompt.unsqueeze(0), single)
+        single.commit()
+        singles.append(single)
+    generator = torch.Generator().manual_seed(0)
+    for step in range(8):  # rings (window 8) wrap; every row keeps a different path
+        trees = [random_tree(1 + (b + step) % 5, generator, vocab) for b in range(len(lengths))]
+        width = max(t.size for t in trees)
+        view = batch.rows()
+        ids = torch.zeros(len(trees), width, dtype=torch.long)
+        positions = view.lengths.unsqueeze(1).repeat(1, width)
+        masks = torch.eye(width, dtype=torch.bool).repeat(len(trees), 1, 1)
+        for b, tree in enumerate(trees):
+            ids[b, : tree.size] = tree.tokens
+            positions[b, : tree.size] += tree.depths
+            masks[b, : tree.size, : tree.size] = tree.ancestor_mask()
+        out = model(ids, view, tree_mask=masks, positions=positions)
+        kept = []
+        for b, (tree, single) in enumerate(zip(trees, singles)):
+            expected = model(tree.tokens.unsqueeze(0), single, tree_mask=tree.ancestor_mask(),
+                             positions=single.length + tree.depths)
+            torch.testing.assert_close(out.logits[b, : tree.size], expected.logits[0], rtol=1e-12, atol=1e-12)
+            path = tree.path_to(int(torch.randint(0, tree.size, (), generator=generator)))
+            single.commit(path)
+            kept.append(path)
+        view.commit(kept)
+        assert batch.lengths[: len(lengths)].tolist() == [s.length for s in singles]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_row_equals_its_single_run_greedy(family):
+    """Five more requests than rows: rows of different lengths, each with a different
+    drafter, finish at different times and new ones join in their place."""
+    model, _ = diverse_model(family)
+    drafters = dict(real_drafters(model))
+    drafters["tokenswift-onepass"] = lambda: OnePassTokenSwiftDrafter(
+        TokenSwiftHeads.for_target(model.config).randomize(torch.Generator().manual_seed(1)), k=3)
+    drafters["ar"] = lambda: None
+    names = sorted(drafters)
+    prompts = [random_ids(3 + 11 * i % 50, seed=i)[0] % 24 for i in range(len(names) + 1)]
+    max_new = [20 + 13 * i % 40 for i in range(len(prompts))]
+    references = [single_run(model, p, max_new_tokens=n) for p, n in zip(prompts, max_new)]
+    factories = [drafters[names[i % len(names)]] for i in range(len(names))]
+    # The last request drafts adversarial trees from its own reference output.
+    factories.append(lambda: OracleGarbageDrafter(references[-1], prompts[-1].numel(), seed=3))
+    engine = BatchEngine(model, OPTIONS, BatchOptions(max_rows=4, row_capacity=160, prefill_tokens_per_step=10))
+    handles = [engine.submit(p, max_new_tokens=n, drafter=f()) for p, n, f in zip(prompts, max_new, factories)]
+    joined_mid_run = 0
+    while engine.has_work:
+        joined_mid_run += engine.active_rows > 0 and bool(engine._waiting)
+        engine.step()
+    assert joined_mid_run
+    for name, handle, reference in zip(names + ["oracle"], handles, references):
+        assert handle.finished and handle.stats.stop_reason == "length"
+        assert torch.equal(handle.tokens, reference), f"row drafted by {name} differs from its B=1 run"
+    assert engine.cache.occupied == 0 and engine.bytes_in_use() == 0
+
+
+def test_rows_stop_at_their_own_eos():
+    model = tiny_decoder("llama", dtype=torch.float64, initializer_range=0.3)
+    prompts = [random_ids(4 + 7 * i, seed=10 + i)[0] for i in range(4)]
+    references = [single_run(model, p, max_new_tokens=30) for p in prompts]
+    eos = [(int(r[5 + 4 * i]),) for i, r in enumerate(references)]
+    engine = BatchEngine(model, OPTIONS, BatchOptions(max_rows=4, row_capacity=96))
+    handles = [engine.submit(p, max_new_tokens=30, drafter=PromptLookupDrafter(num_tokens=4), eos_token_ids=e)
+               for p, e in zip(prompts, eos)]
+    engine.run()
+    for handle, prompt, e in zip(handles, prompts, eos):
+        assert torch.equal(handle.tokens, single_run(model, prompt, max_new_tokens=30, eos=e))
+        assert handle.stats.stop_reason == "eos" and int(handle.tokens[-1]) == e[0]
+
+
+@pytest.mark.parametrize("processor", sorted(PROCESSORS))
+def test_seeded_rows_equal_seeded_single_runs(processor):
+    """Deterministic candidates: one draw per emitted token, so each seeded row must
+    equal the seeded B = 1 run exactly (and AR rows too), whatever shares its forwards."""
+    model, extra = diverse_model("qwen2")
+    params = PROCESSORS[processor]
+    makers = [lambda: None, lambda: PromptLookupDrafter(num_tokens=5), lambda: NgramDrafter(k=4), lambda: None]
+    prompts = [random_ids(6 + 9 * i, seed=20 + i)[0] % 32 for i in range(len(makers))]
+    engine = BatchEngine(model, OPTIONS, BatchOptions(max_rows=3, row_capacity=256))
+    handles = []
+    for i, (prompt, make) in enumerate(zip(prompts, makers)):
+        generator = torch.Generator().manual_seed(100 + i)
+        handles.append(engine.submit(prompt, params=params, max_new_tokens=120, drafter=make(), generator=generator))
+    engine.run()
+    for i, (prompt, make, handle) in enumerate(zip(prompts, makers, handles)):
+        reference = single_run(model, prompt, params=params, max_new_tokens=120, seed=100 + i)
+        assert torch.equal(handle.tokens, reference), f"row {i} differs from its seeded B=1 run"
+
+
+@pytest.mark.parametrize(
+    "params,drafters",
+    [(SAMPLING, (SampledChainDrafter, SampledTreeDrafter, CartesianDrafter, None)),
+     (PENALIZED, (CartesianDrafter, SampledChainDrafter))],
+    ids=["mixed", "penalty"],
+)
+def test_sampled_rows_follow_the_target_distribution(sampling_model, params, drafters):  # noqa: F811
+    """Many short requests through 8 rows (every drafter kind in one batch, each row
+    with its own random stream): their sequences follow the exact AR distribution."""
+    exact = exact_distribution(sampling_model, params)
+    engine = BatchEngine(sampling_model, EngineOptions(max_tree_nodes=32, progress=False),
+                         BatchOptions(max_rows=8, row_capacity=64))
+    handles = []
+    for i in range(SAMPLES):
+        generator = torch.Generator().manual_seed(7000 + i)
+        make = drafters[i % len(drafters)]
+        drafter = make(torch.Generator().manual_seed(90000 + i)) if make else None
+        handles.append(engine.submit(PROMPT, params=params, max_new_tokens=SAMPLE_TOKENS, drafter=drafter,
+                                     generator=generator))
+        if len(handles) % 8 == 0:
+            engine.run()
+    engine.run()
+    counts: dict[tuple[int, ...], int] = {}
+    for handle in handles:
+        key = tuple(handle.tokens.tolist())
+        counts[key] = counts.get(key, 0) + 1
+    assert goodness_of_fit(exact, counts) > 1e-3
+
+
+def test_cancel_frees_the_row_and_a_waiting_request_takes_it():
+    model = tiny_decoder("gemma3", dtype=torch.float64)
+    engine = BatchEngine(model, OPTIONS, BatchOptions(max_rows=2, row_capacity=128, prefill_tokens_per_step=8))
+    first = engine.submit(random_ids(10, seed=1)[0], max_new_tokens=50, drafter=PromptLookupDrafter())
+    engine.step()
+    in_use = engine.bytes_in_use()
+    second = engine.submit(random_ids(40, seed=2)[0], max_new_tokens=50)
+    third = engine.submit(random_ids(12, seed=3)[0], max_new_tokens=50)
+    engine.step()  # the second row is prefilling (8 of 39 tokens), the third waits
+    assert engine.active_rows == 2 and engine.bytes_in_use() == 2 * in_use
+    engine.cancel(second)  # mid-prefill
+    assert second.finished and second.stats.stop_reason == "cancelled"
+    assert engine.bytes_in_use() == in_use
+    engine.step()  # the third joins the freed row
+    assert engine.active_rows == 2
+    engine.cancel(first)  # decoding
+    assert engine.bytes_in_use() == in_use and first.stats.stop_reason == "cancelled"
+    engine.run()
+    assert torch.equal(third.tokens, single_run(model, random_ids(12, seed=3)[0], max_new_tokens=50))
+    assert engine.bytes_in_use() == 0
+
+
+def test_joining_prompt_prefills_within_the_step_budget():
+    model = tiny_decoder("qwen3", dtype=torch.float64)
+    engine = BatchEngine(model, OPTIONS, BatchOptions(max_rows=2, row_capacity=256, prefill_tokens_per_step=12))
+    decoding = engine.submit(random_ids(5, seed=1)[0], max_new_tokens=40)
+    engine.step()
+    joining = engine.submit(random_ids(100, seed=2)[0], max_new_tokens=5)
+    widths: list[int] = []
+    original = model.forward
+    model.forward = lambda ids, *a, **k: widths.append(ids.shape[1]) or original(ids, *a, **k)
+    try:
+        before = decoding.stats.new_tokens
+        engine.step()
+    finally:
+        model.forward = original
+    assert decoding.stats.new_tokens == before + 1  # the decoding row still got its round
+    assert sum(widths[:-1]) == 12 and widths[-1] == 1  # 12 prompt tokens, then the decode round
+    engine.run()
+    assert torch.equal(joining.tokens, single_run(model, random_ids(100, seed=2)[0], max_new_tokens=5))
+
+
+def test_requests_that_cannot_fit_are_refused_before_prefill():
+    model = tiny_decoder("llama", dtype=torch.float64)
+    engine = BatchEngine(model, OPTIONS, BatchOptions(max_rows=1, row_capacity=64, max_waiting=1))
+    calls = []
+    original = model.forward
+    model.forward = lambda *a, **k: calls.append(1) or original(*a, **k)
+    try:
+        with pytest.raises(ValueError, match=r"needs 75 token slots .* a cache row holds 64 .*row_capacity >= 75"):
+            engine.submit(random_ids(30, seed=0)[0], max_new_tokens=20, drafter=PromptLookupDrafter())
+        with pytest.raises(ValueError, match="exceeds the model's context"):
+            engine.submit(random_ids(30, seed=0)[0], max_new_tokens=500)
+        assert not calls
+        engine.submit(random_ids(10, seed=0)[0], max_new_tokens=5)
+        engine.step()  # takes the only row
+        engine.submit(random_ids(10, seed=1)[0], max_new_tokens=5)  # waits for it
+        with pytest.raises(EngineBusy, match="all 1 rows are busy and 1 requests wait"):
+            engine.submit(random_ids(10, seed=2)[0], max_new_tokens=5)
+    finally:
+        model.forward = original
+    with pytest.raises(ValueError, match="row_capacity must be >= 1"):
+        BatchOptions(row_capacity=0)
+
+
+def test_generate_batch_equals_generate(tmp_path):
+    from longspec.api import load
+    from tiny_models import save_checkpoint
+
+    save_checkpoint(tmp_path, family="qwen3")
+    model = load(tmp_path, dtype="float64", engine=EngineOptions(progress=False, max_tree_nodes=16))
+    prompts = ["abc abc abc", "hello there, hello there", "x", "the cat sat on the mat; the cat"]
+    options = dict(max_new_tokens=24, method="pld", temperature=0.9, top_k=20, ignore_eos=True)
+    results = model.generate_batch(prompts, max_rows=3, seed=5, **options)
+    for i, (prompt, result) in enumerate(zip(prompts, results)):
+        single = model.generate(prompt, seed=5 + i, **options)
+        assert result.token_ids == single.token_ids and result.text == single.text
+    stop = results[0].text[3:5]
+    stopped = model.generate_batch(prompts[:1], seed=5, stop=stop, **options)[0]
+    assert stopped.text == model.generate(prompts[0], seed=5, stop=stop, **options).text
+    assert stopped.stats.stop_reason == "stop" and stop not in stopped.text
+    with pytest.raises(TypeError, match="list of prompts"):
+        model.generate_batch("one prompt")
