@@ -118,7 +118,7 @@ def test_every_row_equals_its_single_run_greedy(family):
     handles = [engine.submit(p, max_new_tokens=n, drafter=f()) for p, n, f in zip(prompts, max_new, factories)]
     joined_mid_run = 0
     while engine.has_work:
-        joined_mid_run += engine.active_rows > 0 and bool(engine._waiting)
+        joined_mid_run += engine.active_rows > 0 and engine.waiting > 0
         engine.step()
     assert joined_mid_run
     for name, handle, reference in zip(names + ["oracle"], handles, references):

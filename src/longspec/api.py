@@ -110,53 +110,63 @@ class TokenStream:
 
 
 @dataclass
-class _Request:
+class PreparedRequest:
+    """A validated request, ready for an engine: token ids, processors, a fresh
+    drafter, stopping rules and its own random stream. Made by `LongSpecModel.prepare`."""
+
     ids: torch.Tensor
+    max_new_tokens: int
     params: SamplingParams
     drafter: Drafter | None
     eos: Sequence[int]
+    stops: tuple[str, ...]
     generator: torch.Generator
     stats: GenerationStats
 
 
 def _rounds_of(handle: RequestHandle) -> Iterator[torch.Tensor]:
-    """A row's committed rounds as they arrive. `_RowFeed` advances it only while a
+    """A row's committed rounds as they arrive. `RowStream` advances it only while a
     round is pending or after the row has left, so it never waits: no pending round
     means the row is over."""
     while handle.pending_rounds:
         yield handle.pop_round()
 
 
-class _RowFeed:
-    """Runs one row's text pipeline (`LongSpecModel._chunks`: detokenizing, stop
-    strings) as its rounds commit, on the thread that steps the batch."""
+class RowStream:
+    """One row of a `BatchEngine` seen as text: runs the row's text pipeline
+    (detokenizing, stop strings — the same as `LongSpecModel.stream`) as its rounds
+    commit, on the thread that steps the engine. `text`, `token_ids` and `stats`
+    grow as `pump` is called; `ended` is set when nothing more will come."""
 
     def __init__(self, handle: RequestHandle, chunks: Iterator[StreamChunk]) -> None:
         self.handle = handle
-        self.chunks = chunks
+        self.stats = handle.stats
+        self._chunks = chunks
         self.text = ""
         self.token_ids: list[int] = []
-        self.ended = False  # the pipeline is done: the row left, or a stop string ended it
+        self.ended = False  # the row left and its text is flushed, or a stop string ended it
+        self.stopped = False  # a stop string ended it: the caller cancels the row to free its cache
 
-    def pump(self) -> bool:
-        """Consume the committed rounds; True when a stop string has just ended the
-        row (the caller then cancels it, so its cache row is freed)."""
+    def pump(self) -> list[StreamChunk]:
+        """The chunks of every round committed since the last call."""
+        out = []
         while not self.ended and (self.handle.pending_rounds or self.handle.finished):
             try:
-                chunk = next(self.chunks)
+                chunk = next(self._chunks)
             except StopIteration:
                 self.ended = True
                 break
             self.text += chunk.text
             self.token_ids.extend(chunk.token_ids)
-            if self.handle.stats.stop_reason == "stop":
-                self.ended = True
-                return not self.handle.finished
-        return False
+            out.append(chunk)
+            if self.stats.stop_reason == "stop":
+                self.ended = self.stopped = True
+        return out
 
     def result(self) -> GenerationResult:
-        self.handle.stats.record_output(self.token_ids)
-        return GenerationResult(self.text, self.token_ids, self.handle.stats)
+        """The whole output, once `ended`."""
+        self.stats.record_output(self.token_ids)
+        return GenerationResult(self.text, self.token_ids, self.stats)
 
 
 def load(
@@ -256,18 +266,16 @@ class LongSpecModel:
         chat: bool = False,
         ignore_eos: bool = False,
     ) -> TokenStream:
-        stops = _stop_strings(stop)
-        request = self._request(
+        request = self.prepare(
             prompt, max_new_tokens=max_new_tokens, method=method, method_options=method_options,
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, eta=eta, penalty=penalty,
-            penalty_window=penalty_window, seed=seed, chat=chat, ignore_eos=ignore_eos,
+            penalty_window=penalty_window, seed=seed, stop=stop, chat=chat, ignore_eos=ignore_eos,
         )
-        self.engine.check_request(request.ids.numel(), max_new_tokens)
         rounds = self.engine.generate(
             request.ids, params=request.params, max_new_tokens=max_new_tokens, drafter=request.drafter,
             eos_token_ids=request.eos, generator=request.generator, stats=request.stats,
         )
-        return TokenStream(self._chunks(rounds, stops, request.stats), request.stats)
+        return TokenStream(self._chunks(rounds, request.stops, request.stats), request.stats)
 
     def generate_batch(
         self,
@@ -275,13 +283,12 @@ class LongSpecModel:
         *,
         max_rows: int = 8,
         seed: int | None = None,
-        stop: str | Sequence[str] = (),
         method: str = "ar",
         **kwargs,
     ) -> list[GenerationResult]:
         """Generate for many prompts at once (continuous batching: up to ``max_rows``
         rows share each target forward; the others join as rows finish). Each
-        result equals ``generate(prompts[i], seed=seed + i, ...)`` for the same
+        result equals ``generate(prompts[i], seed=seed + i, ...)`` with the same
         options; ``method`` is a method name (every row gets its own drafter)."""
         if isinstance(prompts, (str, torch.Tensor)) or not isinstance(prompts, Sequence):
             raise TypeError("generate_batch takes a list of prompts; for one prompt call generate")
@@ -292,34 +299,48 @@ class LongSpecModel:
         _check_int("max_rows", max_rows, low=1)
         if seed is not None:
             _check_int("seed", seed, low=0, high=MAX_SEED - len(prompts) + 1)
-        stops = _stop_strings(stop)
-        requests = [self._request(p, method=method, seed=None if seed is None else seed + i, **kwargs)
+        requests = [self.prepare(p, method=method, seed=None if seed is None else seed + i, **kwargs)
                     for i, p in enumerate(prompts)]
-        max_new_tokens = kwargs.get("max_new_tokens", 256)
-        budget = self.engine.options.max_tree_nodes if method != "ar" else 0
-        longest = max(r.ids.numel() for r in requests) + max_new_tokens + budget + 1
-        batch = BatchEngine(self.model, self.engine.options, BatchOptions(max_rows=min(max_rows, len(prompts)), row_capacity=longest))
-        feeds = []
-        for request in requests:
-            handle = batch.submit(request.ids, params=request.params, max_new_tokens=max_new_tokens,
-                                  drafter=request.drafter, eos_token_ids=request.eos, generator=request.generator,
-                                  stats=request.stats)
-            feeds.append(_RowFeed(handle, self._chunks(_rounds_of(handle), stops, request.stats)))
-        while batch.has_work:
-            batch.step()
-            for feed in feeds:
-                if feed.pump():  # a stop string ended it: free its row now
-                    batch.cancel(feed.handle)
-        for feed in feeds:
-            feed.pump()
-        return [feed.result() for feed in feeds]
+        engine = self.batch_engine(BatchOptions(max_rows=min(max_rows, len(prompts)),
+                                                row_capacity=max(self.row_slots(r) for r in requests)))
+        streams = [self.submit(engine, request) for request in requests]
+        while engine.has_work:
+            engine.step()
+            for stream in streams:
+                stream.pump()
+                if stream.stopped and not stream.handle.finished:
+                    engine.cancel(stream.handle)  # a stop string ended it: free its row now
+        for stream in streams:
+            stream.pump()
+        return [stream.result() for stream in streams]
 
-    def _request(self, prompt, *, max_new_tokens: int = 256, method: str | Drafter = "ar",
-                 method_options: dict[str, Any] | None = None, temperature: float = 0.0, top_k: int | None = None,
-                 top_p: float | None = None, min_p: float | None = None, eta: float | None = None,
-                 penalty: float = 1.0, penalty_window: int = 1024, seed: int | None = None, chat: bool = False,
-                 ignore_eos: bool = False) -> "_Request":
-        """A validated request: ids, processors, drafter, random stream, stats."""
+    def batch_engine(self, batch: BatchOptions) -> BatchEngine:
+        """A continuous-batching engine over this model (same engine options)."""
+        return BatchEngine(self.model, self.engine.options, batch)
+
+    def batch_cache_bytes(self, batch: BatchOptions) -> int:
+        """Target KV cache bytes a batch engine of this shape allocates."""
+        return BatchEngine.planned_cache_bytes(self.model, self.engine.options, batch)
+
+    def row_slots(self, request: PreparedRequest) -> int:
+        """Cache slots a request needs in a row: prompt, output, a tree, the root."""
+        budget = self.engine.options.max_tree_nodes if request.drafter is not None else 0
+        return request.ids.numel() + request.max_new_tokens + budget + 1
+
+    def submit(self, engine: BatchEngine, request: PreparedRequest) -> RowStream:
+        """Queue a prepared request on a batch engine; its text arrives through the
+        returned stream's `pump` as the engine steps."""
+        handle = engine.submit(request.ids, params=request.params, max_new_tokens=request.max_new_tokens,
+                               drafter=request.drafter, eos_token_ids=request.eos, generator=request.generator,
+                               stats=request.stats)
+        return RowStream(handle, self._chunks(_rounds_of(handle), request.stops, request.stats))
+
+    def prepare(self, prompt, *, max_new_tokens: int = 256, method: str | Drafter = "ar",
+                method_options: dict[str, Any] | None = None, temperature: float = 0.0, top_k: int | None = None,
+                top_p: float | None = None, min_p: float | None = None, eta: float | None = None,
+                penalty: float = 1.0, penalty_window: int = 1024, seed: int | None = None,
+                stop: str | Sequence[str] = (), chat: bool = False, ignore_eos: bool = False) -> PreparedRequest:
+        """Validate a request (the keywords of `stream`) without generating."""
         params = SamplingParams(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, eta=eta,
             penalty=penalty, penalty_window=penalty_window,
@@ -327,6 +348,7 @@ class LongSpecModel:
         _check_int("max_new_tokens", max_new_tokens, low=1)
         if seed is not None:
             _check_int("seed", seed, low=0, high=MAX_SEED)
+        stops = _stop_strings(stop)
         if method_options is not None and not isinstance(method_options, dict):
             raise TypeError(f"method_options must be a dict of drafter options, got {type(method_options).__name__}")
         ids = self.encode(prompt, chat=chat)
@@ -339,7 +361,7 @@ class LongSpecModel:
             int(torch.randint(0, 2**62, ()).item())
         )
         eos = () if ignore_eos else self.config.eos_token_ids
-        return _Request(ids, params, drafter, eos, generator, GenerationStats(method=name))
+        return PreparedRequest(ids, max_new_tokens, params, drafter, eos, stops, generator, GenerationStats(method=name))
 
     def generate(self, prompt, **kwargs) -> GenerationResult:
         stream = self.stream(prompt, **kwargs)

@@ -20,7 +20,10 @@ def add_parser(sub) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health")
     p.add_argument("--max-concurrent", type=int, default=16, help="requests admitted at once (running + queued); "
                                                                   "more get 429")
-    p.add_argument("--max-prompt-tokens", type=int, default=None, help="longest prompt accepted (default: the context)")
+    p.add_argument("--max-batch", type=int, default=4, help="requests decoded together in one forward (rows); the "
+                                                             "others wait for a free row (default: 4)")
+    p.add_argument("--max-prompt-tokens", type=int, default=None, help="longest prompt accepted (default: the context); "
+                                                                       "with --max-new-tokens it sizes each row's cache")
     p.add_argument("--max-new-tokens", type=int, default=1024, help="largest max_tokens accepted, and the default of chat")
     p.add_argument("--method", default="pld", choices=sorted(METHODS),
                    help="speculation method when a request names none (default: pld, lossless)")
@@ -73,6 +76,7 @@ def run(args) -> int:
     options = ServeOptions(
         model_name=args.served_model_name or served_name(args.model), method=args.method, api_key=args.api_key,
         max_concurrent=args.max_concurrent, max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
+        max_batch=args.max_batch,
     )
     for line in exposure_warnings(args.host, args.api_key):
         print(f"longspec serve: {line}", file=sys.stderr)
@@ -84,7 +88,10 @@ def run(args) -> int:
 
     model = longspec.load(args.model, dtype=args.dtype, engine=EngineOptions(progress=False))
     app = create_app(model, options)
-    print(f"longspec serve: {options.model_name} on http://{args.host}:{args.port}/v1 (method {options.method})",
+    batch = app.state.batch
+    cache_bytes = model.batch_cache_bytes(batch)
+    print(f"longspec serve: {options.model_name} on http://{args.host}:{args.port}/v1 (method {options.method}; "
+          f"{batch.max_rows} rows of {batch.row_capacity} tokens, KV cache {cache_bytes / 2**20:.0f} MiB)",
           file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

@@ -142,11 +142,11 @@ def merge_partial_attention(out_a, lse_a, out_b, lse_b):
 
 
 def _grouped_flash(q, k, v, mask, scale):
+    mask = as_mask(mask)
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
     group = Hq // Hkv
     stacked = q.reshape(B, Hkv, group * T, D)
-    mask = as_mask(mask)
     additive = None if mask is None else mask.bias(q.dtype, group)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         stacked, k, v, 0.0, False, attn_mask=additive, scale=scale

@@ -143,6 +143,16 @@ class BatchKVCache:
         return RowsView(self, begin, end)
 
     # ------------------------------------------------------------ accounting
+    @staticmethod
+    def planned_nbytes(config: DecoderConfig, row_capacity: int, max_rows: int, *, max_forward_tokens: int,
+                       dtype: torch.dtype) -> int:
+        """What a cache of this shape allocates, before allocating it."""
+        full = sum(not s for s in config.layer_is_sliding)
+        ring = len(config.layer_is_sliding) - full
+        ring_size = min(row_capacity, (config.sliding_window or 0) + max_forward_tokens) if ring else 0
+        per_slot = 2 * max_rows * config.num_kv_heads * config.head_dim * torch.empty((), dtype=dtype).element_size()
+        return per_slot * (full * row_capacity + ring * ring_size)
+
     def bytes_per_row(self) -> int:
         return self.nbytes() // self.max_rows
 

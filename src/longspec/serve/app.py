@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP API (FastAPI): /v1/models, /v1/completions,
 /v1/chat/completions (streaming as Server-Sent Events), /health and /metrics.
 
-The app talks to the model's public API (`LongSpecModel.stream`) and to the
-generation worker, never to caches or drafters. Every refusal is an OpenAI-style
+The app talks to the model's public API (`LongSpecModel.prepare`) and to the
+generation worker, which batches the requests (continuous batching), never to
+caches or drafters. Every refusal is an OpenAI-style
 JSON error with the status a client expects: 400 invalid request, 401 missing or
 wrong key, 404 unknown model, 415 not JSON, 429 at the concurrency limit.
 """
@@ -22,10 +23,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from longspec.api import LongSpecModel, TokenStream
+from longspec.api import LongSpecModel, PreparedRequest
 from longspec.serve.metrics import ServerMetrics
 from longspec.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerationFields, error_body
 from longspec.serve.worker import GenerationWorker, Job, QueueFull
+from longspec.speculation.batch_engine import BatchOptions
 from longspec.speculation.methods import METHODS
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -39,11 +41,12 @@ class ServeOptions:
     max_concurrent: int = 16
     max_prompt_tokens: int | None = None  # None: the model's context
     max_new_tokens: int = 1024
+    max_batch: int = 4  # requests decoded together (rows of the batch); the others wait for a row
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; available: {', '.join(METHODS)}")
-        for name in ("max_concurrent", "max_new_tokens"):
+        for name in ("max_concurrent", "max_new_tokens", "max_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
@@ -61,9 +64,15 @@ def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
     metrics = ServerMetrics()
     state: dict[str, GenerationWorker] = {}
 
+    context = model.config.max_position_embeddings
+    prompt_limit = min(options.max_prompt_tokens or context, context)
+    # A row holds the longest prompt with the largest output, a tree and the root.
+    row_capacity = min(prompt_limit + options.max_new_tokens, context) + model.engine.options.max_tree_nodes + 1
+    batch = BatchOptions(max_rows=options.max_batch, row_capacity=row_capacity)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        state["worker"] = GenerationWorker(metrics, options.max_concurrent)
+        state["worker"] = GenerationWorker(model, metrics, options.max_concurrent, batch)
         try:
             yield
         finally:
@@ -72,8 +81,7 @@ def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
     app = FastAPI(title="longspec", lifespan=lifespan)
     app.state.metrics = metrics
     app.state.state = state
-    context = model.config.max_position_embeddings
-    prompt_limit = min(options.max_prompt_tokens or context, context)
+    app.state.batch = batch
 
     @app.exception_handler(RequestError)
     async def request_error(request: Request, error: RequestError) -> JSONResponse:
@@ -108,15 +116,15 @@ def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await _parse(request, CompletionRequest)
-        stream = await run_in_threadpool(_prepare, body, lambda: model.encode(body.prompt))
-        return await _respond(body, stream, chat=False)
+        prepared = await run_in_threadpool(_prepare, body, lambda: model.encode(body.prompt))
+        return await _respond(body, prepared, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await _parse(request, ChatCompletionRequest)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        stream = await run_in_threadpool(_prepare, body, lambda: model.encode_chat(messages))
-        return await _respond(body, stream, chat=True)
+        prepared = await run_in_threadpool(_prepare, body, lambda: model.encode_chat(messages))
+        return await _respond(body, prepared, chat=True)
 
     # ------------------------------------------------------------ helpers
     async def _parse(request: Request, kind: type[BaseModel]):
@@ -150,7 +158,7 @@ def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
                                     f"{options.max_new_tokens} new tokens", param="max_tokens")
         return body
 
-    def _prepare(body: GenerationFields, encode) -> TokenStream:
+    def _prepare(body: GenerationFields, encode) -> PreparedRequest:
         """Everything that can fail on bad input, before the request is admitted."""
         try:
             ids = encode()
@@ -158,7 +166,7 @@ def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
                 raise RequestError(400, f"the prompt has {ids.numel()} tokens, more than this server's limit of "
                                         f"{prompt_limit}", param="prompt", code="context_length_exceeded")
             max_new = body.max_tokens or max(1, min(options.max_new_tokens, context - ids.numel()))
-            return model.stream(
+            return model.prepare(
                 ids, max_new_tokens=max_new, method=body.method or options.method,
                 method_options=body.method_options, temperature=body.temperature,
                 top_p=body.top_p if body.top_p < 1.0 else None, top_k=body.top_k, min_p=body.min_p,
@@ -169,11 +177,13 @@ def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
         except FileNotFoundError as error:
             raise RequestError(400, str(error), param="method_options") from None
 
-    async def _respond(body: GenerationFields, stream: TokenStream, *, chat: bool):
+    async def _respond(body: GenerationFields, prepared: PreparedRequest, *, chat: bool):
         try:
-            job = state["worker"].submit(stream)
+            job = state["worker"].submit(prepared)
         except QueueFull as error:
             raise RequestError(429, str(error), kind="rate_limit_error", code="too_many_requests") from None
+        except ValueError as error:
+            raise RequestError(400, str(error), code="context_length_exceeded") from None
         identity = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         if body.stream:
@@ -184,13 +194,13 @@ def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
                 text.append(chunk.text)
         finally:
             job.cancelled.set()  # no-op when done; frees the row if this handler was cancelled
-        stats = stream.stats
+        stats = job.stats
         finish = _finish_reason(stats.stop_reason)
         metrics.record_finished(stats, finish)
         choice = ({"index": 0, "message": {"role": "assistant", "content": "".join(text)}, "finish_reason": finish}
                   if chat else {"index": 0, "text": "".join(text), "logprobs": None, "finish_reason": finish})
         return {"id": identity, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": options.model_name, "choices": [choice], "usage": _usage(stream)}
+                "model": options.model_name, "choices": [choice], "usage": _usage(job)}
 
     async def _sse(job: Job, body: GenerationFields, identity: str, created: int, chat: bool) -> AsyncIterator[bytes]:
         kind = "chat.completion.chunk" if chat else "text_completion"
@@ -214,13 +224,13 @@ def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
             async for chunk in _chunks(job):
                 if chunk.text:
                     yield event([choice(chunk.text, None)])
-            finish = _finish_reason(job.stream.stats.stop_reason)
+            finish = _finish_reason(job.stats.stop_reason)
             yield event([choice(None, finish)])
             if body.include_usage:
-                yield event([], _usage(job.stream))
+                yield event([], _usage(job))
             yield SSE_DONE
             finished = True
-            metrics.record_finished(job.stream.stats, finish)
+            metrics.record_finished(job.stats, finish)
         except RequestError as error:  # the generation failed after the response began
             yield b"data: " + json.dumps(error_body(str(error), error.kind)).encode() + b"\n\n"
         finally:
@@ -245,6 +255,6 @@ def _finish_reason(stop_reason: str) -> str:
     return "length" if stop_reason == "length" else "stop"
 
 
-def _usage(stream: TokenStream) -> dict:
-    prompt, completion = stream.stats.prompt_tokens, len(stream.token_ids)
+def _usage(job: Job) -> dict:
+    prompt, completion = job.stats.prompt_tokens, len(job.token_ids)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

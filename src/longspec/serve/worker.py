@@ -1,8 +1,9 @@
-"""Runs admitted requests one at a time on a background thread (the engine serves
-one sequence per forward until batching lands; this is the interface a batched
-scheduler will keep). The asyncio side submits a prepared `TokenStream` and reads
-its chunks from a queue; a request whose client went away is cancelled at its next
-round, which closes its generator and frees its KV cache."""
+"""Runs admitted requests on one background thread that steps a continuous-batching
+`BatchEngine`: every step, waiting requests join free rows (their prefill within the
+engine's per-step budget) and all decoding rows advance one round in one target
+forward. The asyncio side submits a `PreparedRequest` and reads its text chunks from
+a queue; a request whose client went away is cancelled before the next step, which
+frees its cache row at once."""
 
 from __future__ import annotations
 
@@ -12,17 +13,29 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from longspec.api import TokenStream
+from longspec.api import LongSpecModel, PreparedRequest, RowStream
 from longspec.serve.metrics import ServerMetrics
+from longspec.speculation.batch_engine import BatchOptions
+from longspec.speculation.metrics import GenerationStats
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity
 class Job:
-    stream: TokenStream
+    request: PreparedRequest
     loop: asyncio.AbstractEventLoop
     arrived: float = field(default_factory=time.perf_counter)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    stream: RowStream | None = None  # set once the engine has the request
+    first_token: bool = True
+
+    @property
+    def stats(self) -> GenerationStats:
+        return self.request.stats
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.stream.token_ids if self.stream is not None else []
 
     def emit(self, kind: str, payload: object = None) -> None:
         try:
@@ -40,12 +53,18 @@ class QueueFull(Exception):
 
 
 class GenerationWorker:
-    def __init__(self, metrics: ServerMetrics, capacity: int) -> None:
+    """`capacity` requests at most in the server (decoding, prefilling or waiting for
+    a row); `batch` sizes the engine's rows."""
+
+    def __init__(self, model: LongSpecModel, metrics: ServerMetrics, capacity: int, batch: BatchOptions) -> None:
         if capacity < 1:
             raise ValueError(f"max_concurrent must be >= 1, got {capacity}")
+        self.model = model
         self.metrics = metrics
         self.capacity = capacity
-        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self.engine = model.batch_engine(batch)
+        self._incoming: queue.Queue[Job] = queue.Queue()
+        self._jobs: list[Job] = []  # in the engine (this thread only)
         self._admitted = 0
         self._closing = threading.Event()
         self._lock = threading.Lock()
@@ -57,64 +76,108 @@ class GenerationWorker:
         with self._lock:
             return self._admitted
 
-    def submit(self, stream: TokenStream) -> Job:
-        """Admit a request (raises QueueFull at the limit); its events arrive on job.events:
-        ("chunk", StreamChunk)..., then ("done", None) or ("error", exception)."""
+    def submit(self, request: PreparedRequest) -> Job:
+        """Admit a request (raises QueueFull at the limit, ValueError when it cannot fit
+        a cache row); its events arrive on job.events: ("chunk", StreamChunk)..., then
+        ("done", None) or ("error", exception)."""
+        needed = self.model.row_slots(request)
+        if needed > self.engine.batch.row_capacity:
+            raise ValueError(
+                f"this request needs {needed} cache slots (prompt {request.ids.numel()} + max_tokens "
+                f"{request.max_new_tokens} + tree + 1) but this server's rows hold {self.engine.batch.row_capacity}; "
+                "lower max_tokens or shorten the prompt"
+            )
         with self._lock:
             if self._admitted >= self.capacity:
                 raise QueueFull(f"the server is at its limit of {self.capacity} concurrent requests; retry later")
             self._admitted += 1
-        job = Job(stream, asyncio.get_running_loop())
+        job = Job(request, asyncio.get_running_loop())
         self.metrics.waiting.inc()
-        self._jobs.put(job)
+        self._incoming.put(job)
         return job
 
     def close(self) -> None:
-        """Stop: the running request ends at its next round, queued ones never start."""
+        """Stop: running requests end before the next step, queued ones never start."""
         self._closing.set()
-        self._jobs.put(None)
         self._thread.join()
 
     # ---------------------------------------------------------------- thread
     def _serve(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            self.metrics.waiting.dec()
+        while not self._closing.is_set():
+            self._admit(block=not self._jobs)
+            self._drop_cancelled()
+            if not self.engine.has_work:
+                continue
             try:
-                self._generate(job)
-            finally:
-                with self._lock:
-                    self._admitted -= 1
+                self.engine.step()
+            except Exception as error:  # noqa: BLE001 - reported to the requests, the worker keeps serving
+                for job in list(self._jobs):
+                    self._leave(job, ("error", error))
+                # A step that failed midway may leave a forward uncommitted: start afresh.
+                self.engine = self.model.batch_engine(self.engine.batch)
+                continue
+            self._deliver()
+        for job in list(self._jobs):
+            self._leave(job, ("error", CancelledRequest("the server is stopping")), cancelled=True)
+        while not self._incoming.empty():
+            self.metrics.waiting.dec()
+            self._refuse(self._incoming.get_nowait(), "the server is stopping")
 
-    def _generate(self, job: Job) -> None:
-        if self._closing.is_set():
-            job.cancelled.set()
-        if job.cancelled.is_set():  # gone before it started (or the server is stopping)
-            self.metrics.cancelled.inc()
-            job.emit("error", CancelledRequest("the request was cancelled before it started"))
-            return
-        self.metrics.running.inc()
-        held = 0
-        first_token = True
-        chunks = iter(job.stream)
+    def _admit(self, block: bool) -> None:
         try:
-            for chunk in chunks:
-                if not held and job.stream.stats.kv_cache_bytes:
-                    held = job.stream.stats.kv_cache_bytes
-                    self.metrics.kv_cache_bytes.inc(held)
-                if first_token and chunk.token_ids:
-                    first_token = False
+            job = self._incoming.get(timeout=0.05) if block else self._incoming.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self.metrics.waiting.dec()
+            if job.cancelled.is_set():
+                self._refuse(job, "the request was cancelled before it started")
+            else:
+                try:
+                    job.stream = self.model.submit(self.engine, job.request)
+                    self._jobs.append(job)
+                    self.metrics.running.inc()
+                    self.metrics.kv_cache_bytes.inc(job.stats.kv_cache_bytes)
+                except Exception as error:  # noqa: BLE001
+                    self._release_slot()
+                    job.emit("error", error)
+            try:
+                job = self._incoming.get_nowait()
+            except queue.Empty:
+                return
+
+    def _drop_cancelled(self) -> None:
+        for job in list(self._jobs):
+            if job.cancelled.is_set():
+                self._leave(job, ("error", CancelledRequest("the request was cancelled (client gone)")), cancelled=True)
+
+    def _deliver(self) -> None:
+        for job in list(self._jobs):
+            for chunk in job.stream.pump():
+                if job.first_token and chunk.token_ids:
+                    job.first_token = False
                     self.metrics.ttft.observe(time.perf_counter() - job.arrived)
                 job.emit("chunk", chunk)
-                if job.cancelled.is_set() or self._closing.is_set():
-                    chunks.close()  # ends the engine's generator: its cache is released
-                    self.metrics.cancelled.inc()
-                    self.metrics.record_tokens(job.stream.stats)
-                    job.emit("error", CancelledRequest("the request was cancelled (client gone or server stopping)"))
-                    return
-            job.emit("done")
-        except Exception as error:  # noqa: BLE001 - reported to the request, the worker keeps serving
-            job.emit("error", error)
-        finally:
-            self.metrics.running.dec()
-            self.metrics.kv_cache_bytes.dec(held)
+            if job.stream.ended:
+                self._leave(job, ("done", None))
 
+    def _leave(self, job: Job, event: tuple, cancelled: bool = False) -> None:
+        if not job.stream.handle.finished and job.stream.handle in self.engine:
+            self.engine.cancel(job.stream.handle)  # frees its cache row now
+        self._jobs.remove(job)
+        self.metrics.running.dec()
+        self.metrics.kv_cache_bytes.dec(job.stats.kv_cache_bytes)
+        if cancelled:
+            self.metrics.cancelled.inc()
+            self.metrics.record_tokens(job.stats)
+        self._release_slot()
+        job.emit(*event)
+
+    def _refuse(self, job: Job, reason: str) -> None:
+        self.metrics.cancelled.inc()
+        self._release_slot()
+        job.emit("error", CancelledRequest(reason))
+
+    def _release_slot(self) -> None:
+        with self._lock:
+            self._admitted -= 1

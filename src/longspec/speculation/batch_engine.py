@@ -104,7 +104,7 @@ class RequestHandle:
         self._all.append(new)
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity
 class _Row:
     handle: RequestHandle
     prompt: torch.Tensor
@@ -143,14 +143,31 @@ class BatchEngine:
         self.batch = batch
         self._single = SpeculativeEngine(model, options)  # request checks shared with B = 1
         self.cache = BatchKVCache(
-            model.config, batch.row_capacity, batch.max_rows,
-            max_forward_tokens=max(options.prefill_chunk, options.max_tree_nodes + 1),
+            model.config, batch.row_capacity, batch.max_rows, max_forward_tokens=self.max_forward_tokens(options, batch),
             dtype=model.dtype, device=model.embed_weight.device,
         )
         self._waiting: deque[_Row] = deque()
         self._prefilling: list[_Row] = []  # hold cache rows in slots after the decoding rows
         self._decoding: list[_Row] = []  # row i sits in cache slot i
         self._next_id = 0
+
+    @staticmethod
+    def prefill_chunk(options: EngineOptions, batch: BatchOptions) -> int:
+        """Prompt tokens per prefill forward. Sliding-window rings hold window + the
+        largest forward, and every decoding round reads whole rings, so prefill
+        chunks stay within the per-step budget even when no row decodes."""
+        return min(options.prefill_chunk, batch.prefill_tokens_per_step)
+
+    @staticmethod
+    def max_forward_tokens(options: EngineOptions, batch: BatchOptions) -> int:
+        return max(BatchEngine.prefill_chunk(options, batch), options.max_tree_nodes + 1)
+
+    @staticmethod
+    def planned_cache_bytes(model: Decoder, options: EngineOptions, batch: BatchOptions) -> int:
+        """Bytes the engine's target cache will take, before building it."""
+        return BatchKVCache.planned_nbytes(model.config, batch.row_capacity, batch.max_rows,
+                                           max_forward_tokens=BatchEngine.max_forward_tokens(options, batch),
+                                           dtype=model.dtype)
 
     # ------------------------------------------------------------------ requests
     def submit(
@@ -203,13 +220,27 @@ class BatchEngine:
                     self._finish(row, "cancelled")
                     return
 
+    def __contains__(self, handle: RequestHandle) -> bool:
+        """Whether this engine still holds the request (waiting, prefilling or decoding)."""
+        return any(row.handle is handle for rows in (self._waiting, self._prefilling, self._decoding) for row in rows)
+
     @property
     def has_work(self) -> bool:
         return bool(self._waiting or self._prefilling or self._decoding)
 
     @property
     def active_rows(self) -> int:
+        """Rows holding a cache row: prefilling or decoding."""
         return len(self._prefilling) + len(self._decoding)
+
+    @property
+    def decoding_rows(self) -> int:
+        return len(self._decoding)
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued for a free row."""
+        return len(self._waiting)
 
     def bytes_in_use(self) -> int:
         """Target cache bytes held by rows now in use (prefilling or decoding)."""
@@ -247,7 +278,7 @@ class BatchEngine:
         ids = row.prompt[:-1]
         keep_hidden = int(getattr(row.drafter, "prefill_hidden_rows", 0) or 0)
         first_kept = ids.numel() - keep_hidden if keep_hidden else ids.numel()
-        chunk = self.options.prefill_chunk if budget is None else min(self.options.prefill_chunk, budget)
+        chunk = self.prefill_chunk(self.options, self.batch)
         start = time.perf_counter()
         while not row.prefill_done and (budget is None or budget > 0):
             begin = row.prefilled

@@ -280,8 +280,22 @@ def greedy_tokens(
     """Argmax after the penalty (ties -> lowest index). Returns [N] int64."""
     if not params.uses_history:
         _check_logits(logits)
-        return logits.argmax(dim=-1)  # widening is exact and keeps the order: no copy needed
+        return _argmax(logits)
     return _penalized(logits, histories, params).argmax(dim=-1)
+
+
+# Rows widened to float32 at a time by `_argmax`: a few 262k-vocabulary rows stay in cache.
+_WIDEN_ROWS = 4
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """argmax over the last axis (ties -> lowest index). PyTorch's CPU argmax over
+    bfloat16 is not vectorised (~1 ms per 262k row here, 3-4x the float32 one), so
+    low-precision rows are widened — exactly — a few at a time first."""
+    if logits.dtype not in (torch.bfloat16, torch.float16) or logits.dim() != 2:
+        return logits.argmax(dim=-1)
+    return torch.cat([logits[i : i + _WIDEN_ROWS].float().argmax(dim=-1)
+                      for i in range(0, logits.shape[0], _WIDEN_ROWS)])
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

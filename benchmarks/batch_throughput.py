@@ -1,0 +1,166 @@
+"""Batched speculative decoding: throughput (generated tokens/s summed over rows)
+per method and batch size, in one run, on long prompts (LongBench Multi-News and
+LCC, cut to --prompt-tokens by LongBench's middle truncation).
+
+    python benchmarks/batch_throughput.py --batch-sizes 1 2 4 8 --methods ar pld longspec-ngram
+
+For each task, method and batch size B, B distinct prompts are submitted to one
+`BatchEngine` with B rows; the clock starts once every row has been prefilled and
+stops when the last row has produced --new-tokens tokens (EOS ignored, so every row
+does the same work; tokens of the first round, which runs in the step that
+prefills, are not counted). Reported: throughput, the ratio to AR at the same B (what
+speculation adds at that batch size), the ratio to AR at B = 1 (what batching
+adds), mean τ over rows. The single-sequence engine's AR at B = 1 is measured too,
+so the batched engine's own overhead at B = 1 is visible. Writes JSON lines to
+--out, a markdown table to stdout, and a plot of the speedup over AR against the
+batch size (the LongSpec paper's figure shape) to --plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+import longspec
+from common import machine, write_results
+from longspec.api import parse_dtype
+from longspec.bench.tasks import PromptFilter, TaskSpec, build_prompts
+from longspec.speculation.batch_engine import BatchEngine, BatchOptions
+from longspec.speculation.engine import EngineOptions
+from longspec.speculation.methods import make_drafter
+from longspec.speculation.metrics import GenerationStats
+from longspec.speculation.processors import SamplingParams
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def batched_run(model, prompts, method, new_tokens, params, options, seed):
+    """Throughput of one batch: all rows prefilled first, then decoded to the end."""
+    B = len(prompts)
+    budget = options.max_tree_nodes if method != "ar" else 0
+    capacity = max(p.numel() for p in prompts) + new_tokens + budget + 1
+    engine = BatchEngine(model.model, options, BatchOptions(max_rows=B, row_capacity=capacity))
+    handles = [engine.submit(p, params=params, max_new_tokens=new_tokens, drafter=make_drafter(method),
+                             generator=torch.Generator().manual_seed(seed + i), stats=GenerationStats(method=method))
+               for i, p in enumerate(prompts)]
+    while engine.decoding_rows < B:
+        engine.step()  # prefill every row (one step prefills all when no row decodes yet)
+    before = sum(h.stats.new_tokens for h in handles)  # the step that prefilled also ran a first round
+    start = time.perf_counter()
+    steps = 0
+    while engine.has_work:
+        engine.step()
+        steps += 1
+    wall = time.perf_counter() - start
+    produced = sum(h.stats.new_tokens for h in handles) - before
+    return produced / wall, handles, steps
+
+
+def single_run(model, prompt, new_tokens, params, seed):
+    stats = GenerationStats()
+    generator = torch.Generator().manual_seed(seed)
+    rounds = model.engine.generate(prompt, params=params, max_new_tokens=new_tokens, generator=generator, stats=stats)
+    out = torch.cat(list(rounds))
+    return out.numel() / stats.decode_s, out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--tasks", nargs="+", default=["multi_news", "lcc"])
+    parser.add_argument("--data-dir", type=Path, default=DATA)
+    parser.add_argument("--prompt-tokens", type=int, default=4096)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--methods", nargs="+", default=["ar", "pld", "longspec-ngram"])
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=Path("bench-out/batch_throughput.jsonl"))
+    parser.add_argument("--plot", type=Path, default=Path("bench-out/batch_throughput.png"))
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if "ar" not in args.methods:
+        args.methods.insert(0, "ar")
+    params = SamplingParams(temperature=args.temperature)
+    options = EngineOptions(progress=False)
+    model = longspec.load(args.model, dtype=parse_dtype(args.dtype), engine=options)
+    most = max(args.batch_sizes)
+    header = {"benchmark": "batch_throughput", "machine": machine(), "model": model.target.source, "time": time.ctime(),
+              "dtype": args.dtype, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+              "temperature": args.temperature, "threads": torch.get_num_threads()}
+    print(header, flush=True)
+    # Warm-up: first calls of each kernel shape and the drafters' loading.
+    warm = torch.arange(300) % 1000 + 100
+    for method in args.methods:
+        batched_run(model, [warm, warm], method, 8, params, options, args.seed)
+    rows = []
+    for task in args.tasks:
+        items = TaskSpec.parse(task, args.data_dir).load()
+        prompts = [p.ids for p in build_prompts(items, model.tokenizer, PromptFilter(buckets=(args.prompt_tokens,), limit=most))]
+        if len(prompts) < most:
+            raise SystemExit(f"{task}: only {len(prompts)} prompts of >= {args.prompt_tokens} tokens, need {most}")
+        single_tps, _ = single_run(model, prompts[0], args.new_tokens, params, args.seed)
+        rows.append({"task": task, "method": "ar (single-sequence engine)", "batch": 1, "tokens_per_s": single_tps})
+        print(rows[-1], flush=True)
+        ar_at = {}
+        for B in args.batch_sizes:
+            for method in args.methods:
+                tps, handles, steps = batched_run(model, prompts[:B], method, args.new_tokens, params, options, args.seed)
+                if method == "ar":
+                    ar_at[B] = tps
+                row = {
+                    "task": task, "method": method, "batch": B, "tokens_per_s": tps,
+                    "ratio_to_ar_same_batch": tps / ar_at[B], "ratio_to_ar_batch_1": tps / ar_at[args.batch_sizes[0]],
+                    "tau": sum(h.stats.tau for h in handles) / B, "rounds": steps,
+                }
+                rows.append(row)
+                print(row, flush=True)
+    write_results(args.out, header, rows)
+    print_table(rows)
+    plot(rows, args, header)
+
+
+def print_table(rows) -> None:
+    print("\n| task | method | B | tokens/s | × AR at same B | × AR at B = 1 | τ |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        same = f"{r['ratio_to_ar_same_batch']:.2f}" if "ratio_to_ar_same_batch" in r else ""
+        base = f"{r['ratio_to_ar_batch_1']:.2f}" if "ratio_to_ar_batch_1" in r else ""
+        tau = f"{r['tau']:.2f}" if "tau" in r else ""
+        print(f"| {r['task']} | {r['method']} | {r['batch']} | {r['tokens_per_s']:.1f} | {same} | {base} | {tau} |")
+
+
+def plot(rows, args, header) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for task in args.tasks:
+        for method in args.methods:
+            mine = [r for r in rows if r["task"] == task and r["method"] == method]
+            sizes = [r["batch"] for r in mine]
+            axes[0].plot(sizes, [r["ratio_to_ar_same_batch"] for r in mine], marker="o", label=f"{task} {method}")
+            axes[1].plot(sizes, [r["tokens_per_s"] for r in mine], marker="o", label=f"{task} {method}")
+    axes[0].set(xlabel="batch size", ylabel="speedup over AR at the same batch size", xscale="log", title="speculation")
+    axes[1].set(xlabel="batch size", ylabel="generated tokens/s (all rows)", xscale="log", title="throughput")
+    for ax in axes:
+        ax.set_xticks(args.batch_sizes, [str(b) for b in args.batch_sizes])
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=7)
+    fig.suptitle(f"{header['model']}, {args.dtype}, {args.prompt_tokens}-token prompts, {header['threads']} threads", fontsize=9)
+    fig.tight_layout()
+    args.plot.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.plot, dpi=120)
+    print(f"plot: {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
