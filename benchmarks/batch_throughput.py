@@ -10,7 +10,8 @@ stops when the last row has produced --new-tokens tokens (EOS ignored, so every 
 does the same work; tokens of the first round, which runs in the step that
 prefills, are not counted). Reported: throughput, the ratio to AR at the same B (what
 speculation adds at that batch size), the ratio to AR at B = 1 (what batching
-adds), mean τ over rows. The single-sequence engine's AR at B = 1 is measured too,
+adds), mean τ over rows, the share of verified nodes that were padding (trees
+are padded to the widest row's), and bytes per row (target cache, drafter state). The single-sequence engine's AR at B = 1 is measured too,
 so the batched engine's own overhead at B = 1 is visible. Writes JSON lines to
 --out, a markdown table to stdout, and a plot of the speedup over AR against the
 batch size (the LongSpec paper's figure shape) to --plot.
@@ -43,9 +44,10 @@ def batched_run(model, prompts, method, new_tokens, params, options, seed):
     budget = options.max_tree_nodes if method != "ar" else 0
     capacity = max(p.numel() for p in prompts) + new_tokens + budget + 1
     engine = BatchEngine(model.model, options, BatchOptions(max_rows=B, row_capacity=capacity))
-    handles = [engine.submit(p, params=params, max_new_tokens=new_tokens, drafter=make_drafter(method),
+    drafters = [make_drafter(method) for _ in prompts]
+    handles = [engine.submit(p, params=params, max_new_tokens=new_tokens, drafter=d,
                              generator=torch.Generator().manual_seed(seed + i), stats=GenerationStats(method=method))
-               for i, p in enumerate(prompts)]
+               for i, (p, d) in enumerate(zip(prompts, drafters))]
     while engine.decoding_rows < B:
         engine.step()  # prefill every row (one step prefills all when no row decodes yet)
     before = sum(h.stats.new_tokens for h in handles)  # the step that prefilled also ran a first round
@@ -56,7 +58,10 @@ def batched_run(model, prompts, method, new_tokens, params, options, seed):
         steps += 1
     wall = time.perf_counter() - start
     produced = sum(h.stats.new_tokens for h in handles) - before
-    return produced / wall, handles, steps
+    memory = {"target_cache_bytes_per_row": engine.cache.bytes_per_row(),
+              "drafter_state_bytes_per_row": max((d.state_nbytes() for d in drafters if hasattr(d, "state_nbytes")), default=0),
+              "padding_fraction": engine.padding_nodes / max(engine.forward_nodes, 1)}
+    return produced / wall, handles, steps, memory
 
 
 def single_run(model, prompt, new_tokens, params, seed):
@@ -111,13 +116,14 @@ def main() -> None:
         ar_at = {}
         for B in args.batch_sizes:
             for method in args.methods:
-                tps, handles, steps = batched_run(model, prompts[:B], method, args.new_tokens, params, options, args.seed)
+                tps, handles, steps, memory = batched_run(model, prompts[:B], method, args.new_tokens, params, options,
+                                                          args.seed)
                 if method == "ar":
                     ar_at[B] = tps
                 row = {
                     "task": task, "method": method, "batch": B, "tokens_per_s": tps,
                     "ratio_to_ar_same_batch": tps / ar_at[B], "ratio_to_ar_batch_1": tps / ar_at[args.batch_sizes[0]],
-                    "tau": sum(h.stats.tau for h in handles) / B, "rounds": steps,
+                    "tau": sum(h.stats.tau for h in handles) / B, "rounds": steps, **memory,
                 }
                 rows.append(row)
                 print(row, flush=True)
@@ -127,13 +133,14 @@ def main() -> None:
 
 
 def print_table(rows) -> None:
-    print("\n| task | method | B | tokens/s | × AR at same B | × AR at B = 1 | τ |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| task | method | B | tokens/s | × AR at same B | × AR at B = 1 | τ | padding |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         same = f"{r['ratio_to_ar_same_batch']:.2f}" if "ratio_to_ar_same_batch" in r else ""
         base = f"{r['ratio_to_ar_batch_1']:.2f}" if "ratio_to_ar_batch_1" in r else ""
         tau = f"{r['tau']:.2f}" if "tau" in r else ""
-        print(f"| {r['task']} | {r['method']} | {r['batch']} | {r['tokens_per_s']:.1f} | {same} | {base} | {tau} |")
+        padding = f"{r['padding_fraction']:.0%}" if "padding_fraction" in r else ""
+        print(f"| {r['task']} | {r['method']} | {r['batch']} | {r['tokens_per_s']:.1f} | {same} | {base} | {tau} | {padding} |")
 
 
 def plot(rows, args, header) -> None:

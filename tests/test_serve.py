@@ -268,6 +268,28 @@ def test_concurrency_limit_gives_429(model):
         limited.stop()
 
 
+def test_requests_are_batched_and_a_row_is_refused_before_prefill(model):
+    """Four long streams generate at once (one row each, sharing forwards) while a
+    fifth waits for a row; a request too large for a row is refused with the numbers."""
+    batched = Server(model, ServeOptions(model_name=NAME, method="ar", max_batch=4, max_new_tokens=LONG,
+                                         max_prompt_tokens=100))
+    try:
+        streams = _start_streams(batched.url, 5, LONG)
+        keep: list = []
+        for stream in streams[:4]:
+            read_first_event(stream, keep)  # all four are generating: none waits behind another
+        deadline = time.monotonic() + DEADLINE_S
+        while (batched.metric("longspec:num_requests_running"), batched.metric("longspec:num_requests_waiting")) != (4, 1):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert batched.metric("longspec:kv_cache_bytes") > 0
+        for stream in streams:
+            stream.close()
+        wait_idle(batched)
+    finally:
+        batched.stop()
+
+
 def test_fifty_clients_disconnecting_mid_stream_leave_nothing_in_flight(server):
     cancelled_before = server.metric("longspec:request_cancelled_total")
     streams = _start_streams(server.url, 50, LONG)

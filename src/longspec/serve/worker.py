@@ -92,7 +92,6 @@ class GenerationWorker:
                 raise QueueFull(f"the server is at its limit of {self.capacity} concurrent requests; retry later")
             self._admitted += 1
         job = Job(request, asyncio.get_running_loop())
-        self.metrics.waiting.inc()
         self._incoming.put(job)
         return job
 
@@ -106,6 +105,7 @@ class GenerationWorker:
         while not self._closing.is_set():
             self._admit(block=not self._jobs)
             self._drop_cancelled()
+            self._publish()
             if not self.engine.has_work:
                 continue
             try:
@@ -120,8 +120,14 @@ class GenerationWorker:
         for job in list(self._jobs):
             self._leave(job, ("error", CancelledRequest("the server is stopping")), cancelled=True)
         while not self._incoming.empty():
-            self.metrics.waiting.dec()
             self._refuse(self._incoming.get_nowait(), "the server is stopping")
+        self._publish()
+
+    def _publish(self) -> None:
+        """Gauges from the engine's own state: rows in use, requests without a row."""
+        self.metrics.running.set(self.engine.active_rows)
+        self.metrics.waiting.set(self.engine.waiting + self._incoming.qsize())
+        self.metrics.kv_cache_bytes.set(self.engine.bytes_in_use())
 
     def _admit(self, block: bool) -> None:
         try:
@@ -129,15 +135,12 @@ class GenerationWorker:
         except queue.Empty:
             return
         while True:
-            self.metrics.waiting.dec()
             if job.cancelled.is_set():
                 self._refuse(job, "the request was cancelled before it started")
             else:
                 try:
                     job.stream = self.model.submit(self.engine, job.request)
                     self._jobs.append(job)
-                    self.metrics.running.inc()
-                    self.metrics.kv_cache_bytes.inc(job.stats.kv_cache_bytes)
                 except Exception as error:  # noqa: BLE001
                     self._release_slot()
                     job.emit("error", error)
@@ -165,8 +168,6 @@ class GenerationWorker:
         if not job.stream.handle.finished and job.stream.handle in self.engine:
             self.engine.cancel(job.stream.handle)  # frees its cache row now
         self._jobs.remove(job)
-        self.metrics.running.dec()
-        self.metrics.kv_cache_bytes.dec(job.stats.kv_cache_bytes)
         if cancelled:
             self.metrics.cancelled.inc()
             self.metrics.record_tokens(job.stats)

@@ -33,6 +33,7 @@ from longspec.speculation.drafters.base import DraftContext, Drafter, TargetView
 from longspec.speculation.engine import (
     EngineOptions,
     SpeculativeEngine,
+    record_controller,
     checked_proposal,
     node_histories,
     truncate_at_stop,
@@ -150,6 +151,10 @@ class BatchEngine:
         self._prefilling: list[_Row] = []  # hold cache rows in slots after the decoding rows
         self._decoding: list[_Row] = []  # row i sits in cache slot i
         self._next_id = 0
+        # Tree nodes verified, and padding nodes added to align rows' trees (the cost of
+        # padding over packing).
+        self.forward_nodes = 0
+        self.padding_nodes = 0
 
     @staticmethod
     def prefill_chunk(options: EngineOptions, batch: BatchOptions) -> int:
@@ -328,6 +333,8 @@ class BatchEngine:
         t0 = time.perf_counter()
         view = self.cache.rows(0, len(rows))
         ids, positions, masks = _pad_trees(trees, view.lengths)
+        self.forward_nodes += ids.numel()
+        self.padding_nodes += ids.numel() - sum(tree.size for tree in trees)
         out = self.model(ids, view, tree_mask=masks, positions=positions, with_logits=False)
         width = ids.shape[1]
         real = torch.cat([b * width + torch.arange(tree.size) for b, tree in enumerate(trees)])
@@ -364,6 +371,7 @@ class BatchEngine:
             stats.bookkeeping_s += commit_s + time.perf_counter() - t2
             stats.new_tokens = row.produced
             stats.record_round(tree.max_depth, verdict.accepted_tokens, tree.size - 1)
+            record_controller(row.drafter, stats)
             row.handle._push(new)
             if stop_reason:
                 finished.append((row, stop_reason))

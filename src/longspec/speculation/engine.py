@@ -131,6 +131,7 @@ class SpeculativeEngine:
             stats.bookkeeping_s += t3 - t2
             stats.new_tokens = produced
             stats.record_round(tree.max_depth, verdict.accepted_tokens, tree.size - 1)
+            record_controller(drafter, stats)
             yield new
             if stop_reason:
                 stats.stop_reason = stop_reason
@@ -200,6 +201,12 @@ def node_histories(committed: torch.Tensor, tree: Tree, window: int) -> torch.Te
         node, ancestor = torch.nonzero(tree.ancestor_mask() & (tree.depths > 0).unsqueeze(0), as_tuple=True)
         path_tokens[node, tree.depths[ancestor] - 1] = tree.tokens[ancestor]
     return torch.cat([shared.expand(n, window), path_tokens], dim=1)
+
+
+def record_controller(drafter, stats: GenerationStats) -> None:
+    telemetry = getattr(drafter, "telemetry", None)
+    if telemetry is not None:
+        stats.controller = telemetry()
 
 
 def truncate_at_stop(new: torch.Tensor, eos: torch.Tensor, room: int) -> tuple[torch.Tensor, str]:

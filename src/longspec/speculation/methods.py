@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from longspec.speculation.drafters import NgramDrafter, PromptLookupDrafter
+from longspec.speculation.drafters.adaptive.presets import make_auto
 from longspec.speculation.drafters.base import Drafter
 from longspec.speculation.drafters.longspec.presets import LONGSPEC_METHODS
 from longspec.speculation.drafters.tokenswift.drafter import TokenSwiftDrafter
@@ -30,6 +31,7 @@ METHODS: dict[str, Callable[..., Drafter | None]] = {
     "tokenswift": TokenSwiftDrafter,
     "tokenswift-onepass": OnePassTokenSwiftDrafter,
     **LONGSPEC_METHODS,
+    "auto": make_auto,
 }
 
 

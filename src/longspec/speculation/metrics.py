@@ -38,6 +38,9 @@ class GenerationStats:
     stop_reason: str = ""
     kv_cache_bytes: int = 0  # the target KV cache allocated for this sequence
     distinct: list[float] = field(default_factory=list)  # Distinct-1..4 of the output, set when generation ends
+    # A controlling drafter's own account (`auto`: rounds with speculation off, nodes
+    # chosen, predicted vs realised acceptance, calls and credit per component).
+    controller: dict = field(default_factory=dict)
 
     @property
     def decode_s(self) -> float:

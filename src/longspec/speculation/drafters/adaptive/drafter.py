@@ -1,0 +1,307 @@
+"""`auto`: a drafter that composes other drafters and sizes each round's tree from
+measured acceptance and measured cost.
+
+Each round:
+
+1. It asks its components for trees — the cheap ones (prompt lookup, n-gram reuse:
+   microseconds) every round; an expensive one (the LongSpec draft: a fair part of a
+   target forward) only while the tokens only it contributes are worth its
+   measured time, re-checked every `probe_every` rounds when it sits out.
+2. It merges the trees (equal paths become one node) and estimates each node's
+   probability of acceptance as a path product of per-(drafter, depth, sibling
+   rank) acceptance rates learned online (Beta(1, 1) prior; siblings' conditional
+   probabilities normalised to sum at most 1, since one child at most is accepted).
+3. The policy picks k, the number of best-ranked nodes to verify: the expected
+   tokens per second against the measured cost of a forward of k + 1 tokens
+   (`ThroughputPolicy`, the default) or UCB over node budgets (`UCBPolicy`).
+   k = 0 — plain decoding — is always a candidate, so speculation switches itself
+   off where it does not pay (with a one-node probe every `probe_every` rounds, so
+   it can switch back on).
+
+Lossless by construction: the result is an ordinary tree of deterministic
+candidates, verified by the engine's rules (DESIGN.md §5). Components whose
+children are sampled from q cannot be merged and are refused.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from longspec.speculation.cost_model import ForwardCost, cached_forward_cost
+from longspec.speculation.drafters.adaptive.merge import MergedTree, Source, merge_trees, subtree
+from longspec.speculation.drafters.adaptive.policies import ThroughputPolicy, TreePolicy
+from longspec.speculation.drafters.base import DraftContext, Drafter
+from longspec.speculation.tree import Tree
+
+_EMA = 0.2  # weight of the newest round in moving averages
+# A component costing more than this share of a plain decoding round is "expensive":
+# it is called only while what it alone contributes pays for its time.
+_CHEAP_SHARE = 0.05
+_COST_CONTEXTS = (512, 1024, 2048, 4096, 8192, 16384, 32768)  # cost-model buckets
+
+
+class AcceptanceTable:
+    """Beta(1, 1)-smoothed P(node accepted | parent accepted) per (drafter, depth, rank);
+    depths and ranks beyond the table share its last cell."""
+
+    def __init__(self, drafters: int, max_depth: int = 8, max_rank: int = 4) -> None:
+        self.accepted = torch.zeros((drafters, max_depth, max_rank), dtype=torch.float64)
+        self.proposed = torch.zeros_like(self.accepted)
+
+    def _cell(self, source: Source) -> tuple[int, int, int]:
+        D, R = self.accepted.shape[1:]
+        return source.drafter, min(source.depth, D) - 1, min(source.rank, R - 1)
+
+    def rate(self, source: Source) -> float:
+        cell = self._cell(source)
+        return float((self.accepted[cell] + 1.0) / (self.proposed[cell] + 2.0))
+
+    def record(self, source: Source, accepted: bool) -> None:
+        cell = self._cell(source)
+        self.proposed[cell] += 1.0
+        self.accepted[cell] += float(accepted)
+
+
+@dataclass
+class _Component:
+    name: str
+    drafter: Drafter
+    seconds: float | None = None  # moving average of one propose()
+    exclusive_gain: float | None = None  # moving average of accepted tokens only it proposed, per call
+    calls: int = 0
+    rounds_out: int = 0  # consecutive rounds it sat out
+    credited: int = 0  # accepted tokens it proposed (shared credit counts for each proposer)
+
+
+@dataclass
+class ControllerTelemetry:
+    rounds: int = 0
+    speculation_off_rounds: int = 0  # root-only trees chosen
+    nodes_chosen: int = 0
+    predicted_accepted: float = 0.0  # Σ over rounds of the chosen nodes' acceptance probabilities
+    realised_accepted: int = 0
+    calls: dict[str, int] = field(default_factory=dict)
+    credited_tokens: dict[str, int] = field(default_factory=dict)
+    unavailable: dict[str, str] = field(default_factory=dict)  # components that do not fit the target, and why
+
+    def as_dict(self) -> dict:
+        rounds = max(self.rounds, 1)
+        return {
+            "rounds": self.rounds, "speculation_off_rounds": self.speculation_off_rounds,
+            "mean_nodes": self.nodes_chosen / rounds,
+            "predicted_accepted_per_round": self.predicted_accepted / rounds,
+            "realised_accepted_per_round": self.realised_accepted / rounds,
+            "calls": dict(self.calls), "credited_tokens": dict(self.credited_tokens),
+            "unavailable": dict(self.unavailable),
+        }
+
+
+class AdaptiveDrafter:
+    def __init__(
+        self,
+        components: Sequence[tuple[str, Drafter]],
+        *,
+        policy: TreePolicy | None = None,
+        forward_cost: ForwardCost | None = None,
+        probe_every: int = 16,
+    ) -> None:
+        if not components:
+            raise ValueError("auto needs at least one component drafter")
+        names = [name for name, _ in components]
+        if len(set(names)) != len(names):
+            raise ValueError(f"component names must be distinct, got {names}")
+        if probe_every < 1:
+            raise ValueError(f"probe_every must be >= 1, got {probe_every}")
+        self.components = [_Component(name, drafter) for name, drafter in components]
+        self.policy = policy if policy is not None else ThroughputPolicy()
+        self.forward_cost = forward_cost
+        self.probe_every = probe_every
+        self.telemetry_state = ControllerTelemetry()
+        self.table = AcceptanceTable(len(self.components))
+
+    # --------------------------------------------------------------- protocol
+    def check_target(self, config) -> None:
+        """Components that do not fit the target (a draft trained for another model)
+        are left out, with the reason in the telemetry; auto itself always fits."""
+        fitting = []
+        for component in self.components:
+            check = getattr(component.drafter, "check_target", None)
+            try:
+                if check is not None:
+                    check(config)
+                fitting.append(component)
+            except (ValueError, TypeError) as error:
+                self.telemetry_state.unavailable[component.name] = str(error).splitlines()[0]
+        if len(fitting) != len(self.components):
+            self.components = fitting
+            self.table = AcceptanceTable(max(len(fitting), 1))
+
+    @property
+    def prefill_hidden_rows(self) -> int:
+        return max((int(getattr(c.drafter, "prefill_hidden_rows", 0) or 0) for c in self.components), default=0)
+
+    def begin(self, context: DraftContext) -> None:
+        if context.target is not None:
+            self.check_target(context.target.config)
+        for component in self.components:
+            component.drafter.begin(context)
+        if self.forward_cost is None:
+            if context.target is None:
+                raise ValueError("auto needs the target view to measure its forward cost (or pass forward_cost)")
+            self.forward_cost = self._measured_cost(context)
+        self._time_scale = 1.0  # realised / predicted verification time, tracked online
+        self._round: dict | None = None
+        # Telemetry is per sequence; what was learned (acceptance, costs) carries over.
+        self.telemetry_state = ControllerTelemetry(unavailable=self.telemetry_state.unavailable)
+        for component in self.components:
+            component.calls = component.credited = 0
+        self._rounds_since_speculation = 0
+
+    def propose(self, context: DraftContext) -> Tree:
+        start = time.perf_counter()
+        budget = int(context.max_nodes)
+        trees: list[tuple[int, Tree]] = []
+        called = []
+        for index, component in enumerate(self.components):
+            if budget <= 0 or not self._worth_calling(component):
+                component.rounds_out += 1
+                continue
+            t0 = time.perf_counter()
+            tree = component.drafter.propose(context)
+            elapsed = time.perf_counter() - t0
+            component.seconds = elapsed if component.seconds is None else (1 - _EMA) * component.seconds + _EMA * elapsed
+            component.calls += 1
+            component.rounds_out = 0
+            called.append(index)
+            trees.append((index, tree))
+        merged = merge_trees(context.root, trees)
+        expected = self._acceptance(merged)
+        # Path products never grow along a path, so any prefix of this ranking
+        # (ties broken by index: parents precede children) is a tree.
+        order = sorted(range(1, merged.tree.size), key=lambda n: (-expected[n], n))[:budget]
+        ranked = torch.tensor([expected[n] for n in order], dtype=torch.float64)
+        drafted_s = time.perf_counter() - start
+        k = self.policy.choose(ranked, lambda k: drafted_s + self._verify_seconds(k))
+        if k == 0 and order and self._rounds_since_speculation + 1 >= self.probe_every:
+            k = 1  # probe: one node costs almost nothing and keeps the estimates fresh
+        tree, kept = subtree(merged.tree, order[:k])
+        self._round = {"start": start, "merged": merged, "kept": kept, "called": called, "k": k,
+                       "predicted": float(ranked[:k].sum()), "measured_verify_s": self.forward_cost.seconds_for(k + 1),
+                       "drafted_s": drafted_s}
+        return tree
+
+    def observe(self, committed: torch.Tensor) -> None:
+        for component in self.components:
+            component.drafter.observe(committed)
+        round_ = self._round
+        if round_ is None:
+            return
+        self._round = None
+        seconds = time.perf_counter() - round_["start"]
+        merged: MergedTree = round_["merged"]
+        kept = round_["kept"]
+        accepted_nodes = _accepted_path(merged.tree, kept, committed)
+        on_path = set(accepted_nodes) | {0}
+        exclusive = {index: 0 for index in round_["called"]}
+        for node in kept[1:]:
+            if int(merged.tree.parents[node]) not in on_path:
+                continue  # its parent was rejected: this node was never tested
+            accepted = node in on_path
+            for source in merged.sources[node]:
+                self.table.record(source, accepted)
+            if accepted:
+                proposers = {s.drafter for s in merged.sources[node]}
+                for index in proposers:
+                    self.components[index].credited += 1
+                if len(proposers) == 1:
+                    exclusive[next(iter(proposers))] += 1
+        for index, gained in exclusive.items():
+            component = self.components[index]
+            previous = component.exclusive_gain
+            component.exclusive_gain = gained if previous is None else (1 - _EMA) * previous + _EMA * gained
+        # The machine now against the cost model's measurement (load, context growth).
+        verify_s = max(seconds - round_["drafted_s"], 1e-9)
+        ratio = verify_s / max(round_["measured_verify_s"], 1e-9)
+        self._time_scale = (1 - _EMA) * self._time_scale + _EMA * min(max(ratio, 0.25), 4.0)
+        self.policy.update(round_["k"], int(committed.numel()), seconds, self._verify_seconds(0))
+        self._rounds_since_speculation = 0 if round_["k"] else self._rounds_since_speculation + 1
+        t = self.telemetry_state
+        t.rounds += 1
+        t.speculation_off_rounds += round_["k"] == 0
+        t.nodes_chosen += round_["k"]
+        t.predicted_accepted += round_["predicted"]
+        t.realised_accepted += len(accepted_nodes)
+
+    def telemetry(self) -> dict:
+        t = self.telemetry_state
+        t.calls = {c.name: c.calls for c in self.components}
+        t.credited_tokens = {c.name: c.credited for c in self.components}
+        return t.as_dict()
+
+    def state_nbytes(self) -> int:
+        return sum(c.drafter.state_nbytes() for c in self.components if hasattr(c.drafter, "state_nbytes"))
+
+    # --------------------------------------------------------------- internals
+    def _measured_cost(self, context: DraftContext) -> ForwardCost:
+        model = context.target.model
+        length = int(context.tokens.numel())
+        room = model.config.max_position_embeddings - 65
+        bucket = next((c for c in _COST_CONTEXTS if c >= length), _COST_CONTEXTS[-1])
+        return cached_forward_cost(model, context=max(1, min(bucket, room)))
+
+    def _verify_seconds(self, k: int) -> float:
+        return self._time_scale * self.forward_cost.seconds_for(k + 1)
+
+    def _worth_calling(self, component: _Component) -> bool:
+        """Cheap components always; an expensive one while the tokens only it adds
+        (per call) are worth its time at the current rate, or when a probe is due."""
+        ar_seconds = self._verify_seconds(0)
+        if component.seconds is None or component.seconds <= _CHEAP_SHARE * ar_seconds:
+            return True
+        if component.rounds_out + 1 >= self.probe_every or component.exclusive_gain is None:
+            return True
+        seconds_per_token = ar_seconds / max(1.0, self._recent_tokens_per_round())
+        return component.exclusive_gain * seconds_per_token > component.seconds
+
+    def _recent_tokens_per_round(self) -> float:
+        t = self.telemetry_state
+        return 1.0 + t.realised_accepted / t.rounds if t.rounds else 1.0
+
+    def _acceptance(self, merged: MergedTree) -> list[float]:
+        """P(node accepted) per merged node: path products of conditional rates; a
+        node proposed by several drafters takes the best of their rates."""
+        tree = merged.tree
+        conditional = [1.0] + [max(self.table.rate(s) for s in merged.sources[n]) for n in range(1, tree.size)]
+        # One child at most is accepted: siblings' conditionals sum to at most 1.
+        by_parent: dict[int, list[int]] = {}
+        for node in range(1, tree.size):
+            by_parent.setdefault(int(tree.parents[node]), []).append(node)
+        for children in by_parent.values():
+            total = sum(conditional[c] for c in children)
+            if total > 1.0:
+                for c in children:
+                    conditional[c] /= total
+        probability = [1.0] * tree.size
+        for node in range(1, tree.size):  # parents precede children
+            probability[node] = probability[int(tree.parents[node])] * conditional[node]
+        return probability
+
+
+def _accepted_path(tree: Tree, kept: list[int], committed: torch.Tensor) -> list[int]:
+    """Merged-tree nodes (among `kept`) on the accepted path: the committed tokens
+    but the last (the bonus) walked down from the root."""
+    kept_set = set(kept)
+    children: dict[int, dict[int, int]] = {}
+    for node in kept[1:]:
+        children.setdefault(int(tree.parents[node]), {}).setdefault(int(tree.tokens[node]), node)
+    path, node = [], 0
+    for token in committed.tolist()[:-1]:
+        node = children.get(node, {}).get(int(token))
+        if node is None or node not in kept_set:
+            break
+        path.append(node)
+    return path

@@ -1,0 +1,67 @@
+"""Union of several drafters' trees rooted at the same token: a trie over their
+root-to-node paths, each merged node remembering which drafters proposed it, at
+which depth and as which sibling (its rank among its parent's children)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from longspec.speculation.tree import Tree
+
+
+@dataclass(frozen=True)
+class Source:
+    drafter: int  # index of the proposing drafter
+    depth: int  # 1 = a child of the root
+    rank: int  # 0 = the drafter's first candidate under that parent
+
+
+@dataclass
+class MergedTree:
+    tree: Tree
+    sources: list[list[Source]]  # per merged node (the root's is empty)
+
+
+def merge_trees(root: int, trees: Sequence[tuple[int, Tree]]) -> MergedTree:
+    """Merge (drafter index, tree) pairs; equal paths become one node. Deterministic
+    candidates only: the merged tree carries no draft probabilities."""
+    tokens, parents, depths = [root], [-1], [0]
+    sources: list[list[Source]] = [[]]
+    index: dict[tuple[int, int], int] = {}
+    for drafter, tree in trees:
+        if tree.children_sampled:
+            raise ValueError(f"drafter {drafter} sampled its children from q; only deterministic candidates can be "
+                             "merged into one tree (DESIGN.md §5)")
+        mapped = [0] * tree.size
+        seen_children: dict[int, int] = {}
+        tree_tokens, tree_parents = tree.tokens.tolist(), tree.parents.tolist()
+        for node in range(1, tree.size):
+            parent = mapped[tree_parents[node]]
+            rank = seen_children.get(tree_parents[node], 0)
+            seen_children[tree_parents[node]] = rank + 1
+            key = (parent, tree_tokens[node])
+            merged = index.get(key)
+            if merged is None:
+                merged = len(tokens)
+                index[key] = merged
+                tokens.append(tree_tokens[node])
+                parents.append(parent)
+                depths.append(depths[parent] + 1)
+                sources.append([])
+            sources[merged].append(Source(drafter, depths[merged], rank))
+            mapped[node] = merged
+    tree = Tree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long),
+                torch.tensor(depths, dtype=torch.long))
+    return MergedTree(tree, sources)
+
+
+def subtree(tree: Tree, keep: Sequence[int]) -> tuple[Tree, list[int]]:
+    """The tree restricted to `keep` (node indices closed under parents, the root
+    first, parents before children). Returns it and the kept original indices."""
+    keep = sorted(set(keep) | {0})
+    position = {node: i for i, node in enumerate(keep)}
+    parents = [-1] + [position[int(tree.parents[node])] for node in keep[1:]]
+    return Tree(tree.tokens[keep], torch.tensor(parents, dtype=torch.long), tree.depths[keep]), keep

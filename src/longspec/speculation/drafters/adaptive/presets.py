@@ -1,0 +1,50 @@
+"""`method="auto"` for the registry: which components and which policy, by name."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from longspec.speculation.drafters.adaptive.drafter import AdaptiveDrafter
+from longspec.speculation.drafters.adaptive.policies import ThroughputPolicy, TreePolicy, UCBPolicy
+from longspec.speculation.drafters.base import Drafter
+from longspec.speculation.drafters.longspec.presets import make_longspec
+from longspec.speculation.drafters.ngram import NgramDrafter
+from longspec.speculation.drafters.prompt_lookup import PromptLookupDrafter
+
+COMPONENTS: dict[str, Callable[[], Drafter]] = {
+    "pld": PromptLookupDrafter,
+    "ngram": NgramDrafter,
+    "longspec": make_longspec,  # the shipped draft (beam trees); left out on targets it does not fit
+}
+POLICIES: dict[str, Callable[[], TreePolicy]] = {
+    "throughput": ThroughputPolicy,  # expected tokens per second from the measured cost model (default)
+    "ucb": UCBPolicy,  # UCB over node budgets (the Mamba-drafter paper's test-time search)
+}
+DEFAULT_COMPONENTS = ("pld", "ngram", "longspec")
+
+
+def make_auto(
+    *,
+    components: Sequence[str] | str = DEFAULT_COMPONENTS,
+    policy: str = "throughput",
+    probe_every: int = 16,
+) -> AdaptiveDrafter:
+    """auto over the named components (any of pld, ngram, longspec; a comma-separated
+    string works too) with the named policy (throughput or ucb)."""
+    names = [n.strip() for n in components.split(",")] if isinstance(components, str) else list(components)
+    unknown = [n for n in names if n not in COMPONENTS]
+    if unknown or not names:
+        raise ValueError(f"unknown auto component(s) {unknown or names}; choose from {', '.join(COMPONENTS)}")
+    if policy not in POLICIES:
+        raise ValueError(f"unknown auto policy {policy!r}; choose from {', '.join(POLICIES)}")
+    built, missing = [], {}
+    for name in names:
+        try:
+            built.append((name, COMPONENTS[name]()))
+        except FileNotFoundError as error:  # e.g. an installation without the shipped draft
+            missing[name] = str(error).splitlines()[0]
+    if not built:
+        raise ValueError(f"no auto component could be built: {missing}")
+    drafter = AdaptiveDrafter(built, policy=POLICIES[policy](), probe_every=probe_every)
+    drafter.telemetry_state.unavailable.update(missing)
+    return drafter

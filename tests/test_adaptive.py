@@ -1,0 +1,203 @@
+"""`auto`: the controller that composes drafters and sizes trees from measured cost.
+
+* Lossless: greedy identity over every combination of component drafters, exact
+  seeded identity with AR, and the chi-square test of sampled sequences.
+* It switches speculation off when every component proposes garbage, and builds
+  deep trees when one is an oracle; UCB finds the best arm on synthetic rewards.
+* Bad names and incompatible components fail before work.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from longspec.speculation.cost_model import ForwardCost
+from longspec.speculation.drafters import NgramDrafter, PromptLookupDrafter
+from longspec.speculation.drafters.adaptive import AdaptiveDrafter, ThroughputPolicy, UCBPolicy, mamba_reward
+from longspec.speculation.drafters.base import DraftContext
+from longspec.speculation.drafters.longspec import BeamStrategy, LongSpecDrafter
+from longspec.speculation.engine import EngineOptions, SpeculativeEngine
+from longspec.speculation.methods import make_drafter
+from longspec.speculation.metrics import GenerationStats
+from longspec.speculation.processors import SamplingParams
+from longspec.speculation.tree import Tree
+from test_engine_exact import PROCESSORS, diverse_model
+from test_engine_sampling import (
+    PROMPT,
+    SAMPLING,
+    CartesianDrafter,
+    SampledChainDrafter,
+    exact_distribution,
+    goodness_of_fit,
+)
+from test_engine_sampling import N as SAMPLES
+from test_engine_sampling import K as SAMPLE_TOKENS
+from test_engine_sampling import model as sampling_model  # noqa: F401 - pytest fixture
+from test_longspec_drafting import random_draft
+from tiny_models import random_ids
+
+OPTIONS = EngineOptions(progress=False, max_tree_nodes=24)
+
+
+def cheap_trees_cost(step: float = 0.02) -> ForwardCost:
+    """A synthetic machine: one forward costs 10 ms plus `step` of that per extra token."""
+    ks = (1, 2, 4, 8, 16, 32, 64)
+    return ForwardCost({}, ks, tuple(0.01 * (1 + step * (k - 1)) for k in ks))
+
+
+def run(model, prompt, drafter=None, *, params=SamplingParams(), max_new_tokens=60, seed=None, stats=None):
+    engine = SpeculativeEngine(model, OPTIONS)
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    return torch.cat(list(engine.generate(prompt, params=params, max_new_tokens=max_new_tokens, drafter=drafter,
+                                          generator=generator, stats=stats)))
+
+
+class ReferenceChain:
+    """An oracle (the true continuation) or, with garbage=True, random tokens."""
+
+    def __init__(self, reference: torch.Tensor, prompt_length: int, *, garbage: bool = False, length: int = 8):
+        self.reference, self.prompt_length, self.garbage, self.length = reference, prompt_length, garbage, length
+        self.rng = torch.Generator().manual_seed(5)
+
+    def begin(self, context: DraftContext) -> None:
+        pass
+
+    def observe(self, committed: torch.Tensor) -> None:
+        pass
+
+    def propose(self, context: DraftContext) -> Tree:
+        if self.garbage:
+            return Tree.chain(context.root, torch.randint(0, 128, (self.length,), generator=self.rng))
+        done = context.tokens.numel() - self.prompt_length
+        return Tree.chain(context.root, self.reference[done : done + self.length])
+
+
+def components(model, names):
+    makers = {
+        "pld": lambda: PromptLookupDrafter(num_tokens=6),
+        "ngram": lambda: NgramDrafter(k=4),
+        "longspec": lambda: LongSpecDrafter(random_draft(model), BeamStrategy((2, 3, 3))),
+    }
+    return [(name, makers[name]()) for name in names]
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_greedy_identity_over_every_combination_of_components(family):
+    model, extra = diverse_model(family)
+    params = SamplingParams(**extra)
+    prompt = random_ids(40, seed=3)[0] % 20  # repetitive enough for lookups to hit
+    reference = run(model, prompt, params=params, max_new_tokens=80)
+    names = ("pld", "ngram", "longspec")
+    for size in range(1, len(names) + 1):
+        for combo in itertools.combinations(names, size):
+            for policy in (ThroughputPolicy(), UCBPolicy()):
+                drafter = AdaptiveDrafter(components(model, combo), policy=policy, forward_cost=cheap_trees_cost())
+                stats = GenerationStats()
+                out = run(model, prompt, drafter, params=params, max_new_tokens=80, stats=stats)
+                assert torch.equal(out, reference), f"auto over {combo} with {type(policy).__name__}"
+                assert stats.controller["rounds"] == stats.target_forwards - 1  # the last round ends the run unobserved
+
+
+@pytest.mark.parametrize("processor", ["top_k", "penalty"])
+def test_seeded_auto_equals_seeded_autoregressive(processor):
+    """Merged trees are deterministic candidates: one draw per emitted token."""
+    model, _ = diverse_model("llama")
+    params = PROCESSORS[processor]
+    prompt = random_ids(30, seed=4)[0] % 24
+    reference = run(model, prompt, params=params, max_new_tokens=200, seed=9)
+    drafter = AdaptiveDrafter(components(model, ("pld", "ngram", "longspec")), forward_cost=cheap_trees_cost())
+    assert torch.equal(run(model, prompt, drafter, params=params, max_new_tokens=200, seed=9), reference)
+
+
+def test_sampled_sequences_through_auto_follow_the_target_distribution(sampling_model):  # noqa: F811
+    exact = exact_distribution(sampling_model, SAMPLING)
+    engine = SpeculativeEngine(sampling_model, EngineOptions(max_tree_nodes=32, progress=False))
+    generator = torch.Generator().manual_seed(3)
+    counts: dict[tuple[int, ...], int] = {}
+    for _ in range(SAMPLES):
+        drafter = AdaptiveDrafter([("cartesian", CartesianDrafter()), ("pld", PromptLookupDrafter(num_tokens=3))],
+                                  forward_cost=cheap_trees_cost())
+        out = torch.cat(list(engine.generate(PROMPT, params=SAMPLING, max_new_tokens=SAMPLE_TOKENS, drafter=drafter,
+                                             generator=generator)))
+        counts[tuple(out.tolist())] = counts.get(tuple(out.tolist()), 0) + 1
+    assert goodness_of_fit(exact, counts) > 1e-3
+
+
+def test_garbage_components_switch_speculation_off_and_an_oracle_gets_deep_trees():
+    model, _ = diverse_model("qwen2")
+    prompt = random_ids(20, seed=6)[0]
+    reference = run(model, prompt, max_new_tokens=400)
+    # Each extra node costs 10% of a forward (a CPU-like knee): a node must be
+    # accepted more often than that to pay.
+    garbage = AdaptiveDrafter([("garbage", ReferenceChain(reference, prompt.numel(), garbage=True))],
+                              forward_cost=cheap_trees_cost(0.1))
+    stats = GenerationStats()
+    assert torch.equal(run(model, prompt, garbage, max_new_tokens=400, stats=stats), reference)
+    telemetry = stats.controller
+    assert telemetry["speculation_off_rounds"] >= 0.8 * telemetry["rounds"], telemetry
+
+    oracle = AdaptiveDrafter([("garbage", ReferenceChain(reference, prompt.numel(), garbage=True)),
+                              ("oracle", ReferenceChain(reference, prompt.numel()))], forward_cost=cheap_trees_cost())
+    stats = GenerationStats()
+    assert torch.equal(run(model, prompt, oracle, max_new_tokens=400, stats=stats), reference)
+    assert stats.tau > 6 and stats.controller["speculation_off_rounds"] == 0
+    assert stats.controller["credited_tokens"]["oracle"] > 10 * stats.controller["credited_tokens"]["garbage"]
+    # Calibration: once learned (a second sequence; telemetry is per sequence), the
+    # predicted acceptance tracks the realised one.
+    stats = GenerationStats()
+    assert torch.equal(run(model, prompt, oracle, max_new_tokens=400, stats=stats), reference)
+    predicted = stats.controller["predicted_accepted_per_round"]
+    assert abs(predicted - stats.controller["realised_accepted_per_round"]) < 0.25 * predicted
+
+
+def test_expensive_trees_are_cut_to_the_knee():
+    """With verification cost growing fast in k, the optimum is a short tree even for an oracle."""
+    model, _ = diverse_model("qwen2")
+    prompt = random_ids(20, seed=6)[0]
+    reference = run(model, prompt, max_new_tokens=200)
+    cheap = AdaptiveDrafter([("oracle", ReferenceChain(reference, prompt.numel(), length=20))],
+                            forward_cost=cheap_trees_cost(0.02))
+    costly = AdaptiveDrafter([("oracle", ReferenceChain(reference, prompt.numel(), length=20))],
+                             forward_cost=cheap_trees_cost(1.0))  # k tokens cost k forwards: no tree pays
+    for drafter, check in ((cheap, lambda t: t["mean_nodes"] > 10), (costly, lambda t: t["mean_nodes"] < 1.5)):
+        stats = GenerationStats()
+        assert torch.equal(run(model, prompt, drafter, max_new_tokens=200, stats=stats), reference)
+        assert check(stats.controller), stats.controller
+
+
+def test_ucb_finds_the_best_arm_on_synthetic_rewards():
+    policy = UCBPolicy(arms=(0, 4, 16), exploration=0.5)
+    means = {0: -1.0, 1: -0.4, 2: -0.7}
+    rng = torch.Generator().manual_seed(0)
+    for _ in range(600):
+        arm = policy.best_arm()
+        policy.record(arm, means[arm] + 0.2 * float(torch.randn((), generator=rng)))
+    assert max(range(3), key=lambda a: policy.counts[a]) == 1 and policy.counts[1] > 400
+    assert mamba_reward(4, 3, 0.1) == pytest.approx(-(1 + 0.3) / 4)
+    with pytest.raises(ValueError, match="at least the bonus"):
+        mamba_reward(0, 3, 0.1)
+
+
+def test_bad_names_and_incompatible_components_fail_before_work():
+    with pytest.raises(ValueError, match="unknown auto policy 'greedy'"):
+        make_drafter("auto", policy="greedy")
+    with pytest.raises(ValueError, match=r"unknown auto component.*'medusa'"):
+        make_drafter("auto", components="pld,medusa")
+    with pytest.raises(ValueError, match="has no option"):
+        make_drafter("auto", tree=3)
+    with pytest.raises(ValueError, match="distinct"):
+        AdaptiveDrafter([("pld", PromptLookupDrafter()), ("pld", PromptLookupDrafter())])
+    model, _ = diverse_model("qwen2")
+    sampled = AdaptiveDrafter([("sampled", SampledChainDrafter(torch.Generator()))], forward_cost=cheap_trees_cost())
+    with pytest.raises(ValueError, match="sampled its children from q"):
+        run(model, random_ids(10, seed=1)[0], sampled, params=SamplingParams(temperature=1.0), seed=0)
+    # A LongSpec draft made for another target is left out (with the reason), not fatal.
+    other, _ = diverse_model("gemma3")
+    drafter = AdaptiveDrafter(components(other, ("pld", "longspec")), forward_cost=cheap_trees_cost())
+    stats = GenerationStats()
+    prompt = random_ids(20, seed=2)[0]
+    assert torch.equal(run(model, prompt, drafter, max_new_tokens=30, stats=stats), run(model, prompt, max_new_tokens=30))
+    assert "longspec" in stats.controller["unavailable"] and "longspec" not in stats.controller["calls"]
