@@ -161,7 +161,7 @@ def test_expensive_trees_are_cut_to_the_knee():
     cheap = AdaptiveDrafter([("oracle", ReferenceChain(reference, prompt.numel(), length=20))],
                             forward_cost=cheap_trees_cost(0.02))
     costly = AdaptiveDrafter([("oracle", ReferenceChain(reference, prompt.numel(), length=20))],
-                             forward_cost=cheap_trees_cost(1.0))  # k tokens cost k forwards: no tree pays
+                             forward_cost=cheap_trees_cost(1.5))  # each extra token costs 1.5 forwards: no tree pays
     for drafter, check in ((cheap, lambda t: t["mean_nodes"] > 10), (costly, lambda t: t["mean_nodes"] < 1.5)):
         stats = GenerationStats()
         assert torch.equal(run(model, prompt, drafter, max_new_tokens=200, stats=stats), reference)

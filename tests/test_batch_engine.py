@@ -17,6 +17,8 @@ import pytest
 import torch
 
 from longspec.runtime.batch_cache import BatchKVCache
+from longspec.speculation.cost_model import ForwardCost
+from longspec.speculation.drafters.adaptive import AdaptiveDrafter
 from longspec.speculation.batch_engine import BatchEngine, BatchOptions, EngineBusy
 from longspec.speculation.drafters import NgramDrafter, PromptLookupDrafter
 from longspec.speculation.drafters.tokenswift.heads import TokenSwiftHeads
@@ -107,6 +109,8 @@ def test_every_row_equals_its_single_run_greedy(family):
     drafters["tokenswift-onepass"] = lambda: OnePassTokenSwiftDrafter(
         TokenSwiftHeads.for_target(model.config).randomize(torch.Generator().manual_seed(1)), k=3)
     drafters["ar"] = lambda: None
+    drafters["auto"] = lambda: AdaptiveDrafter([("pld", PromptLookupDrafter(num_tokens=5)), ("ngram", NgramDrafter(k=3))],
+                                               forward_cost=ForwardCost({}, (1, 8, 64), (0.01, 0.012, 0.03)))
     names = sorted(drafters)
     prompts = [random_ids(3 + 11 * i % 50, seed=i)[0] % 24 for i in range(len(names) + 1)]
     max_new = [20 + 13 * i % 40 for i in range(len(prompts))]

@@ -315,7 +315,8 @@ class BatchEngine:
             row.drafter.begin(self._context(row))
 
     def _context(self, row: _Row) -> DraftContext:
-        return DraftContext(row.tokens[: row.length], row.view, row.tree_budget, row.draft_generator)
+        return DraftContext(row.tokens[: row.length], row.view, row.tree_budget, row.draft_generator,
+                            rows_in_forward=max(len(self._decoding), 1))
 
     # -------------------------------------------------------------------- round
     def _round(self) -> None:

@@ -34,12 +34,16 @@ class DraftContext:
     generator: the random stream a drafter that samples must draw from. The engine
         derives it from the request's seed, apart from the verifier's stream, so one
         seed gives one output for every method (None: the global torch stream).
+    rows_in_forward: how many sequences share the verification forward (a batch);
+        a drafter that sizes its tree from cost sees that its nodes are verified
+        beside the other rows' nodes.
     """
 
     tokens: torch.Tensor
     target: Any = None
     max_nodes: int = 64
     generator: torch.Generator | None = None
+    rows_in_forward: int = 1
 
     @property
     def root(self) -> int:

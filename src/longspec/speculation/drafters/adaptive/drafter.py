@@ -45,23 +45,32 @@ _COST_CONTEXTS = (512, 1024, 2048, 4096, 8192, 16384, 32768)  # cost-model bucke
 
 
 class AcceptanceTable:
-    """Beta(1, 1)-smoothed P(node accepted | parent accepted) per (drafter, depth, rank);
-    depths and ranks beyond the table share its last cell."""
+    """P(node accepted | parent accepted) per (drafter, depth, rank, whether another
+    drafter proposed the same node — agreement is strong evidence), each cell shrunk
+    toward the drafter's pooled rate (itself Beta(1, 1)-smoothed): a depth that was
+    rarely reached starts from what the drafter does elsewhere, not from 1/2, so deep
+    nodes of a good drafter get proposed and measured. Depths and ranks beyond the
+    table share its last cell."""
+
+    PRIOR_WEIGHT = 2.0  # pseudo-observations of the pooled rate in every cell
 
     def __init__(self, drafters: int, max_depth: int = 8, max_rank: int = 4) -> None:
-        self.accepted = torch.zeros((drafters, max_depth, max_rank), dtype=torch.float64)
+        self.accepted = torch.zeros((drafters, max_depth, max_rank, 2), dtype=torch.float64)
         self.proposed = torch.zeros_like(self.accepted)
 
-    def _cell(self, source: Source) -> tuple[int, int, int]:
-        D, R = self.accepted.shape[1:]
-        return source.drafter, min(source.depth, D) - 1, min(source.rank, R - 1)
+    def _cell(self, source: Source, agreed: bool) -> tuple[int, int, int, int]:
+        D, R = self.accepted.shape[1:3]
+        return source.drafter, min(source.depth, D) - 1, min(source.rank, R - 1), int(agreed)
 
-    def rate(self, source: Source) -> float:
-        cell = self._cell(source)
-        return float((self.accepted[cell] + 1.0) / (self.proposed[cell] + 2.0))
+    def rate(self, source: Source, agreed: bool = False) -> float:
+        cell = self._cell(source, agreed)
+        drafter, _, rank, agree = cell  # pooled over depths: same drafter, rank and agreement
+        pooled = (self.accepted[drafter, :, rank, agree].sum() + 1.0) / (self.proposed[drafter, :, rank, agree].sum() + 2.0)
+        m = self.PRIOR_WEIGHT
+        return float((self.accepted[cell] + m * pooled) / (self.proposed[cell] + m))
 
-    def record(self, source: Source, accepted: bool) -> None:
-        cell = self._cell(source)
+    def record(self, source: Source, accepted: bool, agreed: bool = False) -> None:
+        cell = self._cell(source, agreed)
         self.proposed[cell] += 1.0
         self.accepted[cell] += float(accepted)
 
@@ -154,6 +163,7 @@ class AdaptiveDrafter:
                 raise ValueError("auto needs the target view to measure its forward cost (or pass forward_cost)")
             self.forward_cost = self._measured_cost(context)
         self._time_scale = 1.0  # realised / predicted verification time, tracked online
+        self._rows = 1  # sequences sharing the verification forward
         self._round: dict | None = None
         # Telemetry is per sequence; what was learned (acceptance, costs) carries over.
         self.telemetry_state = ControllerTelemetry(unavailable=self.telemetry_state.unavailable)
@@ -164,6 +174,7 @@ class AdaptiveDrafter:
     def propose(self, context: DraftContext) -> Tree:
         start = time.perf_counter()
         budget = int(context.max_nodes)
+        self._rows = max(int(context.rows_in_forward), 1)
         trees: list[tuple[int, Tree]] = []
         called = []
         for index, component in enumerate(self.components):
@@ -190,7 +201,7 @@ class AdaptiveDrafter:
             k = 1  # probe: one node costs almost nothing and keeps the estimates fresh
         tree, kept = subtree(merged.tree, order[:k])
         self._round = {"start": start, "merged": merged, "kept": kept, "called": called, "k": k,
-                       "predicted": float(ranked[:k].sum()), "measured_verify_s": self.forward_cost.seconds_for(k + 1),
+                       "predicted": float(ranked[:k].sum()), "measured_forward_s": self.forward_cost.seconds_for(self._rows * (k + 1)),
                        "drafted_s": drafted_s}
         return tree
 
@@ -205,6 +216,7 @@ class AdaptiveDrafter:
         merged: MergedTree = round_["merged"]
         kept = round_["kept"]
         accepted_nodes = _accepted_path(merged.tree, kept, committed)
+        agreement = _agreement(merged)
         on_path = set(accepted_nodes) | {0}
         exclusive = {index: 0 for index in round_["called"]}
         for node in kept[1:]:
@@ -212,7 +224,7 @@ class AdaptiveDrafter:
                 continue  # its parent was rejected: this node was never tested
             accepted = node in on_path
             for source in merged.sources[node]:
-                self.table.record(source, accepted)
+                self.table.record(source, accepted, agreement[node])
             if accepted:
                 proposers = {s.drafter for s in merged.sources[node]}
                 for index in proposers:
@@ -223,9 +235,10 @@ class AdaptiveDrafter:
             component = self.components[index]
             previous = component.exclusive_gain
             component.exclusive_gain = gained if previous is None else (1 - _EMA) * previous + _EMA * gained
-        # The machine now against the cost model's measurement (load, context growth).
+        # The machine now against the cost model's measurement (load, context growth);
+        # in a batch the round's wall time spans the whole shared forward.
         verify_s = max(seconds - round_["drafted_s"], 1e-9)
-        ratio = verify_s / max(round_["measured_verify_s"], 1e-9)
+        ratio = verify_s / max(round_["measured_forward_s"], 1e-9)
         self._time_scale = (1 - _EMA) * self._time_scale + _EMA * min(max(ratio, 0.25), 4.0)
         self.policy.update(round_["k"], int(committed.numel()), seconds, self._verify_seconds(0))
         self._rounds_since_speculation = 0 if round_["k"] else self._rounds_since_speculation + 1
@@ -253,8 +266,13 @@ class AdaptiveDrafter:
         bucket = next((c for c in _COST_CONTEXTS if c >= length), _COST_CONTEXTS[-1])
         return cached_forward_cost(model, context=max(1, min(bucket, room)))
 
+    def _measured_seconds(self, k: int) -> float:
+        """This row's share of a forward in which every row verifies k + 1 tokens
+        (in a batch, its nodes are priced at the batch's width, not alone)."""
+        return self.forward_cost.seconds_for(self._rows * (k + 1)) / self._rows
+
     def _verify_seconds(self, k: int) -> float:
-        return self._time_scale * self.forward_cost.seconds_for(k + 1)
+        return self._time_scale * self._measured_seconds(k)
 
     def _worth_calling(self, component: _Component) -> bool:
         """Cheap components always; an expensive one while the tokens only it adds
@@ -275,7 +293,9 @@ class AdaptiveDrafter:
         """P(node accepted) per merged node: path products of conditional rates; a
         node proposed by several drafters takes the best of their rates."""
         tree = merged.tree
-        conditional = [1.0] + [max(self.table.rate(s) for s in merged.sources[n]) for n in range(1, tree.size)]
+        agreement = _agreement(merged)
+        conditional = [1.0] + [max(self.table.rate(s, agreement[n]) for s in merged.sources[n])
+                               for n in range(1, tree.size)]
         # One child at most is accepted: siblings' conditionals sum to at most 1.
         by_parent: dict[int, list[int]] = {}
         for node in range(1, tree.size):
@@ -289,6 +309,18 @@ class AdaptiveDrafter:
         for node in range(1, tree.size):  # parents precede children
             probability[node] = probability[int(tree.parents[node])] * conditional[node]
         return probability
+
+
+def _agreement(merged: MergedTree) -> list[bool]:
+    """Per node: proposed by several drafters, or continuing such a node with one of
+    the drafters that proposed it (the tail of a chain two drafters began together)."""
+    tree, sources = merged.tree, merged.sources
+    agreed = [False] * tree.size
+    for node in range(1, tree.size):
+        drafters = {s.drafter for s in sources[node]}
+        parent = int(tree.parents[node])
+        agreed[node] = len(drafters) > 1 or (agreed[parent] and bool(drafters & {s.drafter for s in sources[parent]}))
+    return agreed
 
 
 def _accepted_path(tree: Tree, kept: list[int], committed: torch.Tensor) -> list[int]:
