@@ -70,8 +70,8 @@ def test_tiny_temperature_and_extreme_penalties(checkpoint):
     [
         (torch.tensor([1.0, 2.0]), {}, TypeError, "integer tensor, got torch.float32"),
         (torch.tensor([True, False]), {}, TypeError, "integer tensor, got torch.bool"),
-        (torch.tensor([[1, 2], [3, 4]]), {}, ValueError, "batched prompts are not supported yet"),
-        ([[1, 2], [3, 4]], {}, TypeError, "batched prompts are not supported yet"),
+        (torch.tensor([[1, 2], [3, 4]]), {}, ValueError, "call generate_batch with a list of prompts"),
+        ([[1, 2], [3, 4]], {}, TypeError, "call generate_batch with a list of prompts"),
         ([1, 2.5], {}, TypeError, "must be integers, got float"),
         ([1, True], {}, TypeError, "must be integers, got bool"),
         ([1, 2], {"max_new_tokens": 4.5}, TypeError, "max_new_tokens must be an int, got float"),

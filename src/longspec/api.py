@@ -66,15 +66,15 @@ def _prompt_ids(prompt: Sequence[int] | torch.Tensor) -> torch.Tensor:
             prompt = prompt[0]  # one row of a [1, T] batch, as tokenizers return it
         if prompt.dim() != 1:
             raise ValueError(
-                f"prompt token ids must be 1-D [T] (or [1, T]), got shape {tuple(prompt.shape)}; batched "
-                "prompts are not supported yet: call generate once per prompt"
+                f"prompt token ids must be 1-D [T] (or [1, T]), got shape {tuple(prompt.shape)}; for "
+                "several prompts call generate_batch with a list of prompts"
             )
         return prompt.to(torch.long)
     if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence):
         raise TypeError(f"prompt must be text, a list of token ids or an integer tensor, got {type(prompt).__name__}")
     bad = next((x for x in prompt if isinstance(x, bool) or not isinstance(x, (int, np.integer))), None)
     if bad is not None:
-        hint = "; batched prompts are not supported yet: call generate once per prompt" if isinstance(bad, (list, tuple)) else ""
+        hint = "; for several prompts call generate_batch with a list of prompts" if isinstance(bad, (list, tuple)) else ""
         raise TypeError(f"prompt token ids must be integers, got {type(bad).__name__} {bad!r}{hint}")
     return torch.tensor([int(x) for x in prompt], dtype=torch.long)
 

@@ -3,9 +3,9 @@
 
 The app talks to the model's public API (`LongSpecModel.prepare`) and to the
 generation worker, which batches the requests (continuous batching), never to
-caches or drafters. Every refusal is an OpenAI-style
-JSON error with the status a client expects: 400 invalid request, 401 missing or
-wrong key, 404 unknown model, 415 not JSON, 429 at the concurrency limit.
+caches or drafters. Every refusal is an OpenAI-style JSON error with the status a
+client expects: 400 invalid request, 401 missing or wrong key, 404 unknown model,
+415 not JSON, 429 at the concurrency limit.
 """
 
 from __future__ import annotations
