@@ -193,6 +193,25 @@ def test_sampled_rows_follow_the_target_distribution(sampling_model, params, dra
     assert goodness_of_fit(exact, counts) > 1e-3
 
 
+def test_a_forward_node_budget_is_shared_by_the_rows():
+    model = tiny_decoder("llama", dtype=torch.float64)
+    prompts = [random_ids(30, seed=40 + i)[0] % 6 for i in range(4)]  # repetitive: lookups always hit
+    engine = BatchEngine(model, OPTIONS, BatchOptions(max_rows=4, row_capacity=128, max_forward_nodes=8))
+    shapes: list[tuple[int, int]] = []
+    original = model.forward
+    model.forward = lambda ids, *a, **k: shapes.append(tuple(ids.shape)) or original(ids, *a, **k)
+    try:
+        handles = [engine.submit(p, max_new_tokens=30, drafter=PromptLookupDrafter()) for p in prompts]
+        engine.run()
+    finally:
+        model.forward = original
+    rounds = [(rows, width) for rows, width in shapes if rows > 1]  # prefills run one row at a time
+    assert rounds and all(width <= 8 // rows + 1 for rows, width in rounds)  # the root, plus a share of 8
+    assert (4, 3) in rounds
+    for prompt, handle in zip(prompts, handles):
+        assert torch.equal(handle.tokens, single_run(model, prompt, max_new_tokens=30))
+
+
 def test_cancel_frees_the_row_and_a_waiting_request_takes_it():
     model = tiny_decoder("gemma3", dtype=torch.float64)
     engine = BatchEngine(model, OPTIONS, BatchOptions(max_rows=2, row_capacity=128, prefill_tokens_per_step=8))

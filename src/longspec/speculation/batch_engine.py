@@ -53,6 +53,10 @@ class BatchOptions:
     # then delays each decoding round by about one 256-token forward, not 4k.
     prefill_tokens_per_step: int = 256
     max_waiting: int | None = None  # requests queued for a free row (None: unbounded)
+    # Speculative nodes per verification forward over all rows (None: each row up to
+    # max_tree_nodes). On a CPU a forward past the compute knee costs in proportion to
+    # its width, so B rows share one budget: each gets budget // B nodes.
+    max_forward_nodes: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_rows", "row_capacity", "prefill_tokens_per_step"):
@@ -60,6 +64,8 @@ class BatchOptions:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_waiting is not None and self.max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if self.max_forward_nodes is not None and self.max_forward_nodes < 0:
+            raise ValueError(f"max_forward_nodes must be >= 0, got {self.max_forward_nodes}")
 
 
 class EngineBusy(RuntimeError):
@@ -315,8 +321,11 @@ class BatchEngine:
             row.drafter.begin(self._context(row))
 
     def _context(self, row: _Row) -> DraftContext:
-        return DraftContext(row.tokens[: row.length], row.view, row.tree_budget, row.draft_generator,
-                            rows_in_forward=max(len(self._decoding), 1))
+        rows = max(len(self._decoding), 1)
+        budget = row.tree_budget
+        if self.batch.max_forward_nodes is not None:
+            budget = min(budget, self.batch.max_forward_nodes // rows)
+        return DraftContext(row.tokens[: row.length], row.view, budget, row.draft_generator, rows_in_forward=rows)
 
     # -------------------------------------------------------------------- round
     def _round(self) -> None:
