@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from longspec.runtime.cache import _EMPTY_SLOT
+from longspec.runtime.cache import EMPTY_SLOT, layer_groups, ring_slots
 from longspec.runtime.config import DecoderConfig
 
 
@@ -68,18 +68,16 @@ class BatchKVCache:
         self.max_rows = max_rows
         self.max_forward_tokens = max_forward_tokens
         self.window = config.sliding_window
-        full_layers = [i for i, s in enumerate(config.layer_is_sliding) if not s]
-        ring_layers = [i for i, s in enumerate(config.layer_is_sliding) if s]
-        self.group_index = {layer: j for j, layer in enumerate(full_layers)}
-        self.group_index.update({layer: j for j, layer in enumerate(ring_layers)})
+        groups = layer_groups(config)
+        self.group_index = groups.index
         tail = (max_rows, config.num_kv_heads)
         D = config.head_dim
-        self.full_k = torch.zeros((len(full_layers), *tail, row_capacity, D), dtype=dtype, device=device)
+        self.full_k = torch.zeros((len(groups.full), *tail, row_capacity, D), dtype=dtype, device=device)
         self.full_v = torch.zeros_like(self.full_k)
-        self.ring_size = min(row_capacity, (self.window or 0) + max_forward_tokens) if ring_layers else 0
-        self.ring_k = torch.zeros((len(ring_layers), *tail, self.ring_size, D), dtype=dtype, device=device)
+        self.ring_size = ring_slots(config, row_capacity, max_forward_tokens)
+        self.ring_k = torch.zeros((len(groups.ring), *tail, self.ring_size, D), dtype=dtype, device=device)
         self.ring_v = torch.zeros_like(self.ring_k)
-        self.ring_positions = torch.full((max_rows, self.ring_size), _EMPTY_SLOT, dtype=torch.long, device=device)
+        self.ring_positions = torch.full((max_rows, self.ring_size), EMPTY_SLOT, dtype=torch.long, device=device)
         self.lengths = torch.zeros(max_rows, dtype=torch.long, device=device)
         self._rows: list[CacheRow] = []  # occupied, in slot order
         self.pending_view: RowsView | None = None  # the view whose forward awaits commit
@@ -147,11 +145,10 @@ class BatchKVCache:
     def planned_nbytes(config: DecoderConfig, row_capacity: int, max_rows: int, *, max_forward_tokens: int,
                        dtype: torch.dtype) -> int:
         """What a cache of this shape allocates, before allocating it."""
-        full = sum(not s for s in config.layer_is_sliding)
-        ring = len(config.layer_is_sliding) - full
-        ring_size = min(row_capacity, (config.sliding_window or 0) + max_forward_tokens) if ring else 0
+        groups = layer_groups(config)
+        ring_size = ring_slots(config, row_capacity, max_forward_tokens)
         per_slot = 2 * max_rows * config.num_kv_heads * config.head_dim * torch.empty((), dtype=dtype).element_size()
-        return per_slot * (full * row_capacity + ring * ring_size)
+        return per_slot * (len(groups.full) * row_capacity + len(groups.ring) * ring_size)
 
     def bytes_per_row(self) -> int:
         return self.nbytes() // self.max_rows
@@ -167,7 +164,7 @@ class BatchKVCache:
     def _clear(self, slot: int) -> None:
         self.lengths[slot] = 0
         if self.ring_size:
-            self.ring_positions[slot] = _EMPTY_SLOT
+            self.ring_positions[slot] = EMPTY_SLOT
 
     def _exchange(self, a: int, b: int) -> None:
         for t in (self.full_k, self.full_v, self.ring_k, self.ring_v):
@@ -318,7 +315,7 @@ class RowsView:
                     c.ring_k[:, rows, :, rdst] = c.ring_k[:, rows, :, rsrc]
                     c.ring_v[:, rows, :, rdst] = c.ring_v[:, rows, :, rsrc]
         if c.ring_size and T:
-            c.ring_positions[self._batch_index, self.pending_ring_slots] = _EMPTY_SLOT
+            c.ring_positions[self._batch_index, self.pending_ring_slots] = EMPTY_SLOT
             index = torch.arange(T).unsqueeze(0)
             keep = index < counts.unsqueeze(1)  # [B, T]
             new_positions = lengths.unsqueeze(1) + index

@@ -18,11 +18,39 @@ position >= L can see (a query at p sees keys at positions > p - window).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from longspec.runtime.config import DecoderConfig
 
-_EMPTY_SLOT = -(2**62)  # position of ring slots holding nothing visible
+EMPTY_SLOT = -(2**62)  # position of ring slots holding nothing visible
+
+
+@dataclass(frozen=True)
+class LayerGroups:
+    """Full-attention layers and sliding-window (ring) layers, and each layer's index
+    within its group: the caches keep one tensor per group."""
+
+    full: list[int]
+    ring: list[int]
+    index: dict[int, int]
+
+
+def layer_groups(config: DecoderConfig) -> LayerGroups:
+    full = [i for i, s in enumerate(config.layer_is_sliding) if not s]
+    ring = [i for i, s in enumerate(config.layer_is_sliding) if s]
+    index = {layer: j for j, layer in enumerate(full)}
+    index.update({layer: j for j, layer in enumerate(ring)})
+    return LayerGroups(full, ring, index)
+
+
+def ring_slots(config: DecoderConfig, capacity: int, max_forward_tokens: int) -> int:
+    """Slots of a sliding layer's ring: the window plus the largest forward (never
+    more than the capacity); 0 when the model has no sliding layer."""
+    if not any(config.layer_is_sliding):
+        return 0
+    return min(capacity, (config.sliding_window or 0) + max_forward_tokens)
 
 
 class KVCache:
@@ -46,17 +74,14 @@ class KVCache:
         self.window = config.sliding_window
         shape_tail = (batch_size, config.num_kv_heads)
         D = config.head_dim
-        full_layers = [i for i, s in enumerate(config.layer_is_sliding) if not s]
-        ring_layers = [i for i, s in enumerate(config.layer_is_sliding) if s]
-        # layer index -> index within its group (full or ring)
-        self.group_index = {layer: j for j, layer in enumerate(full_layers)}
-        self.group_index.update({layer: j for j, layer in enumerate(ring_layers)})
-        self.full_k = torch.zeros((len(full_layers), *shape_tail, capacity, D), dtype=dtype, device=device)
+        groups = layer_groups(config)
+        self.group_index = groups.index  # layer index -> index within its group (full or ring)
+        self.full_k = torch.zeros((len(groups.full), *shape_tail, capacity, D), dtype=dtype, device=device)
         self.full_v = torch.zeros_like(self.full_k)
-        self.ring_size = min(capacity, (self.window or 0) + max_forward_tokens) if ring_layers else 0
-        self.ring_k = torch.zeros((len(ring_layers), *shape_tail, self.ring_size, D), dtype=dtype, device=device)
+        self.ring_size = ring_slots(config, capacity, max_forward_tokens)
+        self.ring_k = torch.zeros((len(groups.ring), *shape_tail, self.ring_size, D), dtype=dtype, device=device)
         self.ring_v = torch.zeros_like(self.ring_k)
-        self.ring_positions = torch.full((self.ring_size,), _EMPTY_SLOT, dtype=torch.long, device=device)
+        self.ring_positions = torch.full((self.ring_size,), EMPTY_SLOT, dtype=torch.long, device=device)
         self.length = 0  # committed tokens
         self.pending = 0  # tokens appended by the last forward, not yet committed or dropped
         self.pending_ring_slots = torch.empty(0, dtype=torch.long)
@@ -139,7 +164,7 @@ class KVCache:
                 self.ring_k[:, :, :, rdst] = self.ring_k[:, :, :, rsrc]
                 self.ring_v[:, :, :, rdst] = self.ring_v[:, :, :, rsrc]
         if self.ring_size and T:
-            self.ring_positions[self.pending_ring_slots] = _EMPTY_SLOT
+            self.ring_positions[self.pending_ring_slots] = EMPTY_SLOT
             kept_slots = (L + torch.arange(kept_count)) % self.ring_size
             self.ring_positions[kept_slots] = L + torch.arange(kept_count)
         self.length = L + kept_count
@@ -172,7 +197,7 @@ class KVCache:
                     f"of positions {needed[0].item()}..{length - 1} (overwritten by a later forward)"
                 )
             stale = self.ring_positions >= length
-            self.ring_positions[stale] = _EMPTY_SLOT
+            self.ring_positions[stale] = EMPTY_SLOT
         self.length = length
 
     def reset(self) -> None:

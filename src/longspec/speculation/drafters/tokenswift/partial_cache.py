@@ -31,9 +31,8 @@ from contextlib import contextmanager
 
 import torch
 
+from longspec.runtime.cache import EMPTY_SLOT, layer_groups
 from longspec.runtime.config import DecoderConfig
-
-_EMPTY_SLOT = -(2**62)  # position of ring slots holding nothing visible
 
 # layer index -> that full-attention layer's K/V [B, Hkv, N, D] of positions 0..N-1
 KVSource = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
@@ -75,10 +74,10 @@ class PartialKVCache:
         self.sinks = sinks
         self.max_forward_tokens = max_forward_tokens
         self.window = config.sliding_window
-        self.full_layers = [i for i, s in enumerate(config.layer_is_sliding) if not s]
-        ring_layers = [i for i, s in enumerate(config.layer_is_sliding) if s]
-        self.group_index = {layer: j for j, layer in enumerate(self.full_layers)}
-        self.group_index.update({layer: j for j, layer in enumerate(ring_layers)})
+        groups = layer_groups(config)
+        self.full_layers = groups.full
+        ring_layers = groups.ring
+        self.group_index = groups.index
         shape_tail = (batch_size, config.num_kv_heads)
         D = config.head_dim
         slots = budget + max_forward_tokens
@@ -92,7 +91,7 @@ class PartialKVCache:
         self.ring_size = (self.window or 0) + max_forward_tokens if ring_layers else 0
         self.ring_k = torch.zeros((len(ring_layers), *shape_tail, self.ring_size, D), dtype=dtype, device=device)
         self.ring_v = torch.zeros_like(self.ring_k)
-        self.ring_positions = torch.full((self.ring_size,), _EMPTY_SLOT, dtype=torch.long)
+        self.ring_positions = torch.full((self.ring_size,), EMPTY_SLOT, dtype=torch.long)
         self.length = 0  # sequence positions forwarded and committed
         self.pending = 0
         self.pending_ring_slots = torch.empty(0, dtype=torch.long)
@@ -155,7 +154,7 @@ class PartialKVCache:
         self.length = length
         self.used = 0
         self.pending = 0
-        self.ring_positions.fill_(_EMPTY_SLOT)
+        self.ring_positions.fill_(EMPTY_SLOT)
         self.victims = self.victims[:, :0]
         self.next_victim = 0
 
