@@ -20,7 +20,8 @@ from tiny_models import random_ids, tiny_decoder
 
 
 def small_draft_config(target, **options):
-    return DraftConfig.for_target(target.config, self_num_heads=2, self_head_dim=8, intermediate_size=32, **{"window": 16, **options})
+    return DraftConfig.for_target(target.config, **{"self_num_heads": 2, "self_head_dim": 8, "intermediate_size": 32, "window": 16,
+                                                    **options})
 
 
 # ------------------------------------------------------------------ visibility
@@ -380,3 +381,43 @@ def test_hidden_input_drafter_reads_the_right_states_round_after_round(with_retr
     assert len(seen) > 3
     for length, root_logprobs in seen:
         torch.testing.assert_close(root_logprobs, logprobs[length - 1], rtol=1e-8, atol=1e-8)
+
+
+def test_sampler_max_rows_visits_one_seeded_subset_every_epoch():
+    stream = torch.arange(1000)
+    whole = SequenceSampler(stream, 10, seed=3)
+    sampler = SequenceSampler(stream, 10, seed=3, max_rows=7)
+    assert len(sampler) == 7 and len(whole) == 100
+    epochs = [sorted(sampler.row_at(e * 7 + i) for i in range(7)) for e in range(3)]
+    assert epochs[0] == epochs[1] == epochs[2] == sampler.rows.tolist()  # each epoch visits the subset once
+    assert [sampler.row_at(i) for i in range(7)] != [sampler.row_at(7 + i) for i in range(7)]  # in a new order
+    assert torch.equal(sampler.sequences, whole.sequences)  # row ids are the stream's: cached features keep names
+    assert len(SequenceSampler(stream, 10, seed=3, max_rows=500)) == 100
+    with pytest.raises(ValueError, match="max_rows"):
+        SequenceSampler(stream, 10, seed=3, max_rows=0)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_warm_start_copies_the_attended_target_layer(family, tmp_path):
+    from longspec.training.longspec_warm_start import norm_scale
+
+    target = tiny_decoder(family, dtype=torch.float32)
+    config = small_draft_config(target, intermediate_size=target.config.intermediate_size)
+    options = TrainOptions(steps=1, seq_len=32, batch_size=1, save_every=1)
+    tokens = random_ids(200, seed=2)[0]
+    trainer = LongSpecTrainer(target, tokens, tmp_path / "run", options, draft_config=config, warm_start=True, progress=False)
+    layer, source = trainer.draft.layers[0], target.layers[config.target_layers[0]]
+    q_dim = target.config.num_heads * target.config.head_dim
+    assert torch.equal(layer.cross_q.weight, source.qkv_weight[:q_dim])
+    assert torch.equal(layer.cross_out.weight, source.o_weight)
+    assert torch.equal(layer.gate_up.weight, source.gate_up_weight) and torch.equal(layer.down.weight, source.down_weight)
+    assert torch.equal(layer.cross_norm.weight, norm_scale(source.input_norm))
+    assert torch.equal(layer.mlp_norm.weight, norm_scale(source.pre_mlp_norm))
+    if source.qk_norm is not None:
+        assert torch.equal(layer.cross_q_norm.weight, norm_scale(source.qk_norm)[0])
+    cold = LongSpecTrainer(target, tokens, tmp_path / "cold", options, draft_config=config, progress=False).draft
+    assert torch.equal(cold.layers[0].self_qkv.weight, layer.self_qkv.weight)  # the rest is drawn as without warm start
+    assert not torch.equal(cold.layers[0].cross_q.weight, layer.cross_q.weight)
+    with pytest.raises(ValueError, match="intermediate_size"):
+        LongSpecTrainer(target, tokens, tmp_path / "bad", options, draft_config=small_draft_config(target), warm_start=True,
+                        progress=False)

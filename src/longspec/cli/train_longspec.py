@@ -39,6 +39,12 @@ def add_parser(sub) -> None:
     p.add_argument("--hidden-input", action=argparse.BooleanOptionalAction, default=False,
                    help="EAGLE-style variant: fuse the target's hidden state at the newest visible position into the "
                         "draft's input (new drafts)")
+    p.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=True,
+                   help="new drafts: copy the attended target layer's q/o projections, norms and MLP into the "
+                        "draft's cross-attention and MLP")
+    p.add_argument("--max-rows", type=int, default=None,
+                   help="rows one epoch visits (a seeded sample; default all): with --feature-cache, later epochs "
+                        "reuse the stored features and cost only the draft's steps")
     p.add_argument("--bos", action=argparse.BooleanOptionalAction, default=True,
                    help="start every row with what the tokenizer puts before a served prompt (BOS), as served "
                         "sequences do")
@@ -87,7 +93,7 @@ def run(args) -> int:
     options = TrainOptions(
         steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
         anchor_offset=args.anchor_offset, self_distill=args.labels == "target", bf16_autocast=args.bf16_autocast,
-        seed=args.seed, save_every=args.save_every, visibility=visibility[args.visibility](),
+        seed=args.seed, save_every=args.save_every, visibility=visibility[args.visibility](), max_rows=args.max_rows,
     )
     if args.init_from is not None and not args.init_from.is_file():
         raise FileNotFoundError(f"--init-from: no draft weights at {args.init_from}")
@@ -108,11 +114,11 @@ def run(args) -> int:
     if args.bos and target.tokenizer is not None:
         options = dataclasses.replace(options, row_prefix=served_prefix(target.tokenizer))
     if args.init_from is not None:
-        architecture = {}
+        architecture = {}  # the checkpoint's own weights: no warm start
     else:
         config = DraftConfig.for_target(target.model.config, num_layers=args.layers, window=args.window,
                                         recency_bias=args.recency_bias, hidden_input=args.hidden_input)
-        architecture = {"draft_config": config, "draft_vocab": args.draft_vocab}
+        architecture = {"draft_config": config, "draft_vocab": args.draft_vocab, "warm_start": args.warm_start}
     trainer = LongSpecTrainer(
         target.model, load_split(shards, "train"), args.out, options, feature_cache=args.feature_cache,
         init_from=args.init_from, **architecture,

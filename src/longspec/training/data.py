@@ -223,22 +223,36 @@ class SequenceSampler:
     """Fixed-length training sequences cut from a token stream (each starting with the
     served prefix), visited in a seeded permutation per epoch. `position` (sequences
     consumed) is all the state a resumed run needs; rank r of w takes every w-th
-    sequence of each batch slice."""
+    sequence of each batch slice.
 
-    def __init__(self, tokens: torch.Tensor, length: int, seed: int, prefix: Sequence[int] = ()) -> None:
+    `max_rows`: an epoch visits only this many rows, a seeded sample of the whole
+    stream (row ids stay those of the whole stream, so cached features keep their
+    names): with features cached, later epochs cost only the draft's own steps."""
+
+    def __init__(self, tokens: torch.Tensor, length: int, seed: int, prefix: Sequence[int] = (),
+                 max_rows: int | None = None) -> None:
         self.sequences = prefixed_rows(tokens, length, prefix)
         self.seed = seed
+        count = self.sequences.shape[0]
+        if max_rows is not None and max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+        if max_rows is None or max_rows >= count:
+            self.rows = torch.arange(count)
+        else:
+            sample = torch.randperm(count, generator=torch.Generator().manual_seed(seed - 1))[:max_rows]
+            self.rows = sample.sort().values
         self._order: tuple[int, torch.Tensor] | None = None  # (epoch, permutation)
 
     def __len__(self) -> int:
-        return self.sequences.shape[0]
+        return self.rows.numel()
 
     def batch(self, position: int, size: int) -> torch.Tensor:
-        rows = [self._index(position + i) for i in range(size)]
+        rows = [self.row_at(position + i) for i in range(size)]
         return self.sequences[torch.tensor(rows)]
 
-    def _index(self, position: int) -> int:
+    def row_at(self, position: int) -> int:
+        """The stream row visited `position` sequences into the run."""
         epoch, offset = divmod(position, len(self))
         if self._order is None or self._order[0] != epoch:
             self._order = (epoch, torch.randperm(len(self), generator=torch.Generator().manual_seed(self.seed + epoch)))
-        return int(self._order[1][offset])
+        return int(self.rows[self._order[1][offset]])

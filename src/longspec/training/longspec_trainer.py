@@ -33,6 +33,7 @@ from longspec.speculation.drafters.longspec.model import DraftModel, chunked_cro
 from longspec.training.data import SequenceSampler, most_frequent_ids
 from longspec.training.fingerprint import target_fingerprint, tokens_fingerprint
 from longspec.training.longspec_features import FEATURES_VERSION, IGNORE, FeatureCache, target_features
+from longspec.training.longspec_warm_start import warm_start_from_target
 from longspec.training.longspec_visibility import NoisyShift, anchor_offset_positions
 
 WEIGHTS_NAME = "draft.safetensors"
@@ -60,6 +61,9 @@ class TrainOptions:
     # Ids every row starts with, as every served prompt does (the tokenizer's BOS; see
     # data.served_prefix). Their labels never count: the first query sees no target key.
     row_prefix: tuple[int, ...] = ()
+    # Rows one epoch visits (a seeded sample of the stream; None: all). Fewer rows with
+    # cached features make later epochs cost only the draft's own steps.
+    max_rows: int | None = None
 
     def describe(self) -> dict:
         data = asdict(self)
@@ -87,6 +91,7 @@ class LongSpecTrainer:
         draft_vocab: int | None = None,
         feature_cache: str | Path | None = None,
         init_from: str | Path | None = None,
+        warm_start: bool = False,
         progress: bool = True,
     ) -> None:
         self.target = target
@@ -94,22 +99,24 @@ class LongSpecTrainer:
         self.out = Path(out_dir)
         self.progress = progress
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        self.sampler = SequenceSampler(train_tokens, options.seq_len, options.seed, options.row_prefix)
+        self.sampler = SequenceSampler(train_tokens, options.seq_len, options.seed, options.row_prefix, options.max_rows)
         weights = self.out / WEIGHTS_NAME
         if weights.is_file():
             self.draft = load_draft(weights, target.config).requires_grad_(True).train()
         elif init_from is not None:
             # Continue training an existing draft (its config and vocabulary) with a
             # fresh optimizer and schedule: how a shipped draft grows with more data.
-            if draft_config is not None or draft_vocab is not None:
+            if draft_config is not None or draft_vocab is not None or warm_start:
                 raise ValueError("init_from takes the draft's architecture and vocabulary from that checkpoint; "
-                                 "drop draft_config/draft_vocab (or start from scratch without init_from)")
+                                 "drop draft_config/draft_vocab/warm_start (or start from scratch without init_from)")
             self.draft = load_draft(init_from, target.config).requires_grad_(True).train()
         else:
             config = draft_config or DraftConfig.for_target(target.config)
             if draft_vocab is not None:
                 config = DraftConfig.from_dict({**config.to_dict(), "draft_vocab_size": draft_vocab})
             self.draft = DraftModel(config).reset_parameters(options.seed)
+            if warm_start:
+                warm_start_from_target(self.draft, target)
             if draft_vocab is not None:
                 eos = [t for t in target.config.eos_token_ids if t < target.config.vocab_size]
                 self.draft.vocab_ids.copy_(most_frequent_ids(train_tokens, target.config.vocab_size, draft_vocab, eos))
@@ -169,7 +176,7 @@ class LongSpecTrainer:
         cross_mask = visible.clone()
         cross_mask[~counted, 0] = True  # rows with nothing to see: a dummy key, excluded from the loss
         first = self.position + self.rank * opts.batch_size
-        rows = [self.sampler._index(first + i) for i in range(opts.batch_size)]
+        rows = [self.sampler.row_at(first + i) for i in range(opts.batch_size)]
         batch = [self._features(row) for row in rows]
         labels = [self.label_map[f["labels"]].masked_fill(~counted, IGNORE) for f in batch]
         total = sum(int((y != IGNORE).sum()) for y in labels)
