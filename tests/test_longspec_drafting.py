@@ -59,14 +59,21 @@ def test_greedy_identity(family, strategy):
         assert torch.equal(run(engine, prompt, drafter), reference)
 
 
-@pytest.mark.parametrize("variant", ["recency_bias", "hidden_input"])
+DRAFT_VARIANTS = {
+    "recency_bias": {"recency_bias": True},
+    "hidden_input": {"hidden_input": True},
+    "cross_window": {"cross_window": 4, "cross_sinks": 2},
+}
+
+
+@pytest.mark.parametrize("variant", sorted(DRAFT_VARIANTS))
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
 def test_greedy_identity_of_the_draft_variants(strategy, variant):
     model = tiny_decoder("gemma3", dtype=torch.float64)
     engine = SpeculativeEngine(model, EngineOptions(prefill_chunk=7, max_tree_nodes=20, progress=False))
     prompt = torch.cat([random_ids(6, seed=4)[0].repeat(3), random_ids(5, seed=54)[0]])
     reference = run(engine, prompt)
-    draft = random_draft(model, **{variant: True})
+    draft = random_draft(model, **DRAFT_VARIANTS[variant])
     plain = random_draft(model)
     assert not torch.equal(_root_logprobs(model, draft, prompt), _root_logprobs(model, plain, prompt))  # the variant acts
     assert torch.equal(run(engine, prompt, LongSpecDrafter(draft, STRATEGIES[strategy]())), reference)
@@ -230,3 +237,31 @@ def test_retrieval_streak_is_validated():
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="retrieval_streak"):
             LongSpecDrafter(random_draft(model), ChainStrategy(2), retrieval=PromptLookupDrafter(), retrieval_streak=bad)
+
+
+def test_cross_window_reads_only_the_sinks_and_the_newest_keys():
+    """Target K/V outside the window and the sinks do not reach the draft; inside they do."""
+    model = tiny_decoder("gemma3", dtype=torch.float64)
+    draft = random_draft(model, cross_window=4, cross_sinks=2, recency_bias=True)
+    prompt = random_ids(30, seed=5)[0]
+
+    def root_logprobs(edit_position):
+        cache = model.new_cache(64)
+        model(prompt[:-1].unsqueeze(0), cache)
+        cache.commit()
+        if edit_position is not None:
+            for layer in draft.config.target_layers:
+                k, v = cache.prefix(layer)
+                k[..., edit_position, :] += 1.0
+                v[..., edit_position, :] -= 1.0
+        drafter = LongSpecDrafter(draft, ChainStrategy(1))
+        view = TargetView(model, cache)
+        drafter.begin(DraftContext(prompt, view, 4))
+        drafter.propose(DraftContext(prompt, view, 4))
+        return drafter._root_logprobs
+
+    untouched = root_logprobs(None)
+    root = prompt.numel() - 1
+    assert torch.equal(root_logprobs(10), untouched)  # between the sinks and the window
+    for position in (0, 1, root - 4, root - 1):  # the sinks and the window's ends
+        assert not torch.equal(root_logprobs(position), untouched)

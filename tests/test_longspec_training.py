@@ -86,16 +86,25 @@ class RecordingChain:
         return proposal
 
 
-@pytest.mark.parametrize("variant", ["plain", "recency-bias", "hidden-input"])
+VARIANTS = {
+    "plain": {},
+    "recency-bias": {"recency_bias": True},
+    "hidden-input": {"hidden_input": True},
+    # A window that binds: the 20-token prompt's queries read 2 sinks and their 5 newest keys.
+    "cross-window": {"recency_bias": True, "cross_window": 5, "cross_sinks": 2},
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("family", ["gemma3", "llama"])
 def test_training_forward_equals_inference_drafting(family, variant):
     """The root and tree nodes at depth d see the target's K/V of positions before the
     root; training with a per-row shift of d + 1 computes exactly the same logits
     (with the recency bias too, and with the EAGLE-style input: both read the target's
-    hidden state of the newest position a query may see)."""
+    hidden state of the newest position a query may see; and with a cross-attention window
+    and sinks)."""
     target = tiny_decoder(family, dtype=torch.float64)
-    config = small_draft_config(target, window=64, recency_bias=variant == "recency-bias",
-                                hidden_input=variant == "hidden-input")
+    config = small_draft_config(target, window=64, **VARIANTS[variant])
     draft = DraftModel(config).reset_parameters(seed=3, std=0.3).to(torch.float64)
     prompt = random_ids(20, seed=8)[0]
     L = prompt.numel() - 1  # root position

@@ -45,6 +45,11 @@ def add_parser(sub) -> None:
     p.add_argument("--max-rows", type=int, default=None,
                    help="rows one epoch visits (a seeded sample; default all): with --feature-cache, later epochs "
                         "reuse the stored features and cost only the draft's steps")
+    p.add_argument("--cross-window", type=int, default=None,
+                   help="new drafts: target keys a draft query reads besides the sinks (default: --seq-len, what a "
+                        "training row shows; 0: every committed key, so a draft step's cost grows with the context)")
+    p.add_argument("--cross-sinks", type=int, default=4, help="new drafts: first target positions always read "
+                   "(the Anchor-Offset anchors: BOS + 3 tokens)")
     p.add_argument("--bos", action=argparse.BooleanOptionalAction, default=True,
                    help="start every row with what the tokenizer puts before a served prompt (BOS), as served "
                         "sequences do")
@@ -117,7 +122,8 @@ def run(args) -> int:
         architecture = {}  # the checkpoint's own weights: no warm start
     else:
         config = DraftConfig.for_target(target.model.config, num_layers=args.layers, window=args.window,
-                                        recency_bias=args.recency_bias, hidden_input=args.hidden_input)
+                                        recency_bias=args.recency_bias, hidden_input=args.hidden_input,
+                                        cross_window=_cross_window(args), cross_sinks=args.cross_sinks)
         architecture = {"draft_config": config, "draft_vocab": args.draft_vocab, "warm_start": args.warm_start}
     trainer = LongSpecTrainer(
         target.model, load_split(shards, "train"), args.out, options, feature_cache=args.feature_cache,
@@ -128,6 +134,14 @@ def run(args) -> int:
     trainer.train(max_seconds=None if args.max_minutes is None else 60 * args.max_minutes)
     print(f"draft written to {args.out / 'draft.safetensors'} at step {trainer.step}", flush=True)
     return 0
+
+
+def _cross_window(args) -> int | None:
+    if args.cross_window is None:
+        return args.seq_len
+    if args.cross_window < 0:
+        raise ValueError(f"--cross-window must be >= 0 (0: every key), got {args.cross_window}")
+    return args.cross_window or None
 
 
 def _launched_distributed() -> bool:

@@ -278,7 +278,12 @@ def training_hidden(model, config: DraftConfig, target: Decoder, features: dict,
     def attend_self(m, q, k, v):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=self_mask, scale=config.self_head_dim ** -0.5)
 
-    bias = cross_attention_bias(config, positions, positions, cross_mask, dtype) if config.recency_bias else None
+    bias = None
+    if config.cross_attention_masked:
+        bias = cross_attention_bias(config, positions, positions, cross_mask, torch.float64)
+        # Rows that see no key keep the dummy key cross_mask gave them (they are not in the loss).
+        bias[:, ~torch.isfinite(bias).any(dim=-1).any(dim=0), 0] = 0.0
+        bias = bias.to(dtype)
 
     def attend_cross(m, q):
         k, v = features[f"k{m}"].to(q.dtype), features[f"v{m}"].to(q.dtype)

@@ -47,6 +47,13 @@ class DraftConfig:
     # newest target position a query may see is normalised and fused with the token
     # embedding. Depth-1 drafts then read the target's own prediction state directly.
     hidden_input: bool = False
+    # Target keys a draft query reads: the newest `cross_window` keys it may see plus the
+    # first `cross_sinks` positions (None: every committed key). Training rows show the
+    # draft anchors (BOS + 3 tokens, Anchor-Offset) and at most seq_len recent keys; a
+    # window of that size keeps inference within what training taught, and keeps a draft
+    # step's cost constant in the context length (the target K/V read does not grow).
+    cross_window: int | None = None
+    cross_sinks: int = 4
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
@@ -57,6 +64,10 @@ class DraftConfig:
             )
         if self.window < 1:
             raise ValueError(f"window must be >= 1, got {self.window}")
+        if self.cross_window is not None and self.cross_window < 1:
+            raise ValueError(f"cross_window must be >= 1 (or None for every key), got {self.cross_window}")
+        if self.cross_sinks < 0:
+            raise ValueError(f"cross_sinks must be >= 0, got {self.cross_sinks}")
         if self.cross_num_heads % self.cross_num_kv_heads:
             raise ValueError("cross_num_heads must be a multiple of cross_num_kv_heads")
         if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
@@ -107,6 +118,11 @@ class DraftConfig:
                 + "; ".join(problems)
                 + "); train a draft for this model with `longspec train longspec --model ...`"
             )
+
+    @property
+    def cross_attention_masked(self) -> bool:
+        """Whether cross-attention logits need a per-key bias or window beyond causality."""
+        return self.recency_bias or self.cross_window is not None
 
     def to_dict(self) -> dict:
         data = asdict(self)

@@ -36,6 +36,7 @@ from longspec.speculation.drafters.longspec.model import (
     DraftModel,
     PackedProjection,
     cross_attention_bias,
+    cross_window_keys,
     softcap,
     target_rope,
 )
@@ -245,17 +246,23 @@ class LongSpecDrafter:
         scale = model.config.attention_scale
         cross_kv = [view.layer_kv(layer) for layer in self.draft.config.target_layers]
 
-        recency = None
-        if self.draft.config.recency_bias and committed:
-            # The bias covers every committed key, so the prefix needs it too: one biased pass.
-            key_positions = torch.arange(committed)
+        config = self.draft.config
+        bias = key_index = None
+        if config.cross_attention_masked and committed:
+            # The recency bias covers every key read, so the prefix needs it too: one
+            # biased pass over the keys the draft may read (its window and sinks).
+            key_positions = cross_window_keys(config, int(positions.min()), committed)
             key_visible = key_positions.unsqueeze(0) < positions.unsqueeze(1)
-            recency = cross_attention_bias(self.draft.config, positions, key_positions, key_visible, torch.float64)
+            bias = cross_attention_bias(config, positions, key_positions, key_visible, torch.float64)
+            if key_positions.numel() < committed:
+                key_index = key_positions
 
         def attend_cross(m: int, q: torch.Tensor) -> torch.Tensor:
             k, v = cross_kv[m]
-            if recency is not None:
-                return biased_attention(q, k, v, recency, scale)
+            if bias is not None:
+                if key_index is not None:
+                    k, v = k.index_select(2, key_index), v.index_select(2, key_index)
+                return biased_attention(q, k, v, bias, scale)
             # A query at position p sees target keys at positions < p (the committed
             # prefix holds positions < `committed`): keys before the first query's
             # position are visible to all, the rest by position.

@@ -196,16 +196,31 @@ def recency_slopes(num_heads: int) -> torch.Tensor:
 
 def cross_attention_bias(config: DraftConfig, query_positions: torch.Tensor, key_positions: torch.Tensor,
                          visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Additive cross-attention bias [H, T, S]: -inf where a key is not visible, else
-    the recency bias (zero when the draft has none). Training and inference both build
-    it from RoPE positions, so both see the same logits."""
+    """Additive cross-attention bias [H, T, S]: -inf where a key is not visible (nor in
+    the draft's cross window, nor a sink), else the recency bias (zero when the draft
+    has none). Training and inference both build it from RoPE positions, so both see
+    the same logits."""
     H = config.cross_num_heads
+    lag = query_positions.unsqueeze(1) - key_positions.unsqueeze(0)
+    if config.cross_window is not None:
+        in_window = (lag <= config.cross_window) | (key_positions < config.cross_sinks).unsqueeze(0)
+        visible = visible & in_window
     if config.recency_bias:
-        lag = (query_positions.unsqueeze(1) - key_positions.unsqueeze(0)).to(torch.float64)
-        bias = -recency_slopes(H).view(H, 1, 1) * (lag - 1).clamp(min=0)
+        bias = -recency_slopes(H).view(H, 1, 1) * (lag.to(torch.float64) - 1).clamp(min=0)
     else:
         bias = torch.zeros((H, *visible.shape), dtype=torch.float64)
     return bias.masked_fill(~visible, float("-inf")).to(dtype)
+
+
+def cross_window_keys(config: DraftConfig, first_query_position: int, committed: int) -> torch.Tensor:
+    """Positions of the committed target keys that queries at positions >= the first
+    one may read: the sinks, then the window before the first query onwards (every
+    committed key when the draft has no cross window)."""
+    if config.cross_window is None:
+        return torch.arange(committed)
+    low = max(first_query_position - config.cross_window, 0)
+    sinks = torch.arange(min(config.cross_sinks, low, committed))
+    return torch.cat([sinks, torch.arange(min(low, committed), committed)])
 
 
 def rope_tables_from_freqs(freqs: torch.Tensor, scaling: float, dtype: torch.dtype):
