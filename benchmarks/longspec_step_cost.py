@@ -1,0 +1,107 @@
+"""Cost of the LongSpec draft against the target it drafts for, by context length:
+one draft step (a 1-token draft forward and its reduced head) and one chain round
+(catch-up over the committed tokens, then the chain's steps), each relative to one
+target decode forward measured in the same run.
+
+    python benchmarks/longspec_step_cost.py --draft RUN/draft.safetensors --contexts 1024 4096 16384 --threads 1
+
+The draft's own state is constant in the context; what grows is the target K/V its
+cross-attention reads (all committed keys, or the sinks and a window when the draft
+has `cross_window`). Prompts are standard-library source (on every machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import longspec
+from common import machine, stdlib_source_text, write_results
+from longspec.bench.floor import read_bandwidth_gbs
+from longspec.speculation.drafters.longspec.presets import make_longspec
+
+
+def draft_bytes_per_step(drafter) -> int:
+    """Weights one draft step reads: its layers plus the head rows it scores."""
+    draft = drafter.draft
+    layers = sum(p.numel() * p.element_size() for p in draft.layers.parameters())
+    fuse = sum(p.numel() * p.element_size() for n, p in draft.named_parameters() if n.startswith("hidden_"))
+    head = drafter._head_rows.numel() * drafter._head_rows.element_size()
+    return layers + fuse + head
+
+
+def measure(model, ids: list[int], checkpoint: Path, length: int, new_tokens: int, repeats: int) -> dict:
+    ar = model.generate(ids, max_new_tokens=new_tokens, method="ar", ignore_eos=True).stats
+    target_s = ar.decode_s / ar.target_forwards
+    drafter = make_longspec(strategy="chain", checkpoint=checkpoint, length=length)
+    contexts = []
+    original = drafter.propose
+
+    def recording(context):
+        contexts.append(context)
+        return original(context)
+
+    drafter.propose = recording
+    stats = model.generate(ids, max_new_tokens=new_tokens, method=drafter, ignore_eos=True).stats
+    round_s = stats.draft_s / max(stats.target_forwards, 1)
+    # A repeated propose finds nothing new to catch up on: its time is the chain's
+    # length - 1 expansion steps alone.
+    last = contexts[-1]
+    for _ in range(2):
+        original(last)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        original(last)
+        times.append(time.perf_counter() - start)
+    step_s = statistics.median(times) / (length - 1)
+    return {
+        "context": len(ids), "target_forward_ms": 1e3 * target_s, "draft_step_ms": 1e3 * step_s,
+        "chain_round_ms": 1e3 * round_s, "step_vs_target": step_s / target_s, "round_vs_target": round_s / target_s,
+        "tau": stats.tau, "draft_step_bytes": draft_bytes_per_step(drafter),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--draft", type=Path, required=True, help="draft .safetensors (with its .json)")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--length", type=int, default=5, help="chain length (draft steps per round)")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=Path("bench-out/longspec_step_cost.jsonl"))
+    args = parser.parse_args()
+    if args.length < 2:
+        parser.error("--length must be >= 2 (a chain with at least one expansion step)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = longspec.load(dtype=args.dtype)
+    text = stdlib_source_text(max(args.contexts) * 6, skip=40)
+    ids = model.tokenizer(text).input_ids
+    if len(ids) < max(args.contexts):
+        raise SystemExit(f"the corpus gave {len(ids)} tokens, fewer than {max(args.contexts)}")
+    bandwidth = read_bandwidth_gbs()
+    rows = []
+    for context in args.contexts:
+        row = measure(model, ids[:context], args.draft, args.length, args.new_tokens, args.repeats)
+        row["draft_step_floor_ms"] = 1e3 * row["draft_step_bytes"] / (bandwidth * 1e9)
+        rows.append(row)
+        print(f"context {context:6d}: target forward {row['target_forward_ms']:6.1f} ms | draft step "
+              f"{row['draft_step_ms']:5.2f} ms ({row['step_vs_target']:.3f}x, weight floor {row['draft_step_floor_ms']:.2f} ms) | "
+              f"chain round {row['chain_round_ms']:5.1f} ms ({row['round_vs_target']:.2f}x) | tau {row['tau']:.2f}", flush=True)
+    base = rows[0]
+    for row in rows[1:]:
+        print(f"context {row['context']} vs {base['context']}: draft step {row['draft_step_ms'] / base['draft_step_ms']:.2f}x, "
+              f"chain round {row['chain_round_ms'] / base['chain_round_ms']:.2f}x")
+    write_results(args.out, {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()},
+                             "read_bandwidth_gbs": bandwidth}, rows)
+
+
+if __name__ == "__main__":
+    main()
