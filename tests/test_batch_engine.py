@@ -18,6 +18,7 @@ import torch
 
 from longspec.runtime.batch_cache import BatchKVCache
 from longspec.speculation.cost_model import ForwardCost
+from longspec.speculation.drafters.draft_model import DraftModelDrafter
 from longspec.speculation.drafters.adaptive import AdaptiveDrafter
 from longspec.speculation.batch_engine import BatchEngine, BatchOptions, EngineBusy
 from longspec.speculation.drafters import NgramDrafter, PromptLookupDrafter
@@ -109,6 +110,7 @@ def test_every_row_equals_its_single_run_greedy(family):
     drafters["tokenswift-onepass"] = lambda: OnePassTokenSwiftDrafter(
         TokenSwiftHeads.for_target(model.config).randomize(torch.Generator().manual_seed(1)), k=3)
     drafters["ar"] = lambda: None
+    drafters["draft-model"] = lambda: DraftModelDrafter(model, length=3)  # the target drafting for itself
     drafters["auto"] = lambda: AdaptiveDrafter([("pld", PromptLookupDrafter(num_tokens=5)), ("ngram", NgramDrafter(k=3))],
                                                forward_cost=ForwardCost({}, (1, 8, 64), (0.01, 0.012, 0.03)))
     names = sorted(drafters)

@@ -13,6 +13,7 @@ from typing import Any
 from longspec.speculation.drafters import NgramDrafter, PromptLookupDrafter
 from longspec.speculation.drafters.adaptive.presets import make_auto
 from longspec.speculation.drafters.base import Drafter
+from longspec.speculation.drafters.draft_model import DraftModelDrafter
 from longspec.speculation.drafters.longspec.presets import LONGSPEC_METHODS
 from longspec.speculation.drafters.tokenswift.drafter import TokenSwiftDrafter
 from longspec.speculation.drafters.tokenswift.one_pass import OnePassTokenSwiftDrafter
@@ -31,6 +32,7 @@ METHODS: dict[str, Callable[..., Drafter | None]] = {
     "tokenswift": TokenSwiftDrafter,
     "tokenswift-onepass": OnePassTokenSwiftDrafter,
     **LONGSPEC_METHODS,
+    "draft-model": DraftModelDrafter,
     "auto": make_auto,
 }
 

@@ -1,0 +1,3 @@
+from longspec.speculation.drafters.draft_model.drafter import DraftModelDrafter
+
+__all__ = ["DraftModelDrafter"]
