@@ -14,6 +14,7 @@ from longspec.speculation.drafters import NgramDrafter, PromptLookupDrafter
 from longspec.speculation.drafters.adaptive.presets import make_auto
 from longspec.speculation.drafters.base import Drafter
 from longspec.speculation.drafters.draft_model import DraftModelDrafter
+from longspec.speculation.drafters.mamba import MambaDrafter
 from longspec.speculation.drafters.longspec.presets import LONGSPEC_METHODS
 from longspec.speculation.drafters.tokenswift.drafter import TokenSwiftDrafter
 from longspec.speculation.drafters.tokenswift.one_pass import OnePassTokenSwiftDrafter
@@ -33,6 +34,7 @@ METHODS: dict[str, Callable[..., Drafter | None]] = {
     "tokenswift-onepass": OnePassTokenSwiftDrafter,
     **LONGSPEC_METHODS,
     "draft-model": DraftModelDrafter,
+    "mamba": MambaDrafter,
     "auto": make_auto,
 }
 

@@ -1,0 +1,175 @@
+"""Mamba (state-space) drafter: an external drafter whose per-sequence state is
+constant in the context (a convolution window and an SSM state per layer), with tree
+drafting by batching copied states (no tree attention), after "Mamba Drafters for
+Speculative Decoding".
+
+A tree configuration (N1, ..., Nγ) is drafted breadth-first: depth i holds
+N1·…·Ni nodes, each branch a copy of its parent's state, fed its own token in one
+batched step; children are the parent's top-N(i+1) tokens (deterministic candidates,
+verified by the one-draw rule, so greedy and sampled decoding both stay lossless).
+The model is `transformers`' Mamba (its PyTorch path on CPU; the `mamba-ssm` /
+`causal-conv1d` kernels where installed).
+
+Its multi-token forward from an existing state ignores that state's SSM part, so the
+drafter never feeds more than one token to a non-empty state: the prompt goes in one
+forward from the empty state, and after each round it resumes from the state it
+already computed for the deepest accepted node, feeding only the tokens after it
+(the bonus, one at a time).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from longspec.speculation.drafters.base import DraftContext
+from longspec.speculation.drafters.longspec.config import DraftMismatchError
+from longspec.speculation.tree import Tree
+
+# The paper's arms for its test-time search; the first is the default shape.
+PAPER_TREES = ((3, 3, 2, 1), (3, 2, 2, 1, 1), (2, 2, 2, 1, 1, 1))
+
+
+def check_tree_config(widths: Sequence[int]) -> tuple[int, ...]:
+    widths = tuple(widths)
+    if not widths or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in widths):
+        raise ValueError(f"a tree configuration is a non-empty sequence of widths >= 1, got {widths!r}")
+    return widths
+
+
+def tree_nodes(widths: Sequence[int]) -> int:
+    """Speculative nodes of a configuration: N1 + N1·N2 + ... ."""
+    total, level = 0, 1
+    for width in widths:
+        level *= width
+        total += level
+    return total
+
+
+class MambaDrafter:
+    def __init__(self, model, *, widths: Sequence[int] = PAPER_TREES[0]) -> None:
+        """model: a `transformers` Mamba causal LM, or a checkpoint directory / local
+        model id of one. widths: the tree configuration (N1, ..., Nγ)."""
+        if isinstance(model, (str, Path)):
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
+        self.model = model.eval().requires_grad_(False)
+        self.widths = check_tree_config(widths)
+        self.state = None  # the state after every committed token but those in `_unfed`
+        self._unfed: list[int] = []  # committed tokens not yet in `state` (the root last)
+        self._root_logits: torch.Tensor | None = None
+        self._levels: list = []  # per depth: (tokens [n_d], parent index [n_d] into depth d-1, state after them)
+        self._vocab_size: int | None = None
+
+    # --------------------------------------------------------------- protocol
+    def check_target(self, config) -> None:
+        draft = self.model.config
+        problems = []
+        if draft.vocab_size > config.vocab_size:
+            problems.append(f"vocabulary: draft {draft.vocab_size} ids vs target {config.vocab_size}")
+        eos = draft.eos_token_id if isinstance(draft.eos_token_id, (list, tuple)) else [draft.eos_token_id]
+        if draft.eos_token_id is not None and not set(eos) <= set(config.eos_token_ids):
+            problems.append(f"end-of-sequence ids: draft {sorted(eos)} vs target {sorted(config.eos_token_ids)}")
+        if problems:
+            raise DraftMismatchError("the Mamba drafter does not share the target's tokenizer (" + "; ".join(problems)
+                                     + "); use a drafter trained with the target's tokenizer")
+
+    def begin(self, context: DraftContext) -> None:
+        view = context.target
+        self._vocab_size = self.model.config.vocab_size
+        if view is not None:
+            self.check_target(view.config)
+            self._vocab_size = view.config.vocab_size
+            self.model.to(view.model.dtype)
+        self.state = None
+        self._unfed = context.tokens.tolist()
+        self._levels = []
+
+    def observe(self, committed: torch.Tensor) -> None:
+        """Resume from the drafted state of the deepest accepted node; the tokens
+        after it wait for the next round."""
+        tokens = committed.tolist()
+        path: list[int] = []  # batch row of the accepted node at each depth
+        while len(path) < min(len(tokens), len(self._levels)):
+            depth = len(path)
+            level_tokens, parents, _ = self._levels[depth]
+            match = [i for i, token in enumerate(level_tokens)
+                     if token == tokens[depth] and (depth == 0 or parents[i] == path[-1])]
+            if not match:
+                break
+            path.append(match[0])
+        # The deepest accepted node whose state was computed (the last depth's was not).
+        while path and self._levels[len(path) - 1][2] is None:
+            path.pop()
+        if path:
+            self.state = _select(self._levels[len(path) - 1][2], torch.tensor([path[-1]]))
+            self._unfed = tokens[len(path):]
+        else:
+            self._unfed.extend(tokens)
+        self._levels = []
+
+    def state_nbytes(self) -> int:
+        if self.state is None:
+            return 0
+        return sum(t.numel() * t.element_size() for layer in self.state.layers
+                   for t in (layer.conv_states, layer.recurrent_states) if isinstance(t, torch.Tensor))
+
+    @torch.inference_mode()
+    def propose(self, context: DraftContext) -> Tree:
+        budget = int(context.max_nodes)
+        widths = self._fitting_widths(budget)
+        if not widths:
+            return Tree.chain(context.root, [])
+        if self._unfed:
+            self._root_logits = self._catch_up()
+        tokens, parents = [context.root], [-1]
+        logits = self._root_logits.unsqueeze(0)  # [1, V] at the root
+        level_state, level_nodes = self.state, [0]  # tree indices of the previous depth's nodes
+        self._levels = []
+        for depth, width in enumerate(widths):
+            top = torch.topk(logits.float(), width, dim=-1).indices  # [n_prev, width]
+            new_tokens = top.reshape(-1)
+            parent_rows = torch.arange(top.shape[0]).repeat_interleave(width)
+            first = len(tokens)
+            tokens.extend(new_tokens.tolist())
+            parents.extend(level_nodes[int(p)] for p in parent_rows)
+            level_nodes = list(range(first, len(tokens)))
+            state = None
+            if depth + 1 < len(widths):  # the last depth's tokens need no forward
+                state = _select(level_state, parent_rows)
+                out = self.model(new_tokens.unsqueeze(1), cache_params=state, use_cache=True)
+                logits = out.logits[:, -1]
+            self._levels.append((new_tokens.tolist(), parent_rows.tolist(), state))
+            level_state = state
+        return Tree.from_parents(torch.tensor(tokens), torch.tensor(parents))
+
+    # ---------------------------------------------------------------- internals
+    def _fitting_widths(self, budget: int) -> tuple[int, ...]:
+        """The configuration cut to the node budget (deepest levels dropped first)."""
+        widths = self.widths
+        while widths and tree_nodes(widths) > budget:
+            widths = widths[:-1]
+        return widths
+
+    def _catch_up(self) -> torch.Tensor:
+        """Feed the committed tokens the state has not seen; the logits after the root."""
+        ids = torch.tensor(self._unfed).unsqueeze(0)
+        if self.state is None:  # from the empty state, a multi-token forward is exact
+            out = self.model(ids, use_cache=True)
+            self.state = out.cache_params
+        else:
+            for i in range(ids.shape[1]):
+                out = self.model(ids[:, i : i + 1], cache_params=self.state, use_cache=True)
+        self._unfed = []
+        return out.logits[0, -1]
+
+
+def _select(state, rows: torch.Tensor):
+    """A new state whose batch rows are `state`'s rows at `rows` (copies; `state` is kept)."""
+    picked = copy.deepcopy(state)
+    picked.reorder_cache(rows)
+    return picked

@@ -1,0 +1,90 @@
+"""Mamba drafter: tree drafting by batched copied states. Greedy identity with plain
+decoding (float64), the drafter's state after every round equal to a fresh forward
+over the whole committed sequence, tree shapes cut to the node budget, the sampling
+test (deterministic top-k candidates under the one-draw rule), a mismatched
+vocabulary refused before work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import MambaConfig, MambaForCausalLM
+
+from longspec.speculation.drafters.longspec.config import DraftMismatchError
+from longspec.speculation.drafters.mamba import PAPER_TREES, MambaDrafter, tree_nodes
+from longspec.speculation.engine import EngineOptions, SpeculativeEngine
+from longspec.speculation.metrics import GenerationStats
+from longspec.speculation.methods import make_drafter
+from test_engine_sampling import ALPHA, SAMPLING, VOCAB, empirical_counts, exact_distribution, goodness_of_fit, model  # noqa: F401
+from tiny_models import VOCAB_SIZE, random_ids, tiny_decoder
+
+
+def tiny_mamba(vocab_size=VOCAB_SIZE, eos=None, seed=0):
+    torch.manual_seed(seed)
+    config = MambaConfig(vocab_size=vocab_size, hidden_size=32, state_size=4, num_hidden_layers=2, expand=2,
+                         conv_kernel=4, eos_token_id=eos, bos_token_id=None, pad_token_id=None)
+    return MambaForCausalLM(config).to(torch.float64).eval()
+
+
+def generate(target, prompt, drafter=None, max_new_tokens=40, stats=None):
+    engine = SpeculativeEngine(target, EngineOptions(prefill_chunk=6, max_tree_nodes=32, progress=False))
+    return torch.cat(list(engine.generate(prompt, max_new_tokens=max_new_tokens, drafter=drafter, stats=stats)))
+
+
+class Recording(MambaDrafter):
+    """Keeps the root logits of every round it drafted."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rounds = []
+
+    def propose(self, context):
+        tree = super().propose(context)
+        if tree.size > 1:
+            self.rounds.append((context.tokens.clone(), self._root_logits.clone()))
+        return tree
+
+
+@pytest.mark.parametrize("widths", [PAPER_TREES[0], PAPER_TREES[2], (1, 1, 1, 1)])
+def test_greedy_identity_and_state_equals_a_fresh_forward(widths):
+    target = tiny_decoder("llama", seed=0)
+    mamba = tiny_mamba()
+    prompt = torch.cat([random_ids(5, seed=1)[0].repeat(3), random_ids(4, seed=2)[0]])
+    drafter = Recording(mamba, widths=widths)
+    stats = GenerationStats()
+    assert torch.equal(generate(target, prompt, drafter, stats=stats), generate(target, prompt))
+    assert len(drafter.rounds) > 5
+    for tokens, logits in drafter.rounds:  # the carried state saw exactly the committed tokens
+        fresh = mamba(tokens.unsqueeze(0)).logits[0, -1]
+        # transformers' Mamba keeps A, D and the time-step bias in float32 even in a
+        # float64 model, so its recurrent and scan forms agree to float32 rounding only.
+        torch.testing.assert_close(logits, fresh, rtol=1e-5, atol=1e-6)
+        skipped = torch.cat([tokens[:-2], tokens[-1:]])  # a state that missed a recent token is far off
+        missing_one = mamba(skipped.unsqueeze(0)).logits[0, -1]
+        assert (logits - fresh).abs().max() < 1e-2 * (missing_one - fresh).abs().max()
+
+
+def test_tree_shapes_fit_the_budget():
+    assert tree_nodes((3, 3, 2, 1)) == 3 + 9 + 18 + 18
+    drafter = MambaDrafter(tiny_mamba(), widths=(3, 3, 2, 1))
+    assert drafter._fitting_widths(48) == (3, 3, 2, 1)
+    assert drafter._fitting_widths(47) == (3, 3, 2)
+    assert drafter._fitting_widths(2) == ()
+    with pytest.raises(ValueError, match="widths"):
+        MambaDrafter(tiny_mamba(), widths=(2, 0))
+
+
+def test_sampling_follows_the_target_distribution(model):  # noqa: F811
+    mamba = tiny_mamba(vocab_size=VOCAB, seed=4)
+    exact = exact_distribution(model, SAMPLING)
+    counts = empirical_counts(model, SAMPLING, lambda g: MambaDrafter(mamba, widths=(2, 2)))
+    assert goodness_of_fit(exact, counts) > ALPHA
+
+
+def test_a_drafter_of_another_vocabulary_is_refused_before_work():
+    target = tiny_decoder("llama", seed=0)
+    engine = SpeculativeEngine(target, EngineOptions(progress=False))
+    drafter = MambaDrafter(tiny_mamba(vocab_size=VOCAB_SIZE + 5))
+    with pytest.raises(DraftMismatchError, match="vocabulary"):
+        next(iter(engine.generate(random_ids(5)[0], max_new_tokens=4, drafter=drafter)))
+    assert isinstance(make_drafter("mamba", model=tiny_mamba(), widths=(2, 1)), MambaDrafter)
