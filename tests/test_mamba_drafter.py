@@ -66,12 +66,21 @@ def test_greedy_identity_and_state_equals_a_fresh_forward(widths):
 
 def test_tree_shapes_fit_the_budget():
     assert tree_nodes((3, 3, 2, 1)) == 3 + 9 + 18 + 18
-    drafter = MambaDrafter(tiny_mamba(), widths=(3, 3, 2, 1))
-    assert drafter._fitting_widths(48) == (3, 3, 2, 1)
-    assert drafter._fitting_widths(47) == (3, 3, 2)
-    assert drafter._fitting_widths(2) == ()
+    assert MambaDrafter._fitting_widths((3, 3, 2, 1), 48) == (3, 3, 2, 1)
+    assert MambaDrafter._fitting_widths((3, 3, 2, 1), 47) == (3, 3, 2)
+    assert MambaDrafter._fitting_widths((3, 3, 2, 1), 2) == ()
     with pytest.raises(ValueError, match="widths"):
         MambaDrafter(tiny_mamba(), widths=(2, 0))
+
+
+def test_tree_search_tries_every_arm_and_stays_lossless():
+    target = tiny_decoder("llama", seed=0)
+    prompt = torch.cat([random_ids(5, seed=1)[0].repeat(3), random_ids(4, seed=2)[0]])
+    drafter = MambaDrafter(tiny_mamba(), search=PAPER_TREES)
+    assert torch.equal(generate(target, prompt, drafter, max_new_tokens=60), generate(target, prompt, max_new_tokens=60))
+    counts = drafter.arm_counts
+    assert set(counts) == set(PAPER_TREES) and all(c >= 1 for c in counts.values())
+    assert drafter._cost_ratio is not None and drafter._cost_ratio > 0
 
 
 def test_sampling_follows_the_target_distribution(model):  # noqa: F811

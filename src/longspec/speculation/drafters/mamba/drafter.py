@@ -20,11 +20,13 @@ already computed for the deepest accepted node, feeding only the tokens after it
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from longspec.speculation.drafters.adaptive.policies import UCBPolicy, mamba_reward
 from longspec.speculation.drafters.base import DraftContext
 from longspec.speculation.drafters.longspec.config import DraftMismatchError
 from longspec.speculation.tree import Tree
@@ -50,15 +52,29 @@ def tree_nodes(widths: Sequence[int]) -> int:
 
 
 class MambaDrafter:
-    def __init__(self, model, *, widths: Sequence[int] = PAPER_TREES[0]) -> None:
+    def __init__(self, model, *, widths: Sequence[int] = PAPER_TREES[0], search: Sequence[Sequence[int]] | None = None,
+                 exploration: float = 1.0) -> None:
         """model: a `transformers` Mamba causal LM, or a checkpoint directory / local
-        model id of one. widths: the tree configuration (N1, ..., Nγ)."""
+        model id of one. widths: the tree configuration (N1, ..., Nγ). search: tree
+        configurations to choose among per round (the paper's test-time tree search,
+        e.g. `PAPER_TREES`): UCB1 with the paper's reward -(1/N + λγ/N), N the tokens a
+        round commits (the bonus counted), γ the configuration's depth, λ the measured
+        cost of a draft step over a verification round; `widths` is then ignored."""
         if isinstance(model, (str, Path)):
             from transformers import AutoModelForCausalLM
 
             model = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
         self.model = model.eval().requires_grad_(False)
         self.widths = check_tree_config(widths)
+        self.configs = tuple(check_tree_config(w) for w in search) if search is not None else (self.widths,)
+        if not self.configs:
+            raise ValueError("search needs at least one tree configuration")
+        self.bandit = UCBPolicy(arms=range(len(self.configs)), exploration=exploration) if search is not None else None
+        self._arm = 0
+        self._step_seconds = 0.0  # last round: draft seconds per depth drafted
+        self._cost_ratio: float | None = None  # λ: a draft step over a verification round, smoothed
+        self._proposed_at: float | None = None
+        self._drafted_depth = 0
         self.state = None  # the state after every committed token but those in `_unfed`
         self._unfed: list[int] = []  # committed tokens not yet in `state` (the root last)
         self._root_logits: torch.Tensor | None = None
@@ -91,8 +107,13 @@ class MambaDrafter:
 
     def observe(self, committed: torch.Tensor) -> None:
         """Resume from the drafted state of the deepest accepted node; the tokens
-        after it wait for the next round."""
+        after it wait for the next round. With a search, reward the round's arm."""
         tokens = committed.tolist()
+        if self.bandit is not None and self._drafted_depth and self._proposed_at is not None:
+            verify_seconds = time.perf_counter() - self._proposed_at
+            ratio = self._step_seconds / max(verify_seconds, 1e-9)
+            self._cost_ratio = ratio if self._cost_ratio is None else 0.9 * self._cost_ratio + 0.1 * ratio
+            self.bandit.record(self._arm, mamba_reward(len(tokens), self._drafted_depth, self._cost_ratio))
         path: list[int] = []  # batch row of the accepted node at each depth
         while len(path) < min(len(tokens), len(self._levels)):
             depth = len(path)
@@ -118,10 +139,19 @@ class MambaDrafter:
         return sum(t.numel() * t.element_size() for layer in self.state.layers
                    for t in (layer.conv_states, layer.recurrent_states) if isinstance(t, torch.Tensor))
 
+    @property
+    def arm_counts(self) -> dict[tuple[int, ...], int]:
+        """Rounds drafted with each tree configuration (the search's choices)."""
+        counts = self.bandit.counts if self.bandit is not None else [0]
+        return dict(zip(self.configs, counts))
+
     @torch.inference_mode()
     def propose(self, context: DraftContext) -> Tree:
-        budget = int(context.max_nodes)
-        widths = self._fitting_widths(budget)
+        started = time.perf_counter()
+        self._drafted_depth = 0
+        if self.bandit is not None:
+            self._arm = self.bandit.best_arm()
+        widths = self._fitting_widths(self.configs[self._arm], int(context.max_nodes))
         if not widths:
             return Tree.chain(context.root, [])
         if self._unfed:
@@ -145,12 +175,15 @@ class MambaDrafter:
                 logits = out.logits[:, -1]
             self._levels.append((new_tokens.tolist(), parent_rows.tolist(), state))
             level_state = state
+        self._proposed_at = time.perf_counter()
+        self._drafted_depth = len(widths)
+        self._step_seconds = (self._proposed_at - started) / len(widths)
         return Tree.from_parents(torch.tensor(tokens), torch.tensor(parents))
 
     # ---------------------------------------------------------------- internals
-    def _fitting_widths(self, budget: int) -> tuple[int, ...]:
+    @staticmethod
+    def _fitting_widths(widths: tuple[int, ...], budget: int) -> tuple[int, ...]:
         """The configuration cut to the node budget (deepest levels dropped first)."""
-        widths = self.widths
         while widths and tree_nodes(widths) > budget:
             widths = widths[:-1]
         return widths
