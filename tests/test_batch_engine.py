@@ -19,6 +19,7 @@ import torch
 from longspec.runtime.batch_cache import BatchKVCache
 from longspec.speculation.cost_model import ForwardCost
 from longspec.speculation.drafters.draft_model import DraftModelDrafter
+from longspec.speculation.drafters.mamba import MambaDrafter
 from longspec.speculation.drafters.adaptive import AdaptiveDrafter
 from longspec.speculation.batch_engine import BatchEngine, BatchOptions, EngineBusy
 from longspec.speculation.drafters import NgramDrafter, PromptLookupDrafter
@@ -28,6 +29,7 @@ from longspec.speculation.engine import EngineOptions, SpeculativeEngine
 from longspec.speculation.processors import SamplingParams
 from longspec.speculation.tree import Tree
 from test_engine_exact import PROCESSORS, diverse_model, real_drafters
+from test_mamba_drafter import tiny_mamba
 from test_engine_greedy import OracleGarbageDrafter
 from test_engine_sampling import (
     PENALIZED,
@@ -111,6 +113,7 @@ def test_every_row_equals_its_single_run_greedy(family):
         TokenSwiftHeads.for_target(model.config).randomize(torch.Generator().manual_seed(1)), k=3)
     drafters["ar"] = lambda: None
     drafters["draft-model"] = lambda: DraftModelDrafter(model, length=3)  # the target drafting for itself
+    drafters["mamba"] = lambda: MambaDrafter(tiny_mamba(vocab_size=model.config.vocab_size), widths=(2, 2, 1))
     drafters["auto"] = lambda: AdaptiveDrafter([("pld", PromptLookupDrafter(num_tokens=5)), ("ngram", NgramDrafter(k=3))],
                                                forward_cost=ForwardCost({}, (1, 8, 64), (0.01, 0.012, 0.03)))
     names = sorted(drafters)

@@ -82,3 +82,16 @@ def test_registry_and_option_errors():
         DraftModelDrafter(draft, temperature=0.0)
     with pytest.raises(FileNotFoundError):
         DraftModelDrafter("/nonexistent/draft-checkpoint")
+
+
+@pytest.mark.parametrize("processor", ["sampled", "penalized"])
+def test_seeded_output_equals_seeded_plain_decoding(processor):
+    """Deterministic candidates draw once per emitted token, as plain decoding does: one
+    seed, one output."""
+    params = {"sampled": SamplingParams(temperature=1.0, top_p=0.9),
+              "penalized": SamplingParams(temperature=0.8, penalty=1.3, penalty_window=8)}[processor]
+    target = tiny_decoder("llama", seed=0, initializer_range=0.3)
+    prompt = random_ids(11, seed=8)[0]
+    reference = generate(target, prompt, params=params, generator=torch.Generator().manual_seed(5))
+    out = generate(target, prompt, DraftModelDrafter(target, length=3), params=params, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(out, reference)

@@ -15,6 +15,7 @@ from longspec.speculation.drafters.mamba import PAPER_TREES, MambaDrafter, tree_
 from longspec.speculation.engine import EngineOptions, SpeculativeEngine
 from longspec.speculation.metrics import GenerationStats
 from longspec.speculation.methods import make_drafter
+from longspec.speculation.processors import SamplingParams
 from test_engine_sampling import ALPHA, SAMPLING, VOCAB, empirical_counts, exact_distribution, goodness_of_fit, model  # noqa: F401
 from tiny_models import VOCAB_SIZE, random_ids, tiny_decoder
 
@@ -26,9 +27,10 @@ def tiny_mamba(vocab_size=VOCAB_SIZE, eos=None, seed=0):
     return MambaForCausalLM(config).to(torch.float64).eval()
 
 
-def generate(target, prompt, drafter=None, max_new_tokens=40, stats=None):
+def generate(target, prompt, drafter=None, max_new_tokens=40, stats=None, params=SamplingParams(), generator=None):
     engine = SpeculativeEngine(target, EngineOptions(prefill_chunk=6, max_tree_nodes=32, progress=False))
-    return torch.cat(list(engine.generate(prompt, max_new_tokens=max_new_tokens, drafter=drafter, stats=stats)))
+    return torch.cat(list(engine.generate(prompt, max_new_tokens=max_new_tokens, drafter=drafter, stats=stats,
+                                          params=params, generator=generator)))
 
 
 class Recording(MambaDrafter):
@@ -97,3 +99,16 @@ def test_a_drafter_of_another_vocabulary_is_refused_before_work():
     with pytest.raises(DraftMismatchError, match="vocabulary"):
         next(iter(engine.generate(random_ids(5)[0], max_new_tokens=4, drafter=drafter)))
     assert isinstance(make_drafter("mamba", model=tiny_mamba(), widths=(2, 1)), MambaDrafter)
+
+
+@pytest.mark.parametrize("processor", ["sampled", "penalized"])
+def test_seeded_output_equals_seeded_plain_decoding(processor):
+    """Deterministic candidates draw once per emitted token, as plain decoding does: one
+    seed, one output."""
+    params = {"sampled": SamplingParams(temperature=1.0, top_p=0.9),
+              "penalized": SamplingParams(temperature=0.8, penalty=1.3, penalty_window=8)}[processor]
+    target = tiny_decoder("llama", seed=0, initializer_range=0.3)
+    prompt = random_ids(11, seed=8)[0]
+    reference = generate(target, prompt, params=params, generator=torch.Generator().manual_seed(5))
+    out = generate(target, prompt, MambaDrafter(tiny_mamba(), widths=(3, 2, 1)), params=params, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(out, reference)
