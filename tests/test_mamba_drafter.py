@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import MambaConfig, MambaForCausalLM
 
+from longspec.speculation.drafters.base import DraftContext
 from longspec.speculation.drafters.longspec.config import DraftMismatchError
 from longspec.speculation.drafters.mamba import PAPER_TREES, MambaDrafter, tree_nodes
 from longspec.speculation.engine import EngineOptions, SpeculativeEngine
@@ -112,3 +113,39 @@ def test_seeded_output_equals_seeded_plain_decoding(processor):
     reference = generate(target, prompt, params=params, generator=torch.Generator().manual_seed(5))
     out = generate(target, prompt, MambaDrafter(tiny_mamba(), widths=(3, 2, 1)), params=params, generator=torch.Generator().manual_seed(5))
     assert torch.equal(out, reference)
+
+
+def test_batched_state_drafting_equals_sequential_per_branch_drafts():
+    """Every node's children are the top-N tokens of a fresh forward over the committed
+    tokens and the node's own path: copying states into a batch changes nothing."""
+    mamba = tiny_mamba(seed=5)
+    target = tiny_decoder("llama", seed=0)
+    prompt = random_ids(13, seed=6)[0]
+    widths = (3, 2, 2)
+    drafter = MambaDrafter(mamba, widths=widths)
+    engine = SpeculativeEngine(target, EngineOptions(max_tree_nodes=32, progress=False))
+    rounds = engine.generate(prompt, max_new_tokens=12, drafter=Recording(mamba, widths=widths))
+    committed = torch.cat([prompt, next(iter(rounds))])  # one round in: the state was carried over once
+    context = DraftContext(committed, None, 32)
+    drafter.begin(DraftContext(committed, None, 32))
+    tree = drafter.propose(context)
+    for node in range(tree.size):
+        children = tree.children(node)
+        if tree.depths[node] >= len(widths):
+            assert children.numel() == 0
+            continue
+        path = tree.tokens[tree.path_to(node)[1:]]
+        fresh = mamba(torch.cat([committed, path]).unsqueeze(0)).logits[0, -1]
+        expected = torch.topk(fresh.float(), widths[int(tree.depths[node])]).indices
+        assert tree.tokens[children].tolist() == expected.tolist()
+
+
+def test_state_memory_is_flat_in_the_context():
+    sizes = []
+    for length in (10, 400):
+        drafter = MambaDrafter(tiny_mamba(), widths=(2, 1))
+        tokens = random_ids(length, seed=length)[0]
+        drafter.begin(DraftContext(tokens, None, 8))
+        drafter.propose(DraftContext(tokens, None, 8))
+        sizes.append(drafter.state_nbytes())
+    assert sizes[0] == sizes[1] > 0

@@ -136,8 +136,13 @@ class MambaDrafter:
     def state_nbytes(self) -> int:
         if self.state is None:
             return 0
-        return sum(t.numel() * t.element_size() for layer in self.state.layers
-                   for t in (layer.conv_states, layer.recurrent_states) if isinstance(t, torch.Tensor))
+        total = 0
+        for layer in self.state.layers:
+            for states in (layer.conv_states, layer.recurrent_states):
+                # transformers keeps one tensor per state index (a dict), or the tensor itself
+                tensors = states.values() if isinstance(states, dict) else [states]
+                total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+        return total
 
     @property
     def arm_counts(self) -> dict[tuple[int, ...], int]:
