@@ -1,0 +1,86 @@
+"""Cost of Mamba tree drafting by batched states against a chain of the same depth,
+and drafter state memory by context length (Mamba against a transformer drafter).
+
+    python benchmarks/mamba_drafting.py --threads 1
+
+Weights do not change what a draft round costs, so the drafter is a randomly
+initialised Mamba the size of the paper's (mamba-130m: 24 layers, d_model 768, state
+16) with a 32k vocabulary (the reduced drafter vocabulary a 262k-vocabulary target
+needs); the transformer drafter for the memory table is our runtime's Gemma 3 270M
+(its KV cache bytes per context). Acceptance needs a trained drafter, which is not
+shipped yet; this measures the mechanics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from transformers import MambaConfig, MambaForCausalLM
+
+from common import machine, write_results
+from longspec.speculation.drafters.base import DraftContext
+from longspec.speculation.drafters.mamba import PAPER_TREES, MambaDrafter, tree_nodes
+
+
+def round_seconds(drafter: MambaDrafter, tokens: torch.Tensor, repeats: int) -> float:
+    """Median seconds of one propose after the catch-up (the tree's own drafting)."""
+    drafter.begin(DraftContext(tokens, None, 256))
+    drafter.propose(DraftContext(tokens, None, 256))  # catch-up over the prompt
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        drafter.propose(DraftContext(tokens, None, 256))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--vocab", type=int, default=32768)
+    parser.add_argument("--prompt", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768])
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=Path("bench-out/mamba_drafting.jsonl"))
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    config = MambaConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers, state_size=16,
+                         expand=2, conv_kernel=4)
+    mamba = MambaForCausalLM(config).to(torch.bfloat16).eval()
+    tokens = torch.randint(0, args.vocab, (args.prompt,))
+    rows = []
+    for widths in PAPER_TREES:
+        chain = (1,) * len(widths)
+        tree_s = round_seconds(MambaDrafter(mamba, widths=widths), tokens, args.repeats)
+        chain_s = round_seconds(MambaDrafter(mamba, widths=chain), tokens, args.repeats)
+        row = {"widths": list(widths), "nodes": tree_nodes(widths), "depth": len(widths), "tree_ms": 1e3 * tree_s,
+               "chain_ms": 1e3 * chain_s, "tree_vs_chain": tree_s / chain_s}
+        rows.append(row)
+        print(f"tree {widths} ({row['nodes']} nodes): {row['tree_ms']:.1f} ms, chain of {len(widths)}: "
+              f"{row['chain_ms']:.1f} ms -> {row['tree_vs_chain']:.2f}x", flush=True)
+
+    import longspec
+
+    target = longspec.load(dtype="bfloat16").model
+    drafter = MambaDrafter(mamba, widths=(1,))
+    for context in args.contexts:
+        drafter.begin(DraftContext(tokens, None, 8))
+        drafter.propose(DraftContext(tokens, None, 8))
+        mamba_bytes = drafter.state_nbytes()  # constant: it never depends on how many tokens were seen
+        transformer_bytes = target.new_cache(context, max_forward_tokens=1).nbytes()
+        rows.append({"context": context, "mamba_state_bytes": mamba_bytes, "transformer_cache_bytes": transformer_bytes})
+        print(f"context {context}: Mamba state {mamba_bytes / 2**20:.2f} MiB, Gemma 3 270M KV cache "
+              f"{transformer_bytes / 2**20:.1f} MiB", flush=True)
+    write_results(args.out, {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()}}, rows)
+
+
+if __name__ == "__main__":
+    main()
