@@ -64,7 +64,7 @@ class MambaDrafter:
             from transformers import AutoModelForCausalLM
 
             model = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
-        self.model = model.eval().requires_grad_(False)
+        self.model = fold_projections(model.eval().requires_grad_(False))
         self.widths = check_tree_config(widths)
         self.configs = tuple(check_tree_config(w) for w in search) if search is not None else (self.widths,)
         if not self.configs:
@@ -204,6 +204,35 @@ class MambaDrafter:
                 out = self.model(ids[:, i : i + 1], cache_params=self.state, use_cache=True)
         self._unfed = []
         return out.logits[0, -1]
+
+
+class FoldedLinear(torch.nn.Module):
+    """A linear layer applied to [..., in] inputs as one [rows, in] GEMM. The reference
+    Mamba step hands its projections transposed [B, 1, d] inputs, which `matmul` runs
+    as a batched product against the weight copied once per row (measured: 75 % of a
+    tree round at batch 18); folded, the weight is read once."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.linear = linear
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.linear.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.linear(x.reshape(-1, x.shape[-1]))
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def fold_projections(model):
+    """Wrap the x and output projections of every Mamba mixer in `FoldedLinear` (once)."""
+    for module in model.modules():
+        for name in ("x_proj", "out_proj"):
+            linear = getattr(module, name, None)
+            if isinstance(linear, torch.nn.Linear) and hasattr(module, "A_log"):
+                setattr(module, name, FoldedLinear(linear))
+    return model
 
 
 def _select(state, rows: torch.Tensor):
