@@ -217,8 +217,12 @@ class FoldedLinear(torch.nn.Module):
         self.linear = linear
 
     @property
-    def weight(self) -> torch.Tensor:
+    def weight(self) -> torch.Tensor:  # the fused GPU path reads the projections' tensors
         return self.linear.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.linear(x.reshape(-1, x.shape[-1]))
