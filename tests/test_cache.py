@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from longspec.runtime.attention import fused_attention, reference_attention
+from longspec.runtime.attention import fused_attention, reference_attention, sdpa_attention
 from tiny_models import SLIDING_WINDOW, random_ids, tiny_decoder
 
 EXACT = 1e-10
@@ -327,24 +327,31 @@ def _attention_case(seed: int):
     return q, k_prefix, v_prefix, prefix_mask, k_new, v_new, new_mask, scale
 
 
+# sdpa: the device-generic path a GPU takes where the Triton tree kernel does not.
+BACKENDS = pytest.mark.parametrize("backend", [fused_attention, sdpa_attention], ids=["fused", "sdpa"])
+
+
+@BACKENDS
 @pytest.mark.parametrize("seed", range(36))
-def test_fused_attention_equals_reference(seed):
+def test_fused_attention_equals_reference(seed, backend):
     args = _attention_case(seed)
-    fused = fused_attention(*args)
+    fused = backend(*args)
     assert torch.isfinite(fused).all()
     assert_exact(fused, reference_attention(*args))
 
 
+@BACKENDS
 @pytest.mark.parametrize("seed", range(6))
-def test_fused_attention_prefix_only(seed):
+def test_fused_attention_prefix_only(seed, backend):
     """Single-token decode on a full layer: no new part, no mask."""
     q, k_prefix, v_prefix, *_ , scale = _attention_case(seed * 4 + 3)  # P = 37
     q = q[:, :, :1]
     args = (q, k_prefix, v_prefix, None, None, None, None, scale)
-    assert_exact(fused_attention(*args), reference_attention(*args))
+    assert_exact(backend(*args), reference_attention(*args))
 
 
-def test_fused_attention_fully_masked_prefix_rows_fall_back_to_new_part():
+@BACKENDS
+def test_fused_attention_fully_masked_prefix_rows_fall_back_to_new_part(backend):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 4, 5, 16, generator=g, dtype=torch.float64)
     kp, vp = torch.randn(2, 1, 2, 9, 16, generator=g, dtype=torch.float64)
@@ -353,5 +360,5 @@ def test_fused_attention_fully_masked_prefix_rows_fall_back_to_new_part():
     new_mask = torch.ones(5, 5, dtype=torch.bool).tril()
     args = (q, kp, vp, prefix_mask, kn, vn, new_mask, 0.25)
     expected = reference_attention(q, kn[:, :, :0], vn[:, :, :0], None, kn, vn, new_mask, 0.25)
-    assert_exact(fused_attention(*args), expected)
+    assert_exact(backend(*args), expected)
     assert_exact(reference_attention(*args), expected)

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from longspec.runtime.device import HOST
 from longspec.runtime.loading import LoadedTarget, load_target
 from longspec.speculation.batch_engine import BatchEngine, BatchOptions, RequestHandle
 from longspec.speculation.drafters.base import Drafter
@@ -76,7 +77,7 @@ def _prompt_ids(prompt: Sequence[int] | torch.Tensor) -> torch.Tensor:
     if bad is not None:
         hint = "; for several prompts call generate_batch with a list of prompts" if isinstance(bad, (list, tuple)) else ""
         raise TypeError(f"prompt token ids must be integers, got {type(bad).__name__} {bad!r}{hint}")
-    return torch.tensor([int(x) for x in prompt], dtype=torch.long)
+    return torch.tensor([int(x) for x in prompt], dtype=torch.long, device=HOST)
 
 
 @dataclass
@@ -174,10 +175,13 @@ def load(
     *,
     dtype: str | torch.dtype = "bfloat16",
     engine: EngineOptions = EngineOptions(),
+    device: str | torch.device | None = None,
 ) -> "LongSpecModel":
     """Load a target: None for the embedded Gemma 3 270M, an HF checkpoint
-    directory, a .gguf file, or a model id already in the local HF cache."""
-    return LongSpecModel(load_target(model, dtype=parse_dtype(dtype)), engine)
+    directory, a .gguf file, or a model id already in the local HF cache.
+    device: "cpu" (default), "cuda" or "cuda:N"; the model, its caches, the drafters'
+    weights and state and the sampling streams all live there."""
+    return LongSpecModel(load_target(model, dtype=parse_dtype(dtype), device=device), engine)
 
 
 class LongSpecModel:
@@ -195,6 +199,10 @@ class LongSpecModel:
     def config(self):
         return self.model.config
 
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
     def encode(self, prompt: str | Sequence[int] | torch.Tensor, *, chat: bool = False) -> torch.Tensor:
         if isinstance(prompt, str):
             if not prompt:
@@ -208,7 +216,7 @@ class LongSpecModel:
             if chat:
                 return self.encode_chat([{"role": "user", "content": prompt}])
             with self._tokenizer_lock:
-                return torch.tensor(self.tokenizer(prompt).input_ids, dtype=torch.long)
+                return torch.tensor(self.tokenizer(prompt).input_ids, dtype=torch.long, device=HOST)
         ids = _prompt_ids(prompt)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}); got {int(ids.min())}..{int(ids.max())}")
@@ -227,7 +235,7 @@ class LongSpecModel:
         with self._tokenizer_lock:
             ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
         ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-        return torch.tensor(ids, dtype=torch.long)
+        return torch.tensor(ids, dtype=torch.long, device=HOST)
 
     def _check_text_fits(self, text: str) -> None:
         """Refuse text that cannot fit the context before tokenizing it (a 20 MB file
@@ -357,9 +365,10 @@ class LongSpecModel:
             drafter, name = make_drafter(method, **(method_options or {})), method
         else:
             drafter, name = method, type(method).__name__
-        generator = torch.Generator().manual_seed(seed) if seed is not None else torch.Generator().manual_seed(
-            int(torch.randint(0, 2**62, ()).item())
-        )
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (), device=HOST))
+        # The verifier draws on the model's device; a seed reproduces a run on one device.
+        generator = torch.Generator(device=self.device).manual_seed(seed)
         eos = () if ignore_eos else self.config.eos_token_ids
         return PreparedRequest(ids, max_new_tokens, params, drafter, eos, stops, generator, GenerationStats(method=name))
 

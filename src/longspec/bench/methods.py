@@ -107,7 +107,7 @@ class EngineMethod:
     def run(self, prompt, setting, max_new_tokens, eos_token_ids) -> RunOutput:
         drafter = self.make()
         stats = GenerationStats(method=self.name)
-        generator = torch.Generator().manual_seed(setting.seed)
+        generator = torch.Generator(device=self.target.device).manual_seed(setting.seed)
         tokens: list[int] = []
         timeline = []
         start = time.perf_counter()
@@ -175,7 +175,9 @@ class TransformersMethod:
         start = time.perf_counter()
         with torch.inference_mode():
             # An explicit mask: otherwise transformers masks every prompt token equal to pad_token_id.
-            out = self.peer.generate(prompt.unsqueeze(0), attention_mask=torch.ones(1, prompt.numel(), dtype=torch.long),
+            device = self.peer.device
+            out = self.peer.generate(prompt.unsqueeze(0).to(device),
+                                     attention_mask=torch.ones(1, prompt.numel(), dtype=torch.long, device=device),
                                      generation_config=config, streamer=clock)
         end = time.perf_counter()
         tokens = out.sequences[0, prompt.numel():].tolist()

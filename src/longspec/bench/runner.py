@@ -249,7 +249,7 @@ class BenchRunner:
         result = {"equal": False, "position": position,
                   "ours": tokens[position] if position < len(tokens) else None,
                   "reference": reference[position] if position < len(reference) else None}
-        context = torch.cat([prompt.ids, torch.tensor(reference[:position], dtype=torch.long)])
+        context = torch.cat([prompt.ids, torch.tensor(reference[:position], dtype=torch.long, device=prompt.ids.device)])
         logits = next_token_logits(self.target, context)
         top = torch.topk(logits.float(), 2)
         gap = float(top.values[0] - top.values[1])

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from longspec.cli.options import add_device_argument
 from longspec.cli.paths import check_output_directory
 
 DATA_ENV = "LONGSPEC_BENCH_DATA"
@@ -68,6 +69,7 @@ def add_parser(sub) -> None:
     p.add_argument("--no-chat", action="store_true", help="never apply the chat template")
     p.add_argument("--model", default=None, help="checkpoint dir, .gguf or cached HF id (default: Gemma 3 270M)")
     p.add_argument("--dtype", default="bfloat16")
+    add_device_argument(p)
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads for every method (default: torch's choice); 1 is steadier on a busy machine")
     p.add_argument("--data-dir", type=Path, default=None,
@@ -187,7 +189,7 @@ def run(args) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    model = longspec.load(args.model, dtype=args.dtype)
+    model = longspec.load(args.model, dtype=args.dtype, device=args.device)
     for spec in specs:
         check_prompt_ids(items[spec], model.config.vocab_size)
     prompts = []
@@ -204,7 +206,7 @@ def run(args) -> int:
         try:
             from transformers import AutoModelForCausalLM
 
-            peer = AutoModelForCausalLM.from_pretrained(model.target.source, dtype=model.model.dtype).eval()
+            peer = AutoModelForCausalLM.from_pretrained(model.target.source, dtype=model.model.dtype).to(model.device).eval()
         except (OSError, ValueError) as error:
             peer_error = f"transformers could not load {model.target.source}: {error}"
     methods, skipped = build_methods(method_names, model.model, peer=peer, engine_options=EngineOptions(progress=False),

@@ -1,9 +1,16 @@
-"""`KEY=VALUE` drafter options on the command line (`generate --option`, `bench --option`)."""
+"""Options shared by several commands: `KEY=VALUE` drafter options (`generate --option`,
+`bench --option`) and `--device`."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
+
+
+def add_device_argument(parser) -> None:
+    parser.add_argument("--device", default=None,
+                        help="where the model computes: cpu (default), cuda or cuda:N; refused before loading "
+                             "weights when the device is missing or cannot compute in --dtype")
 
 
 def parse_option(spec: str, example: str) -> tuple[str, Any]:

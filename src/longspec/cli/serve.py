@@ -6,6 +6,7 @@ import ipaddress
 import sys
 from pathlib import Path
 
+from longspec.cli.options import add_device_argument
 from longspec.speculation.methods import METHODS
 
 DEFAULT_HOST = "127.0.0.1"
@@ -28,6 +29,7 @@ def add_parser(sub) -> None:
     p.add_argument("--method", default="pld", choices=sorted(METHODS),
                    help="speculation method when a request names none (default: pld, lossless)")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) | float32 | float64")
+    add_device_argument(p)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
 
 
@@ -86,7 +88,7 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     from longspec.speculation.engine import EngineOptions
 
-    model = longspec.load(args.model, dtype=args.dtype, engine=EngineOptions(progress=False))
+    model = longspec.load(args.model, dtype=args.dtype, engine=EngineOptions(progress=False), device=args.device)
     app = create_app(model, options)
     batch = app.state.batch
     cache_bytes = model.batch_cache_bytes(batch)

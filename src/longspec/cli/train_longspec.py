@@ -6,6 +6,8 @@ import argparse
 import dataclasses
 from pathlib import Path
 
+from longspec.cli.options import add_device_argument
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("longspec", help="train a LongSpec/GLIDE cross-attention draft for a target")
@@ -22,6 +24,7 @@ def add_parser(sub) -> None:
                    help="start from this draft (.safetensors with its .json) instead of random weights; "
                         "its architecture and draft vocabulary are kept")
     p.add_argument("--dtype", default="bfloat16", help="target dtype (bfloat16 is the fast one on CPU)")
+    add_device_argument(p)
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=4, help="sequences per step per process")
@@ -104,9 +107,10 @@ def run(args) -> int:
         raise FileNotFoundError(f"--init-from: no draft weights at {args.init_from}")
     if args.init_from is not None and args.draft_vocab is not None:
         raise ValueError("--init-from keeps that draft's vocabulary; drop --draft-vocab")
+    device = _process_device(args.device)
     if dist.is_available() and not dist.is_initialized() and _launched_distributed():
-        dist.init_process_group("gloo")
-    target = load_target(args.model, dtype=parse_dtype(args.dtype))
+        dist.init_process_group("nccl" if device is not None and device.type == "cuda" else "gloo")
+    target = load_target(args.model, dtype=parse_dtype(args.dtype), device=device)
     if target.tokenizer is None and not (shards / "index.json").is_file():
         raise ValueError(f"{target.source} has no tokenizer; pass pre-built --shards")
     exclude = EXCLUDED_DIRS + tuple(args.exclude)
@@ -142,6 +146,22 @@ def _cross_window(args) -> int | None:
     if args.cross_window < 0:
         raise ValueError(f"--cross-window must be >= 0 (0: every key), got {args.cross_window}")
     return args.cross_window or None
+
+
+def _process_device(device: str | None):
+    """--device for this process: under `accelerate launch` / `torchrun` with --device cuda,
+    each process takes the GPU of its LOCAL_RANK."""
+    import os
+
+    import torch
+
+    from longspec.runtime.device import resolve_device
+
+    resolved = resolve_device(device)
+    if resolved.type == "cuda" and device in ("cuda", None) and _launched_distributed():
+        resolved = resolve_device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
+        torch.cuda.set_device(resolved)
+    return resolved
 
 
 def _launched_distributed() -> bool:

@@ -12,6 +12,11 @@ The two partial softmaxes are merged by their log-sum-exp. `reference_attention`
 computes the same thing the obvious way (concatenate, one masked softmax) and is
 the oracle in tests.
 
+`fused_attention` is the fast path of whatever device the tensors are on: PyTorch's
+CPU flash kernel on the CPU; on a GPU, the Triton tree kernel for a tree over an
+unmasked prefix (one pass, no merge) and `sdpa_attention` otherwise (PyTorch's
+scaled-dot-product kernels, which pick flash / memory-efficient / math per device).
+
 Shapes: q [B, Hq, T, D]; k_prefix/v_prefix [B, Hkv, P, D] (P may be 0);
 prefix_mask [T, P] or None (all visible); k_new/v_new [B, Hkv, T, D] or None
 (no new part: the caller already wrote them into the prefix); new_mask [T, T].
@@ -24,7 +29,13 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import functools
+import logging
+
 import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
 
 
 class Mask:
@@ -47,7 +58,7 @@ class Mask:
         [group*T, S], or [B, 1, group*T, S] for a per-row mask."""
         key = (dtype, group)
         if key not in self._bias:
-            bias = torch.zeros(self.visible.shape, dtype=dtype).masked_fill_(~self.visible, float("-inf"))
+            bias = torch.zeros(self.visible.shape, dtype=dtype, device=self.visible.device).masked_fill_(~self.visible, float("-inf"))
             if group > 1:
                 bias = bias.repeat(1, group, 1) if self.per_row else bias.repeat(group, 1)
             self._bias[key] = bias.unsqueeze(1) if self.per_row else bias
@@ -81,11 +92,14 @@ def reference_attention(q, k_prefix, v_prefix, prefix_mask, k_new, v_new, new_ma
     group = Hq // k_prefix.shape[1]
     P = k_prefix.shape[2]
     keys, values = k_prefix, v_prefix
-    mask = as_mask(prefix_mask).visible if prefix_mask is not None else torch.ones((T, P), dtype=torch.bool)
+    mask = as_mask(prefix_mask).visible if prefix_mask is not None else torch.ones((T, P), dtype=torch.bool, device=q.device)
     if k_new is not None:
         keys = torch.cat([k_prefix, k_new], dim=2)
         values = torch.cat([v_prefix, v_new], dim=2)
-        mask = torch.cat([mask, as_mask(new_mask).visible], dim=-1)
+        new_visible = as_mask(new_mask).visible
+        if new_visible.dim() > mask.dim():  # per-row tree masks over a prefix shared by all
+            mask = mask.expand(B, *mask.shape)
+        mask = torch.cat([mask, new_visible], dim=-1)
     if mask.dim() == 3:
         mask = mask.unsqueeze(1)  # one mask per batch row, shared by its heads
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -98,9 +112,14 @@ def reference_attention(q, k_prefix, v_prefix, prefix_mask, k_new, v_new, new_ma
 
 
 def fused_attention(q, k_prefix, v_prefix, prefix_mask, k_new, v_new, new_mask, scale):
-    """PyTorch's CPU flash kernel for both parts (it returns the log-sum-exp that
-    the merge needs). Grouped queries are stacked along the sequence axis so one
-    K/V head serves its whole group without being copied."""
+    """The device's fast path (see the module's doc). On the CPU: PyTorch's flash
+    kernel for both parts (it returns the log-sum-exp that the merge needs). Grouped
+    queries are stacked along the sequence axis so one K/V head serves its whole
+    group without being copied."""
+    if q.device.type != "cpu":
+        if k_new is not None and prefix_mask is None and tree_kernel_fits(q, new_mask):
+            return tree_kernel_attention(q, k_prefix, v_prefix, new_mask, k_new, v_new, scale)
+        return sdpa_attention(q, k_prefix, v_prefix, prefix_mask, k_new, v_new, new_mask, scale)
     out_prefix, lse_prefix = None, None
     if k_prefix.shape[2] > 0:
         out_prefix, lse_prefix = _grouped_flash(q, k_prefix, v_prefix, prefix_mask, scale)
@@ -114,10 +133,99 @@ def fused_attention(q, k_prefix, v_prefix, prefix_mask, k_new, v_new, new_mask, 
     return merge_partial_attention(out_prefix, lse_prefix, out_new, lse_new)
 
 
+def sdpa_attention(q, k_prefix, v_prefix, prefix_mask, k_new, v_new, new_mask, scale):
+    """Any device. One part (no new keys): PyTorch's `scaled_dot_product_attention`
+    with grouped query heads stacked (K/V never repeated). Two parts: each with its
+    log-sum-exp in float32 (float64 stays float64), merged."""
+    if k_new is None:
+        if k_prefix.shape[2] == 0:
+            raise ValueError("attention over zero keys")
+        return _grouped_sdpa(q, k_prefix, v_prefix, as_mask(prefix_mask), scale)
+    out_new, lse_new = _grouped_attention_with_lse(q, k_new, v_new, as_mask(new_mask), scale)
+    if k_prefix.shape[2] == 0:
+        return out_new.to(q.dtype)
+    out_prefix, lse_prefix = _grouped_attention_with_lse(q, k_prefix, v_prefix, as_mask(prefix_mask), scale)
+    return merge_partial_attention(out_prefix, lse_prefix, out_new, lse_new).to(q.dtype)
+
+
+def tree_kernel_fits(q, new_mask) -> bool:
+    """Whether the Triton tree kernel serves this call (a GPU tensor of a dtype it
+    computes in, Triton installed); the first refusal is logged with its reason."""
+    reason = _tree_kernel_unavailable()
+    if reason is None and q.dtype not in _tree_kernel_dtypes():
+        reason = f"it does not compute in {q.dtype}"
+    if reason is not None:
+        _log_fallback_once(q.device.type, reason)
+        return False
+    return True
+
+
+def tree_kernel_attention(q, k_prefix, v_prefix, new_mask, k_new, v_new, scale):
+    """The Triton tree kernel behind the backend signature: every row reads its whole
+    prefix (no prefix mask), the new tokens under `new_mask` ([T, T] or [B, T, T])."""
+    from longspec.runtime.triton_tree_attention import tree_attention
+
+    B, P = q.shape[0], k_prefix.shape[2]
+    lengths = torch.full((B,), P, dtype=torch.int32, device=q.device)
+    out, _ = tree_attention(q, k_prefix, v_prefix, lengths, k_new, v_new, as_mask(new_mask).visible, scale)
+    return out
+
+
+@functools.cache
+def _log_fallback_once(device_type: str, reason: str) -> None:
+    logger.warning("tree attention on %s uses PyTorch's SDPA kernels: the Triton kernel is unavailable (%s)",
+                   device_type, reason)
+
+
+def _tree_kernel_unavailable() -> str | None:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed"
+    return None
+
+
+def _tree_kernel_dtypes() -> tuple[torch.dtype, ...]:
+    from longspec.runtime.triton_tree_attention import SUPPORTED_DTYPES
+
+    return SUPPORTED_DTYPES
+
+
+def _grouped_sdpa(q, k, v, mask, scale):
+    B, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    group = Hq // Hkv
+    stacked = q.reshape(B, Hkv, group * T, D)
+    additive = None if mask is None else mask.bias(q.dtype, group)
+    out = F.scaled_dot_product_attention(stacked, k, v, attn_mask=additive, scale=scale).reshape(B, Hq, T, D)
+    if mask is not None and mask.has_empty_rows:  # rows that see no key: 0, not NaN
+        out = out.masked_fill(mask.head_broadcast(mask.empty_rows).unsqueeze(-1), 0.0)
+    return out
+
+
+def _grouped_attention_with_lse(q, k, v, mask, scale):
+    """Output (in the compute dtype) and log-sum-exp [B, Hq, T] (-inf for a query
+    that sees no key), scores materialised once per call: this serves the few tree
+    queries of a round, not a long prefill."""
+    B, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    group = Hq // Hkv
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    stacked = q.reshape(B, Hkv, group * T, D).to(compute)
+    scores = (stacked @ k.to(compute).transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores + mask.bias(compute, group)
+    lse = scores.logsumexp(dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num_(0.0)
+    out = (probs @ v.to(compute)).reshape(B, Hq, T, D)
+    return out, lse.reshape(B, Hq, T)
+
+
 def biased_attention(q, k, v, bias, scale):
     """Attention of q [B, Hq, T, D] over k/v [B, Hkv, S, D] with an additive bias
     [Hq, T, S] per query head (-inf hides a key; a row that sees no key gives 0),
-    through the same flash kernel, grouped query heads stacked so K/V are never repeated."""
+    through the same flash kernel (SDPA off the CPU), grouped query heads stacked so
+    K/V are never repeated."""
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
     group = Hq // Hkv
@@ -126,9 +234,12 @@ def biased_attention(q, k, v, bias, scale):
         bias = bias.masked_fill(empty.unsqueeze(-1), 0.0)
     stacked = q.reshape(B, Hkv, group * T, D)
     additive = bias.to(q.dtype).reshape(1, Hkv, group * T, bias.shape[-1])
-    out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        stacked, k, v, 0.0, False, attn_mask=additive, scale=scale
-    )
+    if q.device.type == "cpu":
+        out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            stacked, k, v, 0.0, False, attn_mask=additive, scale=scale
+        )
+    else:
+        out = F.scaled_dot_product_attention(stacked, k, v, attn_mask=additive, scale=scale)
     return out.reshape(B, Hq, T, D).masked_fill(empty.view(1, Hq, T, 1), 0.0)
 
 

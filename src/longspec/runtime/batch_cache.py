@@ -24,6 +24,7 @@ import torch
 
 from longspec.runtime.cache import EMPTY_SLOT, layer_groups, ring_slots
 from longspec.runtime.config import DecoderConfig
+from longspec.runtime.device import HOST
 
 
 class CacheRow:
@@ -64,6 +65,7 @@ class BatchKVCache:
         if max_forward_tokens < 1:
             raise ValueError(f"max_forward_tokens must be >= 1, got {max_forward_tokens}")
         self.config = config
+        self.device = torch.device(device)
         self.row_capacity = row_capacity
         self.max_rows = max_rows
         self.max_forward_tokens = max_forward_tokens
@@ -147,7 +149,7 @@ class BatchKVCache:
         """What a cache of this shape allocates, before allocating it."""
         groups = layer_groups(config)
         ring_size = ring_slots(config, row_capacity, max_forward_tokens)
-        per_slot = 2 * max_rows * config.num_kv_heads * config.head_dim * torch.empty((), dtype=dtype).element_size()
+        per_slot = 2 * max_rows * config.num_kv_heads * config.head_dim * dtype.itemsize
         return per_slot * (len(groups.full) * row_capacity + len(groups.ring) * ring_size)
 
     def bytes_per_row(self) -> int:
@@ -215,7 +217,7 @@ class RowsView:
 
     def next_positions(self, T: int) -> torch.Tensor:
         """[B, T] positions of T consecutive tokens after each row's prefix."""
-        return self.lengths.unsqueeze(1) + torch.arange(T)
+        return self.lengths.unsqueeze(1) + torch.arange(T, device=self.cache.device)
 
     # ---------------------------------------------------------------- forward
     def begin_forward(self, positions: torch.Tensor) -> None:
@@ -231,8 +233,9 @@ class RowsView:
             raise ValueError(f"a row is full: {longest} committed + {T} new tokens > row capacity {self.cache.row_capacity}")
         self._pending = T
         self.cache.pending_view = self
-        self._batch_index = torch.arange(self.begin, self.end).unsqueeze(1)  # [B, 1]
-        self.pending_slots = self.lengths.unsqueeze(1) + torch.arange(T)  # [B, T] full-layer slots
+        device = self.cache.device
+        self._batch_index = torch.arange(self.begin, self.end, device=device).unsqueeze(1)  # [B, 1]
+        self.pending_slots = self.lengths.unsqueeze(1) + torch.arange(T, device=device)  # [B, T] full-layer slots
         if self.ring_size:
             self.pending_ring_slots = self.pending_slots % self.ring_size
             self.cache.ring_positions[self._batch_index, self.pending_ring_slots] = positions
@@ -265,7 +268,7 @@ class RowsView:
         a row's committed prefix, then its own pending tokens under its tree mask."""
         T = self.pending
         S = int(self.lengths.max()) + T
-        visible = torch.arange(S).view(1, 1, S) < self.lengths.view(-1, 1, 1)
+        visible = torch.arange(S, device=self.cache.device).view(1, 1, S) < self.lengths.view(-1, 1, 1)
         visible = visible.expand(-1, T, -1).clone()
         visible.scatter_(2, self.pending_slots.unsqueeze(1).expand(-1, T, -1), tree_mask)
         return visible
@@ -291,22 +294,25 @@ class RowsView:
         T, B = self.pending, self.batch_size
         if c.pending_view is not self:
             raise RuntimeError("this view has no pending forward to commit")
+        device = c.device
         lengths = self.lengths.clone()
         if kept is None:
-            counts = torch.full((B,), T, dtype=torch.long)
+            counts = torch.full((B,), T, dtype=torch.long, device=device)
         else:
             if len(kept) != B:
                 raise ValueError(f"commit needs one kept-index tensor per row ({B}), got {len(kept)}")
-            kept = [k.to(torch.long).reshape(-1) for k in kept]
+            # Paths are host bookkeeping: check and index them there, move the indexes once.
+            kept = [k.to(device=HOST, dtype=torch.long).reshape(-1) for k in kept]
             for b, k in enumerate(kept):
                 if k.numel() > T or (k.numel() and (int(k.max()) >= T or int(k.min()) < 0)):
                     raise ValueError(f"row {b}: kept indices {k.tolist()} out of range for {T} pending tokens")
-            counts = torch.tensor([k.numel() for k in kept], dtype=torch.long)
-            moves = [(b, k) for b, k in enumerate(kept) if not bool((k == torch.arange(k.numel())).all())]
+            counts = torch.tensor([k.numel() for k in kept], dtype=torch.long, device=device)
+            moves = [(b, k) for b, k in enumerate(kept) if not bool((k == torch.arange(k.numel(), device=HOST)).all())]
             if moves:
-                rows = torch.cat([torch.full((k.numel(),), self.begin + b) for b, k in moves])
-                src = torch.cat([lengths[b] + k for b, k in moves])
-                dst = torch.cat([lengths[b] + torch.arange(k.numel()) for b, k in moves])
+                host_lengths = lengths.tolist()
+                rows = torch.cat([torch.full((k.numel(),), self.begin + b, device=HOST) for b, k in moves]).to(device)
+                src = torch.cat([host_lengths[b] + k for b, k in moves]).to(device)
+                dst = torch.cat([host_lengths[b] + torch.arange(k.numel(), device=HOST) for b, k in moves]).to(device)
                 if c.full_k.shape[0]:
                     c.full_k[:, rows, :, dst] = c.full_k[:, rows, :, src]
                     c.full_v[:, rows, :, dst] = c.full_v[:, rows, :, src]
@@ -316,7 +322,7 @@ class RowsView:
                     c.ring_v[:, rows, :, rdst] = c.ring_v[:, rows, :, rsrc]
         if c.ring_size and T:
             c.ring_positions[self._batch_index, self.pending_ring_slots] = EMPTY_SLOT
-            index = torch.arange(T).unsqueeze(0)
+            index = torch.arange(T, device=device).unsqueeze(0)
             keep = index < counts.unsqueeze(1)  # [B, T]
             new_positions = lengths.unsqueeze(1) + index
             rows = self._batch_index.expand(-1, T)[keep]
@@ -326,4 +332,4 @@ class RowsView:
         c.pending_view = None
 
     def drop_pending(self) -> None:
-        self.commit([torch.empty(0, dtype=torch.long)] * self.batch_size)
+        self.commit([torch.empty(0, dtype=torch.long, device=HOST)] * self.batch_size)

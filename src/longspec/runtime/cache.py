@@ -69,6 +69,7 @@ class KVCache:
         if max_forward_tokens < 1:
             raise ValueError(f"max_forward_tokens must be >= 1, got {max_forward_tokens}")
         self.config = config
+        self.device = torch.device(device)
         self.capacity = capacity
         self.max_forward_tokens = max_forward_tokens
         self.window = config.sliding_window
@@ -84,12 +85,12 @@ class KVCache:
         self.ring_positions = torch.full((self.ring_size,), EMPTY_SLOT, dtype=torch.long, device=device)
         self.length = 0  # committed tokens
         self.pending = 0  # tokens appended by the last forward, not yet committed or dropped
-        self.pending_ring_slots = torch.empty(0, dtype=torch.long)
+        self.pending_ring_slots = torch.empty(0, dtype=torch.long, device=self.device)
 
     # ---------------------------------------------------------------- forward side
     def next_positions(self, T: int) -> torch.Tensor:
         """Positions of T consecutive tokens after the committed prefix."""
-        return self.length + torch.arange(T)
+        return self.length + torch.arange(T, device=self.device)
 
     def begin_forward(self, positions: torch.Tensor) -> None:
         """Reserve slots for T new tokens at the given RoPE positions."""
@@ -148,14 +149,14 @@ class KVCache:
             kept_count = T
             in_place = True
         else:
-            kept = kept.to(torch.long)
+            kept = kept.to(device=self.device, dtype=torch.long)
             kept_count = kept.numel()
             if kept_count > T or (kept_count and (int(kept.max()) >= T or int(kept.min()) < 0)):
                 raise ValueError(f"kept indices {kept.tolist()} out of range for {T} pending tokens")
-            in_place = bool((kept == torch.arange(kept_count)).all())
+            in_place = bool((kept == torch.arange(kept_count, device=self.device)).all())
         if not in_place:
             src = L + kept
-            dst = L + torch.arange(kept_count)
+            dst = L + torch.arange(kept_count, device=self.device)
             if self.full_k.shape[0]:
                 self.full_k[:, :, :, dst] = self.full_k[:, :, :, src]
                 self.full_v[:, :, :, dst] = self.full_v[:, :, :, src]
@@ -165,13 +166,13 @@ class KVCache:
                 self.ring_v[:, :, :, rdst] = self.ring_v[:, :, :, rsrc]
         if self.ring_size and T:
             self.ring_positions[self.pending_ring_slots] = EMPTY_SLOT
-            kept_slots = (L + torch.arange(kept_count)) % self.ring_size
-            self.ring_positions[kept_slots] = L + torch.arange(kept_count)
+            kept_positions = L + torch.arange(kept_count, device=self.device)
+            self.ring_positions[kept_positions % self.ring_size] = kept_positions
         self.length = L + kept_count
         self.pending = 0
 
     def drop_pending(self) -> None:
-        self.commit(torch.empty(0, dtype=torch.long))
+        self.commit(torch.empty(0, dtype=torch.long, device=self.device))
 
     def rollback(self, length: int) -> None:
         """Forget committed tokens from ``length`` on."""

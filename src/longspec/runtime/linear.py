@@ -19,7 +19,7 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
         return None
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
-        probe = torch.randn(2, weight.shape[1], dtype=weight.dtype)
+        probe = torch.randn(2, weight.shape[1], dtype=weight.dtype, device=weight.device)
         packed_out = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
         if not torch.allclose(packed_out.float(), F.linear(probe, weight).float(), rtol=2e-2, atol=2e-2):
             return None

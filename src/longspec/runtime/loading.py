@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from longspec.runtime.config import DecoderConfig, rope_tables
+from longspec.runtime.device import HOST, check_dtype_on_device, resolve_device
 from longspec.runtime.model import Decoder
 
 
@@ -76,13 +77,25 @@ def decoder_from_state_dict(hf_config, state_dict: dict[str, torch.Tensor], dtyp
     return model.eval().prepare()
 
 
-def load_target(source: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.bfloat16) -> LoadedTarget:
+def load_target(source: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.bfloat16,
+                device: str | torch.device | None = None) -> LoadedTarget:
     """Load a target model and its tokenizer.
 
     source: None for the embedded default (Gemma 3 270M), a .gguf file, an HF
     checkpoint directory (config.json + *.safetensors), or a model id in the local HF
     cache (no network is used).
+    device: where the model computes ("cpu", "cuda", "cuda:N"; None: the CPU). A device
+    that is missing or cannot compute in `dtype` is refused before any weight is read.
     """
+    device = resolve_device(device)
+    check_dtype_on_device(dtype, device)
+    target = _load_on_host(source, dtype)
+    if device != HOST:
+        target.model.place(device)
+    return target
+
+
+def _load_on_host(source: str | os.PathLike | None, dtype: torch.dtype) -> LoadedTarget:
     if source is None:
         from longspec.runtime.default_model import default_checkpoint_dir
 

@@ -162,6 +162,10 @@ class Decoder(nn.Module):
         return self.embed_weight.dtype
 
     @property
+    def device(self) -> torch.device:
+        return self.embed_weight.device
+
+    @property
     def head_weight(self) -> torch.Tensor:
         return self.embed_weight if self.lm_head_weight is None else self.lm_head_weight
 
@@ -172,14 +176,14 @@ class Decoder(nn.Module):
             batch_size=batch_size,
             max_forward_tokens=max_forward_tokens,
             dtype=self.dtype,
-            device=self.embed_weight.device,
+            device=self.device,
         )
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed_weight)
         if self.config.embedding_scale is not None:
             # transformers rounds the scale to the activation dtype first; so do we.
-            x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
+            x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype, device=x.device)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -211,8 +215,12 @@ class Decoder(nn.Module):
         The new tokens are left *pending* in the cache: call cache.commit(...).
         """
         B, T = input_ids.shape
-        if positions is None:
-            positions = cache.next_positions(T)
+        # Callers may pass host tensors (a tree's tokens, depths and mask): one copy here.
+        device = self.device
+        input_ids = input_ids.to(device)
+        if tree_mask is not None:
+            tree_mask = tree_mask.to(device)
+        positions = cache.next_positions(T) if positions is None else positions.to(device)
         cache.begin_forward(positions)
         plan = self._plan(T, cache, tree_mask, positions)
         rope = {s: self._rope(plan.positions, s) for s in set(self.config.layer_is_sliding)}
@@ -243,9 +251,13 @@ class Decoder(nn.Module):
                 best_index = torch.where(better, index, best_index)
         return best_index
 
+    def place(self, device: torch.device) -> "Decoder":
+        """Move the weights to `device` and derive its inference-time weights again."""
+        return self.to(device).prepare()
+
     def prepare(self) -> "Decoder":
-        """Derive inference-time weights (prepacked matrices, norm scales). Call after
-        loading or changing weights; the loaders do."""
+        """Derive inference-time weights (prepacked matrices on CPU, norm scales). Call
+        after loading, moving or changing weights; the loaders do."""
         for layer in self.layers:
             layer.prepare()
         self.final_norm.prepare()
@@ -256,7 +268,7 @@ class Decoder(nn.Module):
         if positions.dim() == 2:
             return self._rows_plan(T, cache, tree_mask, positions)
         if tree_mask is None:
-            new_mask = torch.ones((T, T), dtype=torch.bool).tril_()
+            new_mask = torch.ones((T, T), dtype=torch.bool, device=positions.device).tril_()
         else:
             new_mask = tree_mask
         ring_mask = None
@@ -273,7 +285,7 @@ class Decoder(nn.Module):
         committed length, positions and tree."""
         B = positions.shape[0]
         if tree_mask is None:
-            tree_mask = torch.ones((T, T), dtype=torch.bool).tril_()
+            tree_mask = torch.ones((T, T), dtype=torch.bool, device=positions.device).tril_()
         tree_mask = tree_mask.expand(B, T, T)
         sliding = self.config.layer_is_sliding
         full_mask = Mask(cache.full_mask(tree_mask)) if not all(sliding) else None

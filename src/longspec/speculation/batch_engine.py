@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from longspec.runtime.batch_cache import BatchKVCache, CacheRow
+from longspec.runtime.device import HOST
 from longspec.runtime.model import Decoder
 from longspec.speculation.drafters.base import DraftContext, Drafter, TargetView
 from longspec.speculation.engine import (
@@ -104,7 +105,7 @@ class RequestHandle:
 
     @property
     def tokens(self) -> torch.Tensor:
-        return torch.cat(self._all) if self._all else torch.empty(0, dtype=torch.long)
+        return torch.cat(self._all) if self._all else torch.empty(0, dtype=torch.long, device=HOST)
 
     def _push(self, new: torch.Tensor) -> None:
         self._rounds.append(new)
@@ -194,7 +195,7 @@ class BatchEngine:
     ) -> RequestHandle:
         """Queue a request; it joins at the next `step` with a free row. Everything
         that can be refused is refused here, before any prefill."""
-        prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)
+        prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=HOST).reshape(-1)
         self._single.check_request(prompt.numel(), max_new_tokens)
         check_target = getattr(drafter, "check_target", None)
         if check_target is not None:
@@ -216,10 +217,10 @@ class BatchEngine:
         stats.kv_cache_bytes = self.cache.bytes_per_row()
         handle = RequestHandle(self._next_id, stats)
         self._next_id += 1
-        tokens = torch.empty(prompt.numel() + max_new_tokens, dtype=torch.long)
+        tokens = torch.empty(prompt.numel() + max_new_tokens, dtype=torch.long, device=HOST)
         tokens[: prompt.numel()] = prompt
         row = _Row(handle, prompt, params, max_new_tokens, drafter,
-                   torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long), generator, tokens, prompt.numel(), budget)
+                   torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=HOST), generator, tokens, prompt.numel(), budget)
         self._waiting.append(row)
         return handle
 
@@ -347,7 +348,8 @@ class BatchEngine:
         self.padding_nodes += ids.numel() - sum(tree.size for tree in trees)
         out = self.model(ids, view, tree_mask=masks, positions=positions, with_logits=False)
         width = ids.shape[1]
-        real = torch.cat([b * width + torch.arange(tree.size) for b, tree in enumerate(trees)])
+        real = torch.cat([b * width + torch.arange(tree.size, device=HOST) for b, tree in enumerate(trees)])
+        real = real.to(out.hidden.device)
         hidden = out.hidden.reshape(-1, out.hidden.shape[-1])[real]
         logits = self.model.logits(hidden).split([tree.size for tree in trees])
         hidden = hidden.split([tree.size for tree in trees])
@@ -360,7 +362,7 @@ class BatchEngine:
             if row.params.uses_history:
                 histories = node_histories(row.tokens[: row.length], tree, row.params.penalty_window)
             verdict = verify(tree, row_logits, histories, row.params, row.generator)
-            row.view.last_hidden = row_hidden[verdict.path]
+            row.view.last_hidden = row_hidden[verdict.path.to(row_hidden.device)]
             paths.append(verdict)
             row.stats.verify_s += forward_s + time.perf_counter() - t1
         t1 = time.perf_counter()
@@ -370,7 +372,7 @@ class BatchEngine:
         finished = []
         for row, tree, verdict in zip(rows, trees, paths):
             t2 = time.perf_counter()
-            new = torch.cat([tree.tokens[verdict.path[1:]], torch.tensor([verdict.bonus])])
+            new = torch.cat([tree.tokens[verdict.path[1:]], torch.tensor([verdict.bonus], device=HOST)])
             new, stop_reason = truncate_at_stop(new, row.eos, row.max_new_tokens - row.produced)
             row.tokens[row.length : row.length + new.numel()] = new
             row.length += new.numel()
@@ -415,14 +417,15 @@ class BatchEngine:
 def _pad_trees(trees: Sequence[Tree], lengths: torch.Tensor):
     """Token ids [B, W], positions [B, W] and tree masks [B, W, W] of trees padded to
     the widest. A padding node sees only itself (no row of a mask is empty) and is
-    never kept; its position is the root's."""
+    never kept; its position is the root's. Built on the host (trees live there);
+    the forward moves ids and masks to the device in one copy each."""
     B, width = len(trees), max(tree.size for tree in trees)
-    ids = torch.zeros((B, width), dtype=torch.long)
-    depths = torch.zeros((B, width), dtype=torch.long)
-    masks = torch.eye(width, dtype=torch.bool).repeat(B, 1, 1)
+    ids = torch.zeros((B, width), dtype=torch.long, device=HOST)
+    depths = torch.zeros((B, width), dtype=torch.long, device=HOST)
+    masks = torch.eye(width, dtype=torch.bool, device=HOST).repeat(B, 1, 1)
     for b, tree in enumerate(trees):
         n = tree.size
         ids[b, :n] = tree.tokens
         depths[b, :n] = tree.depths
         masks[b, :n, :n] = tree.ancestor_mask()
-    return ids, lengths.unsqueeze(1) + depths, masks
+    return ids, lengths.unsqueeze(1) + depths.to(lengths.device), masks

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from longspec.runtime.device import HOST, device_name, synchronize
 from longspec.runtime.machine import machine_identity
 from longspec.runtime.model import Decoder
 from longspec.speculation.tree import Tree
@@ -34,7 +35,7 @@ FORMAT = "longspec-forward-cost/1"
 def binary_tree_parents(k: int) -> torch.Tensor:
     """Parents of a root plus k nodes shaped like a binary heap: depth ~log2 k, the
     middle ground between a chain (depth k) and a star (depth 1)."""
-    return torch.tensor([-1] + [(i - 1) // 2 for i in range(1, k + 1)], dtype=torch.long)
+    return torch.tensor([-1] + [(i - 1) // 2 for i in range(1, k + 1)], dtype=torch.long, device=HOST)
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ def cost_key(model: Decoder, context: int, machine: dict) -> dict:
     """Everything the measurement depends on."""
     config = json.dumps(asdict(model.config), sort_keys=True, default=str)
     return {
-        "machine": machine, "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "machine": machine, "device": device_name(model.device), "threads": torch.get_num_threads(), "torch": torch.__version__,
         "model": hashlib.sha256(config.encode()).hexdigest()[:16], "dtype": str(model.dtype), "context": context,
     }
 
@@ -109,7 +110,7 @@ def measure_forward_cost(
         raise ValueError(f"context {context} + {ks[-1]} tokens must fit the model's "
                          f"{model.config.max_position_embeddings} positions")
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (context + ks[-1],), generator=generator)
+    ids = torch.randint(0, model.config.vocab_size, (context + ks[-1],), generator=generator, device=HOST)
     cache = model.new_cache(context + ks[-1] + 1, max_forward_tokens=max(512, ks[-1]))
     with torch.inference_mode():
         for begin in range(0, context, 512):
@@ -124,6 +125,7 @@ def measure_forward_cost(
             for attempt in range(repeats + 1):
                 start = clock()
                 model(tree.tokens.unsqueeze(0), cache, tree_mask=mask, positions=positions)
+                synchronize(model.device)
                 elapsed = clock() - start
                 cache.drop_pending()
                 if attempt:  # the first run warms kernels and allocations

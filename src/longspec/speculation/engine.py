@@ -19,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from longspec.runtime.cache import KVCache
+from longspec.runtime.device import HOST, synchronize
 from longspec.runtime.model import Decoder
 from longspec.speculation.drafters.base import DraftContext, Drafter, TargetView
 from longspec.speculation.metrics import GenerationStats
@@ -79,7 +80,7 @@ class SpeculativeEngine:
 
         ``generator`` is the verifier's random stream; a drafter that samples gets its
         own stream derived from the same seed (see `DraftContext.generator`)."""
-        prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)
+        prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=HOST).reshape(-1)
         self.check_request(prompt.numel(), max_new_tokens)
         check_target = getattr(drafter, "check_target", None)
         if check_target is not None:
@@ -91,14 +92,15 @@ class SpeculativeEngine:
         capacity = prompt.numel() + max_new_tokens + tree_budget + 1
         cache = self.model.new_cache(capacity, max_forward_tokens=max(opts.prefill_chunk, tree_budget + 1))
         stats.kv_cache_bytes = cache.nbytes()
-        tokens = torch.empty(capacity, dtype=torch.long)
+        tokens = torch.empty(capacity, dtype=torch.long, device=HOST)
         tokens[: prompt.numel()] = prompt
         length = prompt.numel()  # committed tokens, the root included
-        eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long)
+        eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=HOST)
 
         start = time.perf_counter()
         keep_hidden = int(getattr(drafter, "prefill_hidden_rows", 0) or 0)
         prefill_hidden = self._prefill(prompt[:-1], cache, keep_hidden)
+        synchronize(self.model.device)  # a GPU queues the prefill: wait, so prefill_s measures it
         stats.prefill_s = time.perf_counter() - start
 
         view = TargetView(self.model, cache)
@@ -115,10 +117,10 @@ class SpeculativeEngine:
                 tree = self._propose(drafter, DraftContext(tokens[:length], view, tree_budget, draft_generator))
             t1 = time.perf_counter()
             verdict, hidden = self._verify_round(tree, tokens, length, cache, params, generator)
-            view.last_hidden = hidden[verdict.path]
+            view.last_hidden = hidden[verdict.path.to(hidden.device)]
             t2 = time.perf_counter()
             cache.commit(verdict.path)
-            new = torch.cat([tree.tokens[verdict.path[1:]], torch.tensor([verdict.bonus])])
+            new = torch.cat([tree.tokens[verdict.path[1:]], torch.tensor([verdict.bonus], device=HOST)])
             new, stop_reason = truncate_at_stop(new, eos, max_new_tokens - produced)
             tokens[length : length + new.numel()] = new
             length += new.numel()
@@ -194,9 +196,9 @@ def node_histories(committed: torch.Tensor, tree: Tree, window: int) -> torch.Te
     committed tokens followed by the node's own path below the root (-1 padded)."""
     n, depth = tree.size, tree.max_depth
     recent = committed[-window:]
-    shared = torch.full((window,), -1, dtype=torch.long)
+    shared = torch.full((window,), -1, dtype=torch.long, device=HOST)
     shared[window - recent.numel() :] = recent
-    path_tokens = torch.full((n, depth), -1, dtype=torch.long)
+    path_tokens = torch.full((n, depth), -1, dtype=torch.long, device=HOST)
     if depth:
         node, ancestor = torch.nonzero(tree.ancestor_mask() & (tree.depths > 0).unsqueeze(0), as_tuple=True)
         path_tokens[node, tree.depths[ancestor] - 1] = tree.tokens[ancestor]

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from longspec.runtime.device import HOST
+
 
 class MalformedTreeError(ValueError):
     """A tree breaks one of its invariants; the message names the node and the rule."""
@@ -48,6 +50,8 @@ class Tree:
         for name, array in (("tokens", tokens), ("parents", parents), ("depths", depths)):
             if not isinstance(array, torch.Tensor) or array.dtype != torch.long or array.ndim != 1:
                 return f"{name} must be a 1-D int64 tensor"
+            if array.device != HOST:
+                return f"{name} must be on the host (CPU), got {array.device}: build trees with Tree.from_parents/chain"
         n = tokens.numel()
         if n < 1:
             return "a tree needs at least its root node"
@@ -95,7 +99,7 @@ class Tree:
         if bad_row is not None:
             return f"node {bad_row}: draft_probs row sums to {float(sums[bad_row]):.6g}, not 1 (nor 0 for an unused row)"
         if self.children_sampled and self.size > 1:
-            child_q = q[self.parents[1:], self.tokens[1:]]
+            child_q = q[self.parents[1:].to(q.device), self.tokens[1:].to(q.device)]
             bad_child = _first(child_q <= 0)
             if bad_child is not None:
                 i = bad_child + 1
@@ -112,8 +116,8 @@ class Tree:
     # ------------------------------------------------------------------ builders
     @staticmethod
     def from_parents(tokens: torch.Tensor, parents: torch.Tensor, **kwargs) -> "Tree":
-        tokens = torch.as_tensor(tokens, dtype=torch.long)
-        parents = torch.as_tensor(parents, dtype=torch.long)
+        tokens = torch.as_tensor(tokens, dtype=torch.long, device=HOST)
+        parents = torch.as_tensor(parents, dtype=torch.long, device=HOST)
         problem = _parents_problem(parents)  # before walking them: a cycle would never end
         if problem:
             raise MalformedTreeError(problem)
@@ -121,27 +125,27 @@ class Tree:
 
     @staticmethod
     def chain(root: int, tokens: torch.Tensor | list[int], **kwargs) -> "Tree":
-        tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        tokens = torch.as_tensor(tokens, dtype=torch.long, device=HOST).reshape(-1)
         n = tokens.numel() + 1
-        all_tokens = torch.cat([torch.tensor([root], dtype=torch.long), tokens])
-        parents = torch.arange(-1, n - 1, dtype=torch.long)
-        return Tree(all_tokens, parents, torch.arange(n, dtype=torch.long), **kwargs)
+        all_tokens = torch.cat([torch.tensor([root], dtype=torch.long, device=HOST), tokens])
+        parents = torch.arange(-1, n - 1, dtype=torch.long, device=HOST)
+        return Tree(all_tokens, parents, torch.arange(n, dtype=torch.long, device=HOST), **kwargs)
 
     @staticmethod
     def cartesian(root: int, candidates_per_depth: list[torch.Tensor]) -> "Tree":
         """Every node at depth d gets the same candidates_per_depth[d] children
         (TokenSwift's static [1,3,3,3] tree is ``[top1, top3, top3, top3]``)."""
-        tokens = [torch.tensor([root], dtype=torch.long)]
-        parents = [torch.tensor([-1], dtype=torch.long)]
-        level = torch.tensor([0], dtype=torch.long)  # node indices of the previous depth
+        tokens = [torch.tensor([root], dtype=torch.long, device=HOST)]
+        parents = [torch.tensor([-1], dtype=torch.long, device=HOST)]
+        level = torch.tensor([0], dtype=torch.long, device=HOST)  # node indices of the previous depth
         next_index = 1
         for cands in candidates_per_depth:
-            cands = torch.as_tensor(cands, dtype=torch.long).reshape(-1)
+            cands = torch.as_tensor(cands, dtype=torch.long, device=HOST).reshape(-1)
             k = cands.numel()
             level_parents = level.repeat_interleave(k)
             tokens.append(cands.repeat(level.numel()))
             parents.append(level_parents)
-            level = torch.arange(next_index, next_index + level_parents.numel(), dtype=torch.long)
+            level = torch.arange(next_index, next_index + level_parents.numel(), dtype=torch.long, device=HOST)
             next_index += level_parents.numel()
         return Tree.from_parents(torch.cat(tokens), torch.cat(parents))
 
@@ -158,7 +162,7 @@ class Tree:
         child_of: dict[tuple[int, int], int] = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if i}
         for chain in chains:
             node = 0
-            for token in torch.as_tensor(chain, dtype=torch.long).tolist():
+            for token in torch.as_tensor(chain, dtype=torch.long, device=HOST).tolist():
                 key = (node, token)
                 if key not in child_of:
                     child_of[key] = len(tokens)
@@ -170,7 +174,7 @@ class Tree:
             extra = len(tokens) - self.size
             pad = self.draft_probs.new_zeros((extra, self.draft_probs.shape[1]))
             draft_probs = torch.cat([self.draft_probs, pad])
-        return Tree.from_parents(torch.tensor(tokens), torch.tensor(parents), draft_probs=draft_probs)
+        return Tree.from_parents(tokens, parents, draft_probs=draft_probs)
 
     # --------------------------------------------------------------- derived views
     @property
@@ -182,13 +186,13 @@ class Tree:
         return int(self.depths.max())
 
     def is_chain(self) -> bool:
-        return bool((self.parents == torch.arange(-1, self.size - 1)).all())
+        return bool((self.parents == torch.arange(-1, self.size - 1, device=HOST)).all())
 
     def ancestor_mask(self) -> torch.Tensor:
         """[n, n] bool: mask[i, j] is True when j is i itself or one of its ancestors."""
         n = self.size
-        mask = torch.zeros((n, n), dtype=torch.bool)
-        rows = torch.arange(n)
+        mask = torch.zeros((n, n), dtype=torch.bool, device=HOST)
+        rows = torch.arange(n, device=HOST)
         pointer = rows.clone()
         parents = self.parents.clamp(min=0)
         for _ in range(self.max_depth + 1):
@@ -199,7 +203,7 @@ class Tree:
     def path_to(self, node: int) -> torch.Tensor:
         """Node indices from the root to ``node`` inclusive."""
         depth = int(self.depths[node])
-        path = torch.empty(depth + 1, dtype=torch.long)
+        path = torch.empty(depth + 1, dtype=torch.long, device=HOST)
         for d in range(depth, -1, -1):
             path[d] = node
             node = int(self.parents[node])
@@ -219,7 +223,7 @@ def _parents_problem(parents: torch.Tensor) -> str | None:
     n = parents.numel()
     if parents.ndim != 1 or n < 1 or int(parents[0]) != -1:
         return "node 0 must be the root (parent -1)"
-    bad = _first((parents[1:] >= torch.arange(1, n)) | (parents[1:] < 0))
+    bad = _first((parents[1:] >= torch.arange(1, n, device=HOST)) | (parents[1:] < 0))
     if bad is not None:
         i = bad + 1
         return f"node {i} has parent {int(parents[i])}; parents must precede their children (0 <= parent < {i})"
@@ -228,7 +232,7 @@ def _parents_problem(parents: torch.Tensor) -> str | None:
 
 def _depths_from_parents(parents: torch.Tensor) -> torch.Tensor:
     n = parents.numel()
-    depths = torch.zeros(n, dtype=torch.long)
+    depths = torch.zeros(n, dtype=torch.long, device=HOST)
     pointer = parents.clone()
     alive = pointer >= 0
     while bool(alive.any()):

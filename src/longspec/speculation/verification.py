@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from longspec.runtime.device import HOST
 from longspec.speculation.processors import SamplingParams, greedy_tokens, processed_probs, sample
 from longspec.speculation.tree import Tree
 
@@ -50,9 +51,9 @@ def verify(
 
 
 def verify_greedy(tree: Tree, logits, histories, params) -> Verdict:
-    targets = greedy_tokens(logits, histories, params)
+    targets = greedy_tokens(logits, histories, params).to(HOST)  # the round's one copy back
     if tree.size == 1:
-        return Verdict(torch.zeros(1, dtype=torch.long), int(targets[0]))
+        return Verdict(torch.zeros(1, dtype=torch.long, device=HOST), int(targets[0]))
     matches = tree.tokens == targets[tree.parents.clamp(min=0)]
     matches[0] = True
     # A node is accepted when it and all its ancestors match.
@@ -71,7 +72,7 @@ def verify_deterministic_candidates(tree: Tree, logits, histories, params, gener
         children = tree.children(node)
         carrying = children[tree.tokens[children] == y]
         if carrying.numel() == 0:
-            return Verdict(torch.tensor(path, dtype=torch.long), y)
+            return Verdict(torch.tensor(path, dtype=torch.long, device=HOST), y)
         # Siblings with equal tokens spell the same text; take the first.
         node = int(carrying[0])
         path.append(node)
@@ -84,12 +85,13 @@ def verify_sampled_children(tree: Tree, logits, histories, params, generator) ->
         p = _node_probs(logits, histories, params, node)
         children = tree.children(node)
         if children.numel() == 0:
-            return Verdict(torch.tensor(path, dtype=torch.long), int(sample(p.unsqueeze(0), generator)[0]))
-        q = tree.draft_probs[node].to(p.dtype)
+            return Verdict(torch.tensor(path, dtype=torch.long, device=HOST), int(sample(p.unsqueeze(0), generator)[0]))
+        q = tree.draft_probs[node].to(device=p.device, dtype=p.dtype)
+        draw_device = generator.device if generator is not None else p.device
         accepted = None
         for child in children.tolist():
             x = int(tree.tokens[child])
-            u = float(torch.rand((), generator=generator, dtype=torch.float64))
+            u = float(torch.rand((), generator=generator, dtype=torch.float64, device=draw_device))
             if q[x] > 0 and u * float(q[x]) < float(p[x]):  # u < min(1, p/q) without dividing
                 accepted = child
                 break
@@ -98,7 +100,7 @@ def verify_sampled_children(tree: Tree, logits, histories, params, generator) ->
             if total > 0:  # p == q leaves no residual, and then x could not have been rejected
                 p = residual / total
         if accepted is None:
-            return Verdict(torch.tensor(path, dtype=torch.long), int(sample(p.unsqueeze(0), generator)[0]))
+            return Verdict(torch.tensor(path, dtype=torch.long, device=HOST), int(sample(p.unsqueeze(0), generator)[0]))
         node = accepted
         path.append(node)
 

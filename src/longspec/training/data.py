@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from longspec.runtime.device import HOST
 from longspec.training.fingerprint import digest, files_fingerprint, tokenizer_fingerprint
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".c", ".h", ".json", ".toml", ".cfg", ".html", ".js")
@@ -136,7 +137,7 @@ def build_shards(
         if not tokens:
             return
         name = f"{split}-{len(index['shards'][split]):05d}.safetensors"
-        save_file({"tokens": torch.tensor(tokens, dtype=torch.int32)}, str(out / name))
+        save_file({"tokens": torch.tensor(tokens, dtype=torch.int32, device=HOST)}, str(out / name))
         index["shards"][split].append(name)
         index["tokens"][split] += len(tokens)
         buffers[split] = []
@@ -215,7 +216,7 @@ def prefixed_rows(tokens: torch.Tensor, length: int, prefix: Sequence[int] = ())
         raise ValueError(f"{tokens.numel()} tokens make no sequence of {length}; add data or lower --seq-len")
     rows = tokens[: count * body].view(count, body)
     if prefix:
-        rows = torch.cat([torch.tensor(list(prefix), dtype=rows.dtype).expand(count, -1), rows], dim=1)
+        rows = torch.cat([torch.tensor(list(prefix), dtype=rows.dtype, device=HOST).expand(count, -1), rows], dim=1)
     return rows
 
 
@@ -237,9 +238,9 @@ class SequenceSampler:
         if max_rows is not None and max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
         if max_rows is None or max_rows >= count:
-            self.rows = torch.arange(count)
+            self.rows = torch.arange(count, device=HOST)
         else:
-            sample = torch.randperm(count, generator=torch.Generator().manual_seed(seed - 1))[:max_rows]
+            sample = torch.randperm(count, generator=torch.Generator().manual_seed(seed - 1), device=HOST)[:max_rows]
             self.rows = sample.sort().values
         self._order: tuple[int, torch.Tensor] | None = None  # (epoch, permutation)
 
@@ -248,11 +249,11 @@ class SequenceSampler:
 
     def batch(self, position: int, size: int) -> torch.Tensor:
         rows = [self.row_at(position + i) for i in range(size)]
-        return self.sequences[torch.tensor(rows)]
+        return self.sequences[torch.tensor(rows, device=HOST)]
 
     def row_at(self, position: int) -> int:
         """The stream row visited `position` sequences into the run."""
         epoch, offset = divmod(position, len(self))
         if self._order is None or self._order[0] != epoch:
-            self._order = (epoch, torch.randperm(len(self), generator=torch.Generator().manual_seed(self.seed + epoch)))
+            self._order = (epoch, torch.randperm(len(self), generator=torch.Generator().manual_seed(self.seed + epoch), device=HOST))
         return int(self.rows[self._order[1][offset]])

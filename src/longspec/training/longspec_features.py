@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from longspec.runtime.device import HOST
 from longspec.runtime.model import Decoder
 from longspec.training.fingerprint import digest
 
@@ -30,6 +31,7 @@ def target_features(
     """ids [n] -> {"k{m}", "v{m}": [1, Hkv, n, D] per draft layer m, "labels": [n],
     "hidden": [n, H] the target's final hidden states (for EAGLE-style drafts)}."""
     n = ids.numel()
+    ids, positions = ids.to(target.device), positions.to(target.device)
     cache = target.new_cache(n, max_forward_tokens=n)
     out = target(ids.unsqueeze(0), cache, positions=positions, with_logits=False)
     features = {}
@@ -40,7 +42,7 @@ def target_features(
     if self_distill:
         labels = target.greedy_tokens(out.hidden[0])
     else:
-        labels = torch.cat([ids[1:], torch.tensor([IGNORE])])
+        labels = torch.cat([ids[1:], torch.tensor([IGNORE], device=ids.device)])
     features["labels"] = labels.clone().long()
     features["hidden"] = out.hidden[0].clone()
     return features
@@ -81,9 +83,9 @@ class FeatureCache:
             return compute()
         path = self.directory / f"{key}.safetensors"
         if path.is_file():
-            return load_file(str(path))
+            return load_file(str(path))  # on the host: the trainer moves them to its device
         features = compute()
         tmp = path.with_name(path.name + ".tmp")
-        save_file({k: t.contiguous() for k, t in features.items()}, str(tmp))
+        save_file({k: t.to(HOST).contiguous() for k, t in features.items()}, str(tmp))
         tmp.replace(path)
         return features

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from longspec.runtime.device import HOST
 from longspec.runtime.model import Decoder
 from longspec.speculation.drafters.longspec.checkpoint import load_draft, save_draft
 from longspec.speculation.drafters.longspec.config import DraftConfig
@@ -95,31 +96,34 @@ class LongSpecTrainer:
         progress: bool = True,
     ) -> None:
         self.target = target
+        self.device = target.device  # the draft, its features and its loss live with the target
         self.options = options
         self.out = Path(out_dir)
         self.progress = progress
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         self.sampler = SequenceSampler(train_tokens, options.seq_len, options.seed, options.row_prefix, options.max_rows)
         weights = self.out / WEIGHTS_NAME
-        if weights.is_file():
-            self.draft = load_draft(weights, target.config).requires_grad_(True).train()
-        elif init_from is not None:
-            # Continue training an existing draft (its config and vocabulary) with a
-            # fresh optimizer and schedule: how a shipped draft grows with more data.
-            if draft_config is not None or draft_vocab is not None or warm_start:
-                raise ValueError("init_from takes the draft's architecture and vocabulary from that checkpoint; "
-                                 "drop draft_config/draft_vocab/warm_start (or start from scratch without init_from)")
-            self.draft = load_draft(init_from, target.config).requires_grad_(True).train()
-        else:
-            config = draft_config or DraftConfig.for_target(target.config)
-            if draft_vocab is not None:
-                config = DraftConfig.from_dict({**config.to_dict(), "draft_vocab_size": draft_vocab})
-            self.draft = DraftModel(config).reset_parameters(options.seed)
-            if warm_start:
-                warm_start_from_target(self.draft, target)
-            if draft_vocab is not None:
-                eos = [t for t in target.config.eos_token_ids if t < target.config.vocab_size]
-                self.draft.vocab_ids.copy_(most_frequent_ids(train_tokens, target.config.vocab_size, draft_vocab, eos))
+        with torch.device(HOST):  # built on the host, then moved to the target's device
+            if weights.is_file():
+                self.draft = load_draft(weights, target.config).requires_grad_(True).train()
+            elif init_from is not None:
+                # Continue training an existing draft (its config and vocabulary) with a
+                # fresh optimizer and schedule: how a shipped draft grows with more data.
+                if draft_config is not None or draft_vocab is not None or warm_start:
+                    raise ValueError("init_from takes the draft's architecture and vocabulary from that checkpoint; "
+                                     "drop draft_config/draft_vocab/warm_start (or start from scratch without init_from)")
+                self.draft = load_draft(init_from, target.config).requires_grad_(True).train()
+            else:
+                config = draft_config or DraftConfig.for_target(target.config)
+                if draft_vocab is not None:
+                    config = DraftConfig.from_dict({**config.to_dict(), "draft_vocab_size": draft_vocab})
+                self.draft = DraftModel(config).reset_parameters(options.seed)
+                if warm_start:
+                    warm_start_from_target(self.draft, target)
+                if draft_vocab is not None:
+                    eos = [t for t in target.config.eos_token_ids if t < target.config.vocab_size]
+                    self.draft.vocab_ids.copy_(most_frequent_ids(train_tokens, target.config.vocab_size, draft_vocab, eos))
+        self.draft.to(self.device)
         config = self.draft.config
         self.cache = FeatureCache(feature_cache, key={
             "features": FEATURES_VERSION, "target": target_fingerprint(target), "layers": list(config.target_layers), "seq_len": options.seq_len,
@@ -127,19 +131,20 @@ class LongSpecTrainer:
         })
         head_dtype = torch.bfloat16 if options.bf16_autocast else torch.float32
         self.head_rows = self.draft.head_rows(target.head_weight).to(head_dtype)
-        self.label_map = torch.full((config.vocab_size,), IGNORE, dtype=torch.long)
-        ids = self.draft.vocab_ids if self.draft.reduced_vocab else torch.arange(config.vocab_size)
-        self.label_map[ids] = torch.arange(ids.numel())
+        self.label_map = torch.full((config.vocab_size,), IGNORE, dtype=torch.long, device=self.device)
+        ids = self.draft.vocab_ids if self.draft.reduced_vocab else torch.arange(config.vocab_size, device=self.device)
+        self.label_map[ids] = torch.arange(ids.numel(), device=self.device)
         self.model = self.draft
         if self.world > 1:
-            self.model = torch.nn.parallel.DistributedDataParallel(self.draft)
+            device_ids = [self.device] if self.device.type == "cuda" else None
+            self.model = torch.nn.parallel.DistributedDataParallel(self.draft, device_ids=device_ids)
         self.optimizer = torch.optim.AdamW(self.draft.parameters(), lr=options.lr, betas=(0.9, 0.95), weight_decay=options.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: cosine_lr(s, options))
         self.step = 0
         self.position = 0  # sequences consumed, all ranks together
         state_file = self.out / STATE_NAME
         if state_file.is_file() and weights.is_file():
-            state = torch.load(state_file, weights_only=False)
+            state = torch.load(state_file, weights_only=False, map_location=self.device)
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
             self.step, self.position = state["step"], state["position"]
@@ -172,7 +177,8 @@ class LongSpecTrainer:
     def train_step(self) -> tuple[float, int]:
         opts = self.options
         generator = torch.Generator().manual_seed(opts.seed * 1_000_003 + self.step)
-        visible, counted = opts.visibility.mask(opts.seq_len, generator)
+        visible, counted = opts.visibility.mask(opts.seq_len, generator)  # drawn on the host: same on every device
+        visible, counted = visible.to(self.device), counted.to(self.device)
         cross_mask = visible.clone()
         cross_mask[~counted, 0] = True  # rows with nothing to see: a dummy key, excluded from the loss
         first = self.position + self.rank * opts.batch_size
@@ -202,18 +208,19 @@ class LongSpecTrainer:
         features = self.cache.get_or_compute(
             key, lambda: target_features(self.target, ids, positions, self.draft.config.target_layers, opts.self_distill)
         )
-        return {**features, "ids": ids, "positions": positions}
+        on_device = {name: tensor.to(self.device) for name, tensor in features.items()}
+        return {**on_device, "ids": ids.to(self.device), "positions": positions.to(self.device)}
 
     def row_positions(self, row: int) -> torch.Tensor:
         n = self.options.seq_len
         if not self.options.anchor_offset:
-            return torch.arange(n)
+            return torch.arange(n, device=HOST)
         generator = torch.Generator().manual_seed(self.options.seed * 7919 + row)
         return anchor_offset_positions(n, self.target.config.max_position_embeddings, generator)
 
     def _row_loss(self, features, labels, cross_mask, visible) -> torch.Tensor:
         opts = self.options
-        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if opts.bf16_autocast else contextlib.nullcontext()
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if opts.bf16_autocast else contextlib.nullcontext()
         with autocast:
             hidden = training_hidden(self.model, self.draft.config, self.target, features, cross_mask, visible)
             keep = labels != IGNORE
@@ -297,7 +304,7 @@ def newest_visible_hidden(hidden: torch.Tensor, cross_mask: torch.Tensor) -> tor
     """[n, H]: for each query, the target's hidden state at the newest key index it may
     see under `cross_mask` [n, n] (zeros where it sees none) — what inference hands a
     draft node: the state of the last committed token."""
-    index = torch.arange(cross_mask.shape[1])
+    index = torch.arange(cross_mask.shape[1], device=cross_mask.device)
     newest = torch.where(cross_mask, index, -1).amax(dim=1)
     picked = hidden[newest.clamp(min=0)]
     return picked.masked_fill((newest < 0).unsqueeze(1), 0.0)

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from longspec.runtime.device import HOST
+
 ANCHORS = 4  # positions that keep 0..3 under Anchor-Offset Indices (attention sinks)
 
 
@@ -30,8 +32,8 @@ def anchor_offset_positions(length: int, max_positions: int, generator: torch.Ge
     positions long prompts reach."""
     if length > max_positions:
         raise ValueError(f"sequence length {length} exceeds the model's {max_positions} positions")
-    positions = torch.arange(length)
-    offset = int(torch.randint(0, max_positions - length + 1, (), generator=generator))
+    positions = torch.arange(length, device=HOST)
+    offset = int(torch.randint(0, max_positions - length + 1, (), generator=generator, device=HOST))
     positions[ANCHORS:] += offset
     return positions
 
@@ -53,7 +55,7 @@ class NoisyShift:
         self.gamma = gamma
 
     def draw_shift(self, generator: torch.Generator) -> int:
-        return int(torch.randint(1, self.gamma, (), generator=generator))
+        return int(torch.randint(1, self.gamma, (), generator=generator, device=HOST))
 
     def mask(self, length: int, generator: torch.Generator):
         return shifted_mask(length, self.draw_shift(generator))
@@ -66,13 +68,13 @@ class BlockVisibility:
         self.gamma = gamma
 
     def mask(self, length: int, generator: torch.Generator | None = None):
-        index = torch.arange(length)
+        index = torch.arange(length, device=HOST)
         block_start = index // self.gamma * self.gamma
         visible = index.unsqueeze(0) < block_start.unsqueeze(1)
         return visible, block_start > 0
 
 
 def shifted_mask(length: int, shift: int):
-    index = torch.arange(length)
+    index = torch.arange(length, device=HOST)
     visible = index.unsqueeze(0) <= index.unsqueeze(1) - shift
     return visible, index >= shift

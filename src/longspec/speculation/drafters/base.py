@@ -109,6 +109,11 @@ class TargetView:
         return self._model.config
 
     @property
+    def device(self) -> torch.device:
+        """Where the target computes: a drafter's weights and tensor state belong here."""
+        return self._model.device
+
+    @property
     def committed_length(self) -> int:
         return self._cache.length
 

@@ -20,6 +20,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from longspec.runtime.device import HOST
 from longspec.speculation.drafters.base import DraftContext, container_nbytes
 from longspec.speculation.tree import Tree
 
@@ -73,7 +74,7 @@ def chains_tree(root: int, chains: Sequence[Sequence[int]], max_nodes: int) -> T
         return tree
     if len(trimmed) == 1:
         return Tree.chain(root, trimmed[0])
-    return tree.with_chains([torch.tensor(c, dtype=torch.long) for c in trimmed])
+    return tree.with_chains([torch.tensor(c, dtype=torch.long, device=HOST) for c in trimmed])
 
 
 class NgramTable:
@@ -159,7 +160,7 @@ class NgramTable:
         if not per_first:
             return []
         best = heapq.nlargest(k, per_first.items(), key=lambda item: (item[1][0], item[1][1]))
-        return [torch.tensor(cont, dtype=torch.long) for cont, _ in best]
+        return [torch.tensor(cont, dtype=torch.long, device=HOST) for cont, _ in best]
 
 
 class NgramDrafter:

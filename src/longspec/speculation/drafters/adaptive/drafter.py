@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from longspec.runtime.device import HOST
 from longspec.speculation.cost_model import ForwardCost, cached_forward_cost
 from longspec.speculation.drafters.adaptive.merge import MergedTree, Source, merge_trees, subtree
 from longspec.speculation.drafters.adaptive.policies import ThroughputPolicy, TreePolicy
@@ -55,7 +56,7 @@ class AcceptanceTable:
     PRIOR_WEIGHT = 2.0  # pseudo-observations of the pooled rate in every cell
 
     def __init__(self, drafters: int, max_depth: int = 8, max_rank: int = 4) -> None:
-        self.accepted = torch.zeros((drafters, max_depth, max_rank, 2), dtype=torch.float64)
+        self.accepted = torch.zeros((drafters, max_depth, max_rank, 2), dtype=torch.float64, device=HOST)
         self.proposed = torch.zeros_like(self.accepted)
 
     def _cell(self, source: Source, agreed: bool) -> tuple[int, int, int, int]:
@@ -194,7 +195,7 @@ class AdaptiveDrafter:
         # Path products never grow along a path, so any prefix of this ranking
         # (ties broken by index: parents precede children) is a tree.
         order = sorted(range(1, merged.tree.size), key=lambda n: (-expected[n], n))[:budget]
-        ranked = torch.tensor([expected[n] for n in order], dtype=torch.float64)
+        ranked = torch.tensor([expected[n] for n in order], dtype=torch.float64, device=HOST)
         drafted_s = time.perf_counter() - start
         k = self.policy.choose(ranked, lambda k: drafted_s + self._verify_seconds(k))
         if k == 0 and order and self._rounds_since_speculation + 1 >= self.probe_every:

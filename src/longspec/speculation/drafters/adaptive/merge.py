@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from longspec.runtime.device import HOST
 from longspec.speculation.tree import Tree
 
 
@@ -53,8 +54,8 @@ def merge_trees(root: int, trees: Sequence[tuple[int, Tree]]) -> MergedTree:
                 sources.append([])
             sources[merged].append(Source(drafter, depths[merged], rank))
             mapped[node] = merged
-    tree = Tree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long),
-                torch.tensor(depths, dtype=torch.long))
+    tree = Tree(torch.tensor(tokens, dtype=torch.long, device=HOST), torch.tensor(parents, dtype=torch.long, device=HOST),
+                torch.tensor(depths, dtype=torch.long, device=HOST))
     return MergedTree(tree, sources)
 
 
@@ -64,4 +65,4 @@ def subtree(tree: Tree, keep: Sequence[int]) -> tuple[Tree, list[int]]:
     keep = sorted(set(keep) | {0})
     position = {node: i for i, node in enumerate(keep)}
     parents = [-1] + [position[int(tree.parents[node])] for node in keep[1:]]
-    return Tree(tree.tokens[keep], torch.tensor(parents, dtype=torch.long), tree.depths[keep]), keep
+    return Tree(tree.tokens[keep], torch.tensor(parents, dtype=torch.long, device=HOST), tree.depths[keep]), keep

@@ -35,7 +35,7 @@ class TreePolicy(Protocol):
 
 class ThroughputPolicy:
     def choose(self, expected: torch.Tensor, seconds: Callable[[int], float]) -> int:
-        gains = torch.cat([torch.zeros(1, dtype=torch.float64), expected.to(torch.float64).cumsum(0)]) + 1.0
+        gains = torch.cat([torch.zeros(1, dtype=torch.float64, device=expected.device), expected.to(torch.float64).cumsum(0)]) + 1.0
         rates = [float(gains[k]) / seconds(k) for k in range(expected.numel() + 1)]
         return max(range(len(rates)), key=lambda k: (rates[k], -k))
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from longspec.runtime.device import HOST
 from longspec.runtime.model import Decoder
 from longspec.speculation.drafters.base import DraftContext
 from longspec.speculation.drafters.longspec.config import DraftMismatchError
@@ -87,8 +88,8 @@ class DraftModelDrafter:
         if view is not None:
             self.check_target(view.config)
             self._vocab_size = view.config.vocab_size
-            if self.model.dtype != view.model.dtype:
-                self.model = self.model.to(view.model.dtype).prepare()
+            if self.model.dtype != view.model.dtype or self.model.device != view.device:
+                self.model = self.model.to(view.model.dtype).place(view.device)
         else:
             self._vocab_size = self.model.config.vocab_size
         self._allocate(context.tokens.numel() + INITIAL_HEADROOM)
@@ -125,12 +126,12 @@ class DraftModelDrafter:
                 token = int(torch.argmax(logits))
             chain.append(token)
             if depth + 1 < budget:
-                logits = self._run(torch.tensor([token]))
+                logits = self._run(torch.tensor([token], device=HOST))
         self.cache.rollback(n)  # drafted tokens leave; the committed ones stay cached
         tree = Tree.chain(root, chain)
         if not self.sample:
             return tree
-        q = torch.zeros((tree.size, self._vocab_size), dtype=torch.float64)
+        q = torch.zeros((tree.size, self._vocab_size), dtype=torch.float64, device=rows[0].device)
         q[:budget, : rows[0].numel()] = torch.stack(rows)
         return Tree.from_parents(tree.tokens, tree.parents, draft_probs=q, children_sampled=True)
 

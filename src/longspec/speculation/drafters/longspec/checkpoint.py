@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from longspec.runtime.device import HOST
 from longspec.speculation.drafters.longspec.config import DraftConfig
 from longspec.speculation.drafters.longspec.model import DraftModel
 
@@ -28,7 +29,8 @@ def save_draft(model: DraftModel, path: str | Path, meta: dict | None = None, dt
     if path.suffix != ".safetensors":
         raise ValueError(f"draft weights must be saved as a .safetensors file, got {path}")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.detach().to(dtype if t.is_floating_point() else t.dtype).contiguous() for name, t in model.state_dict().items()}
+    tensors = {name: t.detach().to(device=HOST, dtype=dtype if t.is_floating_point() else t.dtype).contiguous()
+               for name, t in model.state_dict().items()}
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp))
     tmp.replace(path)
@@ -37,7 +39,7 @@ def save_draft(model: DraftModel, path: str | Path, meta: dict | None = None, dt
 
 
 def load_draft(path: str | Path, target_config=None, dtype: torch.dtype = torch.float32) -> DraftModel:
-    """Load a draft; with `target_config` (a DecoderConfig) check it fits first."""
+    """Load a draft (on the host); with `target_config` (a DecoderConfig) check it fits first."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"draft weights not found: {path}")
@@ -50,7 +52,8 @@ def load_draft(path: str | Path, target_config=None, dtype: torch.dtype = torch.
     config = DraftConfig.from_dict(data["config"])
     if target_config is not None:
         config.check_fits(target_config)
-    model = DraftModel(config)
+    with torch.device(HOST):  # a drafter moves it to the target's device when a sequence begins
+        model = DraftModel(config)
     state = load_file(str(path))
     missing = set(model.state_dict()) - set(state)
     if missing:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from longspec.runtime.attention import biased_attention, fused_attention
+from longspec.runtime.attention import biased_attention
 from longspec.runtime.linear import packed_linear, prepack
 from longspec.speculation.drafters.base import DraftContext
 from longspec.speculation.drafters.longspec.checkpoint import load_draft
@@ -105,9 +105,9 @@ class LongSpecDrafter:
         if view is None:
             raise ValueError("the LongSpec drafter needs the target view (cross-attention reads the target's K/V)")
         self.check_target(view.config)
-        dtype = view.model.dtype
+        dtype, device = view.model.dtype, view.device
         if self._target is not view.model or self.state is None or self.state.ring_k.dtype != dtype:
-            self.draft.to(dtype)
+            self.draft.to(device=device, dtype=dtype)
             self._head_rows = self.draft.head_rows(view.head)  # the shared head itself, or its V_d rows once
             # oneDNN-packed head for bf16 matrix-vector speed: the target's own packed
             # head when scoring the full vocabulary (no copy), else one of the V_d rows.
@@ -115,15 +115,16 @@ class LongSpecDrafter:
             self._packed_head = own if not self.draft.reduced_vocab else prepack(self._head_rows)
             self._project = PackedProjection(self.draft)
         capacity = max(int(context.max_nodes), 1)
-        if self.state is None or self.state.capacity != capacity or self.state.ring_k.dtype != dtype:
-            self.state = DraftState(self.draft.config, capacity, dtype)
+        if (self.state is None or self.state.capacity != capacity or self.state.ring_k.dtype != dtype
+                or self.state.ring_k.device != device):
+            self.state = DraftState(self.draft.config, capacity, dtype, device, view.model.attention)
         self.state.reset()
         self._length = int(context.tokens.numel())
         self._recent_hidden = None
         if self.draft.config.hidden_input:
             # The catch-up reads the state of up to a window of committed positions.
             self._recent_hidden = RecentTargetHidden(self.draft.config.window + capacity + 1,
-                                                     self.draft.config.hidden_size, dtype)
+                                                     self.draft.config.hidden_size, dtype, device)
             if view.prefill_hidden is not None:
                 self._recent_hidden.write(view.committed_length - view.prefill_hidden.shape[0], view.prefill_hidden)
         self._sequence_generator = self.generator if self.generator is not None else context.generator
@@ -176,11 +177,12 @@ class LongSpecDrafter:
         self._retrieval_chains_proposed = retrieval_chains
         if retrieval_chains and (self._on_streak or self.retrieval_streak == 0):
             self.skipped_rounds += 1
-            return Tree.chain(root, []).with_chains([torch.tensor(c, dtype=torch.long) for c in retrieval_chains])
+            return Tree.chain(root, []).with_chains(retrieval_chains)
         retrieval_size = len({tuple(c[: i + 1]) for c in retrieval_chains for i in range(len(c))})
         self.state.drop_pending()
         root_logprobs = self._catch_up(tokens, view)
         root_position = tokens.numel() - 1
+        device = view.device
         slot_of: dict[int, int] = {}  # tree node -> pending slot of the draft state
         depth_of: dict[int, int] = {0: 0}
 
@@ -190,20 +192,20 @@ class LongSpecDrafter:
             for node, parent in zip(nodes, parents):
                 depth_of[node] = depth_of[parent] + 1
             start = self.state.pending
-            visible = torch.zeros((len(nodes), start + len(nodes)), dtype=torch.bool)
+            visible = torch.zeros((len(nodes), start + len(nodes)), dtype=torch.bool, device=device)
             for i, (node, parent) in enumerate(zip(nodes, parents)):
                 if parent in slot_of:  # the root lives in the ring, not in pending slots
                     visible[i, :start] = self.state.pend_visible[slot_of[parent], :start]
                 visible[i, start + i] = True
                 slot_of[node] = start + i
-            draft_ids = torch.tensor([proposal.tokens[n - 1] for n in nodes], dtype=torch.long)
-            positions = root_position + torch.tensor([depth_of[n] for n in nodes], dtype=torch.long)
+            draft_ids = torch.tensor([proposal.tokens[n - 1] for n in nodes], dtype=torch.long, device=device)
+            positions = root_position + torch.tensor([depth_of[n] for n in nodes], dtype=torch.long, device=device)
             return self._forward(self.draft.to_full_vocab(draft_ids), positions, visible, view)
 
         proposal = self.strategy.build(expand, root_logprobs, budget - retrieval_size, self._sequence_generator)
         tree = self._to_tree(root, proposal)
         if retrieval_chains:
-            tree = tree.with_chains([torch.tensor(c, dtype=torch.long) for c in retrieval_chains])
+            tree = tree.with_chains(retrieval_chains)
         return tree
 
     # ---------------------------------------------------------------- internals
@@ -226,8 +228,8 @@ class LongSpecDrafter:
         hidden = None
         for begin in range(start, length, state.capacity):
             piece = tokens[begin : min(begin + state.capacity, length)]
-            positions = torch.arange(begin, begin + piece.numel())
-            causal = torch.ones((piece.numel(), piece.numel()), dtype=torch.bool).tril_()
+            positions = torch.arange(begin, begin + piece.numel(), device=view.device)
+            causal = torch.ones((piece.numel(), piece.numel()), dtype=torch.bool, device=view.device).tril_()
             hidden = self._hidden(piece, positions, causal, view)
             state.commit_pending()
         self._last_token = int(tokens[-1])
@@ -240,7 +242,7 @@ class LongSpecDrafter:
     def _hidden(self, full_ids, positions, visible, view) -> torch.Tensor:
         model = view.model
         self.state.prepare_forward(positions, visible)
-        x = model.embed(full_ids.unsqueeze(0)).to(self._head_rows.dtype)
+        x = model.embed(full_ids.to(model.device).unsqueeze(0)).to(self._head_rows.dtype)
         rope = target_rope(model, positions, x.dtype)
         committed = view.committed_length
         scale = model.config.attention_scale
@@ -251,7 +253,7 @@ class LongSpecDrafter:
         if config.cross_attention_masked and committed:
             # The recency bias covers every key read, so the prefix needs it too: one
             # biased pass over the keys the draft may read (its window and sinks).
-            key_positions = cross_window_keys(config, int(positions.min()), committed)
+            key_positions = cross_window_keys(config, int(positions.min()), committed, positions.device)
             key_visible = key_positions.unsqueeze(0) < positions.unsqueeze(1)
             bias = cross_attention_bias(config, positions, key_positions, key_visible, torch.float64)
             if key_positions.numel() < committed:
@@ -270,10 +272,10 @@ class LongSpecDrafter:
             if committed == 0:
                 return torch.zeros_like(q)
             if split == committed:
-                return fused_attention(q, k, v, None, None, None, None, scale)
-            key_pos = torch.arange(split, committed)
+                return model.attention(q, k, v, None, None, None, None, scale)
+            key_pos = torch.arange(split, committed, device=positions.device)
             tail_mask = key_pos.unsqueeze(0) < positions.unsqueeze(1)
-            return fused_attention(q, k[:, :, :split], v[:, :, :split], None, k[:, :, split:], v[:, :, split:], tail_mask, scale)
+            return model.attention(q, k[:, :, :split], v[:, :, :split], None, k[:, :, split:], v[:, :, split:], tail_mask, scale)
 
         target_hidden = None
         if self._recent_hidden is not None:
@@ -286,13 +288,14 @@ class LongSpecDrafter:
         return torch.log_softmax(logits.float() if logits.dtype != torch.float64 else logits, dim=-1)
 
     def _to_tree(self, root: int, proposal: Proposal) -> Tree:
-        ids = self.draft.to_full_vocab(torch.tensor(proposal.tokens, dtype=torch.long))
-        tokens = torch.cat([torch.tensor([root]), ids])
-        parents = torch.tensor([-1] + proposal.parents, dtype=torch.long)
+        device = self._target.device
+        ids = self.draft.to_full_vocab(torch.tensor(proposal.tokens, dtype=torch.long, device=device))
+        tokens = [root] + ids.tolist()
+        parents = [-1] + proposal.parents
         if proposal.probs is None:
             return Tree.from_parents(tokens, parents)
         vocab = self._target.config.vocab_size
-        q = torch.zeros((tokens.numel(), vocab), dtype=torch.float64)
+        q = torch.zeros((len(tokens), vocab), dtype=torch.float64, device=device)
         for node, row in enumerate(proposal.probs):
             if self.draft.reduced_vocab:
                 q[node, self.draft.vocab_ids] = row

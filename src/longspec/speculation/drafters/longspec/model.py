@@ -109,7 +109,7 @@ class DraftModel(nn.Module):
                 if name.endswith("norm.weight"):
                     param.fill_(1.0)
                 else:
-                    param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float64) * std)
+                    param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float64, device=generator.device) * std)
             if self.config.hidden_input:
                 # Start as plain LongSpec (the embedding passes through); the hidden half learns.
                 H = self.config.hidden_size
@@ -188,10 +188,10 @@ class DraftModel(nn.Module):
         return self.vocab_ids[draft_ids] if self.reduced_vocab else draft_ids
 
 
-def recency_slopes(num_heads: int) -> torch.Tensor:
+def recency_slopes(num_heads: int, device: torch.device | None = None) -> torch.Tensor:
     """ALiBi's geometric slopes 2^(-8h/H), h = 1..H: the steepest head looks at the
     last few keys, the flattest hundreds of keys back."""
-    return torch.pow(2.0, -8.0 * torch.arange(1, num_heads + 1, dtype=torch.float64) / num_heads)
+    return torch.pow(2.0, -8.0 * torch.arange(1, num_heads + 1, dtype=torch.float64, device=device) / num_heads)
 
 
 def cross_attention_bias(config: DraftConfig, query_positions: torch.Tensor, key_positions: torch.Tensor,
@@ -206,21 +206,22 @@ def cross_attention_bias(config: DraftConfig, query_positions: torch.Tensor, key
         in_window = (lag <= config.cross_window) | (key_positions < config.cross_sinks).unsqueeze(0)
         visible = visible & in_window
     if config.recency_bias:
-        bias = -recency_slopes(H).view(H, 1, 1) * (lag.to(torch.float64) - 1).clamp(min=0)
+        bias = -recency_slopes(H, lag.device).view(H, 1, 1) * (lag.to(torch.float64) - 1).clamp(min=0)
     else:
-        bias = torch.zeros((H, *visible.shape), dtype=torch.float64)
+        bias = torch.zeros((H, *visible.shape), dtype=torch.float64, device=visible.device)
     return bias.masked_fill(~visible, float("-inf")).to(dtype)
 
 
-def cross_window_keys(config: DraftConfig, first_query_position: int, committed: int) -> torch.Tensor:
+def cross_window_keys(config: DraftConfig, first_query_position: int, committed: int,
+                      device: torch.device | None = None) -> torch.Tensor:
     """Positions of the committed target keys that queries at positions >= the first
     one may read: the sinks, then the window before the first query onwards (every
     committed key when the draft has no cross window)."""
     if config.cross_window is None:
-        return torch.arange(committed)
+        return torch.arange(committed, device=device)
     low = max(first_query_position - config.cross_window, 0)
-    sinks = torch.arange(min(config.cross_sinks, low, committed))
-    return torch.cat([sinks, torch.arange(min(low, committed), committed)])
+    sinks = torch.arange(min(config.cross_sinks, low, committed), device=device)
+    return torch.cat([sinks, torch.arange(min(low, committed), committed, device=device)])
 
 
 def rope_tables_from_freqs(freqs: torch.Tensor, scaling: float, dtype: torch.dtype):

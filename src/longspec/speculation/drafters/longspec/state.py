@@ -12,29 +12,32 @@ from __future__ import annotations
 
 import torch
 
-from longspec.runtime.attention import fused_attention
+from longspec.runtime.attention import AttentionBackend, fused_attention
+from longspec.runtime.device import HOST
 from longspec.speculation.drafters.longspec.config import DraftConfig
 
 _EMPTY = -(2**62)
 
 
 class DraftState:
-    def __init__(self, config: DraftConfig, capacity: int, dtype: torch.dtype) -> None:
+    def __init__(self, config: DraftConfig, capacity: int, dtype: torch.dtype,
+                 device: torch.device = HOST, attention: AttentionBackend = fused_attention) -> None:
         if capacity < 1:
             raise ValueError(f"pending capacity must be >= 1, got {capacity}")
         c = config
         self.window = c.window
         self.capacity = capacity
         self.scale = c.self_head_dim ** -0.5
+        self.attention = attention
         shape = (c.num_layers, 1, c.self_num_heads)
-        self.ring_k = torch.zeros((*shape, c.window, c.self_head_dim), dtype=dtype)
+        self.ring_k = torch.zeros((*shape, c.window, c.self_head_dim), dtype=dtype, device=device)
         self.ring_v = torch.zeros_like(self.ring_k)
-        self.ring_positions = torch.full((c.window,), _EMPTY, dtype=torch.long)
-        self.pend_k = torch.zeros((*shape, capacity, c.self_head_dim), dtype=dtype)
+        self.ring_positions = torch.full((c.window,), _EMPTY, dtype=torch.long, device=device)
+        self.pend_k = torch.zeros((*shape, capacity, c.self_head_dim), dtype=dtype, device=device)
         self.pend_v = torch.zeros_like(self.pend_k)
-        self.pend_positions = torch.zeros(capacity, dtype=torch.long)
+        self.pend_positions = torch.zeros(capacity, dtype=torch.long, device=device)
         # visible[i, j]: pending token i sees pending token j (itself and its ancestors)
-        self.pend_visible = torch.zeros((capacity, capacity), dtype=torch.bool)
+        self.pend_visible = torch.zeros((capacity, capacity), dtype=torch.bool, device=device)
         self.pending = 0
         self.committed = 0  # committed tokens whose K/V went through the ring
         # Per-forward inputs, set by `prepare_forward`.
@@ -74,7 +77,7 @@ class DraftState:
         end = slots.stop
         distance = self.pend_positions[slots].unsqueeze(1) - self.pend_positions[:end].unsqueeze(0)
         pend_mask = self.pend_visible[slots, :end] & (distance < self.window)
-        return fused_attention(
+        return self.attention(
             q, self.ring_k[layer], self.ring_v[layer], self._ring_mask,
             self.pend_k[layer, :, :, :end], self.pend_v[layer, :, :, :end], pend_mask, self.scale,
         )
@@ -103,11 +106,11 @@ class RecentTargetHidden:
     slot p % size. Reading a position that was never written, or was overwritten,
     gives zeros — the same input training gives a query that sees no target token."""
 
-    def __init__(self, size: int, hidden_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, size: int, hidden_size: int, dtype: torch.dtype, device: torch.device = HOST) -> None:
         if size < 1:
             raise ValueError(f"ring size must be >= 1, got {size}")
-        self.values = torch.zeros((size, hidden_size), dtype=dtype)
-        self.positions = torch.full((size,), _EMPTY, dtype=torch.long)
+        self.values = torch.zeros((size, hidden_size), dtype=dtype, device=device)
+        self.positions = torch.full((size,), _EMPTY, dtype=torch.long, device=device)
 
     def write(self, first_position: int, rows: torch.Tensor) -> None:
         """rows [n, H]: the states of positions first_position .. first_position + n - 1."""
@@ -115,7 +118,7 @@ class RecentTargetHidden:
         if rows.shape[0] > size:  # only the last `size` can be kept
             first_position += rows.shape[0] - size
             rows = rows[-size:]
-        positions = first_position + torch.arange(rows.shape[0])
+        positions = first_position + torch.arange(rows.shape[0], device=self.positions.device)
         slots = positions % self.values.shape[0]
         self.values[slots] = rows.to(self.values.dtype)
         self.positions[slots] = positions

@@ -133,7 +133,7 @@ class BeamStrategy:
     def build(self, expand: Expand, root_logprobs: torch.Tensor, budget: int, generator=None) -> Proposal:
         proposal = Proposal()
         frontier = [0]
-        cumulative = torch.zeros(1, dtype=torch.float32)
+        cumulative = torch.zeros(1, dtype=torch.float32, device=root_logprobs.device)
         logprobs = root_logprobs.unsqueeze(0)
         for depth, width in enumerate(self.widths):
             width = min(width, budget - len(proposal.tokens), logprobs.numel())

@@ -100,7 +100,7 @@ class MambaDrafter:
         if view is not None:
             self.check_target(view.config)
             self._vocab_size = view.config.vocab_size
-            self.model.to(view.model.dtype)
+            self.model.to(device=view.device, dtype=view.model.dtype)
         self.state = None
         self._unfed = context.tokens.tolist()
         self._levels = []
@@ -127,11 +127,16 @@ class MambaDrafter:
         while path and self._levels[len(path) - 1][2] is None:
             path.pop()
         if path:
-            self.state = _select(self._levels[len(path) - 1][2], torch.tensor([path[-1]]))
+            level_state = self._levels[len(path) - 1][2]
+            self.state = _select(level_state, torch.tensor([path[-1]], device=self._device))
             self._unfed = tokens[len(path):]
         else:
             self._unfed.extend(tokens)
         self._levels = []
+
+    @property
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
 
     def state_nbytes(self) -> int:
         if self.state is None:
@@ -168,10 +173,10 @@ class MambaDrafter:
         for depth, width in enumerate(widths):
             top = torch.topk(logits.float(), width, dim=-1).indices  # [n_prev, width]
             new_tokens = top.reshape(-1)
-            parent_rows = torch.arange(top.shape[0]).repeat_interleave(width)
+            parent_rows = torch.arange(top.shape[0], device=top.device).repeat_interleave(width)
             first = len(tokens)
             tokens.extend(new_tokens.tolist())
-            parents.extend(level_nodes[int(p)] for p in parent_rows)
+            parents.extend(level_nodes[p] for p in parent_rows.tolist())
             level_nodes = list(range(first, len(tokens)))
             state = None
             if depth + 1 < len(widths):  # the last depth's tokens need no forward
@@ -183,7 +188,7 @@ class MambaDrafter:
         self._proposed_at = time.perf_counter()
         self._drafted_depth = len(widths)
         self._step_seconds = (self._proposed_at - started) / len(widths)
-        return Tree.from_parents(torch.tensor(tokens), torch.tensor(parents))
+        return Tree.from_parents(tokens, parents)
 
     # ---------------------------------------------------------------- internals
     @staticmethod
@@ -195,7 +200,7 @@ class MambaDrafter:
 
     def _catch_up(self) -> torch.Tensor:
         """Feed the committed tokens the state has not seen; the logits after the root."""
-        ids = torch.tensor(self._unfed).unsqueeze(0)
+        ids = torch.tensor(self._unfed, device=self._device).unsqueeze(0)
         if self.state is None:  # from the empty state, a multi-token forward is exact
             out = self.model(ids, use_cache=True)
             self.state = out.cache_params

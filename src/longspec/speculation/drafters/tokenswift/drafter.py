@@ -100,7 +100,7 @@ class TokenSwiftDrafter:
     def _load_heads(self, model) -> TokenSwiftHeads:
         self.check_target(model.config)
         wide = torch.float64 if model.dtype == torch.float64 else torch.float32
-        return self.heads.to(wide)
+        return self.heads.to(device=model.device, dtype=wide)
 
     def _budget_for(self, prompt_length: int, config) -> tuple[int, int]:
         """(budget, sinks) for this sequence."""
@@ -138,7 +138,7 @@ class TokenSwiftDrafter:
         model, cache = self._view.model, self.cache
         for begin in range(0, new.numel(), self.forward_chunk):
             piece = new[begin : begin + self.forward_chunk]
-            positions = cache.length + torch.arange(piece.numel())
+            positions = cache.length + torch.arange(piece.numel(), device=cache.device)
             last = slice(piece.numel() - 1, piece.numel())
             with recording_queries(model, cache):
                 out = model(piece.unsqueeze(0), cache, positions=positions, logits_rows=last)

@@ -79,8 +79,8 @@ class TokenSwiftHeads(nn.Module):
         with torch.no_grad():
             for layer in self.layers:
                 H = layer.weight.shape[1]
-                layer.weight.copy_(torch.randn(layer.weight.shape, generator=generator) * scale / H**0.5)
-                layer.bias.copy_(torch.randn(layer.bias.shape, generator=generator) * scale)
+                layer.weight.copy_(torch.randn(layer.weight.shape, generator=generator, device=generator.device) * scale / H**0.5)
+                layer.bias.copy_(torch.randn(layer.bias.shape, generator=generator, device=generator.device) * scale)
         return self
 
     def forward(self, h0: torch.Tensor) -> torch.Tensor:

@@ -75,7 +75,7 @@ class OnePassTokenSwiftDrafter:
             raise ValueError("the one-pass TokenSwift drafter reads the verification's hidden states: it needs a TargetView")
         self.check_target(view.config)
         wide = torch.float64 if view.model.dtype == torch.float64 else torch.float32
-        self.heads = self.heads.to(wide)
+        self.heads = self.heads.to(device=view.device, dtype=wide)
         self._view = view
         tokens = torch.as_tensor(context.tokens, dtype=torch.long).reshape(-1)
         self.table = NgramTable(self.ngram)

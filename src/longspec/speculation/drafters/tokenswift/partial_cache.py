@@ -70,6 +70,7 @@ class PartialKVCache:
                 f"({max_forward_tokens}); raise the budget or lower the sinks"
             )
         self.config = config
+        self.device = device = torch.device(device)
         self.budget = budget
         self.sinks = sinks
         self.max_forward_tokens = max_forward_tokens
@@ -83,26 +84,26 @@ class PartialKVCache:
         slots = budget + max_forward_tokens
         self.full_k = torch.zeros((len(self.full_layers), *shape_tail, slots, D), dtype=dtype, device=device)
         self.full_v = torch.zeros_like(self.full_k)
-        self.slot_positions = torch.full((len(self.full_layers), slots), -1, dtype=torch.long)
+        self.slot_positions = torch.full((len(self.full_layers), slots), -1, dtype=torch.long, device=device)
         self.used = 0  # filled slots of every full layer
-        self.victims = torch.empty((len(self.full_layers), 0), dtype=torch.long)  # ascending importance
+        self.victims = torch.empty((len(self.full_layers), 0), dtype=torch.long, device=device)  # ascending importance
         self.next_victim = 0
         self.rebuilds = 0
         self.ring_size = (self.window or 0) + max_forward_tokens if ring_layers else 0
         self.ring_k = torch.zeros((len(ring_layers), *shape_tail, self.ring_size, D), dtype=dtype, device=device)
         self.ring_v = torch.zeros_like(self.ring_k)
-        self.ring_positions = torch.full((self.ring_size,), EMPTY_SLOT, dtype=torch.long)
+        self.ring_positions = torch.full((self.ring_size,), EMPTY_SLOT, dtype=torch.long, device=device)
         self.length = 0  # sequence positions forwarded and committed
         self.pending = 0
-        self.pending_ring_slots = torch.empty(0, dtype=torch.long)
-        self._pending_positions = torch.empty(0, dtype=torch.long)
+        self.pending_ring_slots = torch.empty(0, dtype=torch.long, device=device)
+        self._pending_positions = torch.empty(0, dtype=torch.long, device=device)
         # Query of the last forwarded token per full layer [B, Hq, D] (None: not seen yet).
         self.last_queries: list[torch.Tensor | None] = [None] * len(self.full_layers)
         self._storing: int | None = None  # full-layer group index of the layer being run
 
     # ---------------------------------------------------------------- forward side
     def next_positions(self, T: int) -> torch.Tensor:
-        return self.length + torch.arange(T)
+        return self.length + torch.arange(T, device=self.device)
 
     def begin_forward(self, positions: torch.Tensor) -> None:
         T = positions.numel()
@@ -113,7 +114,7 @@ class PartialKVCache:
         self.pending = T
         self._pending_positions = positions.to(torch.long)
         if self.ring_size:
-            slots = (self.length + torch.arange(T)) % self.ring_size
+            slots = (self.length + torch.arange(T, device=self.device)) % self.ring_size
             self.pending_ring_slots = slots
             self.ring_positions[slots] = positions
 
@@ -172,7 +173,7 @@ class PartialKVCache:
             return
         overflow = total - self.budget
         if self.next_victim + overflow <= self.victims.shape[1]:
-            src = torch.arange(self.budget, total)
+            src = torch.arange(self.budget, total, device=self.device)
             for j in range(len(self.full_layers)):
                 dst = self.victims[j, self.next_victim : self.next_victim + overflow]
                 self.full_k[j][:, :, dst] = self.full_k[j][:, :, src]
@@ -207,13 +208,13 @@ class PartialKVCache:
             sink_count = min(self.sinks, source_length, room)
             query = self.last_queries[j]
             if query is None:
-                scores = torch.arange(source_length, dtype=torch.float64)
+                scores = torch.arange(source_length, dtype=torch.float64, device=self.device)
             else:
                 scores = grouped_importance(query, keys)
             top_count = min(room - sink_count, source_length - sink_count)
             top = sink_count + torch.topk(scores[sink_count:], top_count).indices
             top_positions = top.sort().values
-            chosen = torch.cat([torch.arange(sink_count), top_positions])
+            chosen = torch.cat([torch.arange(sink_count, device=self.device), top_positions])
             selected = chosen.numel()
             self.full_k[j][:, :, :selected] = keys[:, :, chosen]
             self.full_v[j][:, :, :selected] = values[:, :, chosen]
@@ -223,7 +224,7 @@ class PartialKVCache:
             self.slot_positions[j, selected : selected + keep.numel()] = keep_positions
             victims = sink_count + torch.argsort(scores[top_positions], stable=True)
             if j == 0:
-                self.victims = torch.empty((len(self.full_layers), victims.numel()), dtype=torch.long)
+                self.victims = torch.empty((len(self.full_layers), victims.numel()), dtype=torch.long, device=self.device)
             self.victims[j] = victims
             filled = selected + keep.numel()  # the same for every layer
         self.used = filled

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+from longspec.runtime.device import HOST
 from longspec.speculation.tree import Tree
 
 
@@ -59,4 +60,4 @@ def add_chains_within(tree: Tree, chains: Sequence[Sequence[int]], max_nodes: in
             break
     if not kept:
         return tree
-    return tree.with_chains([torch.tensor(c, dtype=torch.long) for c in kept])
+    return tree.with_chains([torch.tensor(c, dtype=torch.long, device=HOST) for c in kept])

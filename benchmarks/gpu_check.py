@@ -1,0 +1,187 @@
+"""One command for anyone with a GPU: is longspec correct there, and how fast is it?
+
+    python benchmarks/gpu_check.py                       # on a CUDA machine
+    python benchmarks/gpu_check.py --device cpu --shapes tiny --skip-tests   # a smoke run anywhere
+
+1. Correctness: the device-parametrised tests (every method on the GPU against AR on
+   the CPU, seeded sampling, batched rows), the Triton tree kernel compiled against
+   the reference attention, and the attention backends' equivalence tests.
+2. Speed, on random weights of real shapes (no model hub, no checkpoint: the GPU
+   machine may have neither): Gemma 3 270M's and a 1B-class Llama's. Per shape: AR
+   decode tokens/s, speculation with an oracle drafter (a chain of the true next
+   tokens, so every round accepts `--oracle-tokens`; what a perfect drafter buys),
+   and the cost of verifying k tree tokens relative to one decode forward.
+
+Writes a markdown table and the raw numbers (JSON) to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from longspec.runtime.device import HOST, device_name, resolve_device, synchronize  # noqa: E402
+from longspec.runtime.loading import decoder_from_state_dict  # noqa: E402
+from longspec.speculation.cost_model import measure_forward_cost  # noqa: E402
+from longspec.speculation.drafters.base import DraftContext  # noqa: E402
+from longspec.speculation.engine import EngineOptions, SpeculativeEngine  # noqa: E402
+from longspec.speculation.metrics import GenerationStats  # noqa: E402
+from longspec.speculation.tree import Tree  # noqa: E402
+
+DEVICE_TESTS = ["tests/test_devices.py", "tests/test_triton_tree_attention.py", "tests/test_cache.py",
+                "tests/test_runtime_equivalence.py"]
+
+
+def shape_configs() -> dict:
+    """Configs of real models' shapes (weights are random)."""
+    from transformers import Gemma3TextConfig, LlamaConfig
+
+    gemma = dict(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
+                 num_key_value_heads=1, head_dim=256, sliding_window=512, query_pre_attn_scalar=256,
+                 max_position_embeddings=32768, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+                 final_logit_softcapping=None, attn_logit_softcapping=None)
+    llama = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                 num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, tie_word_embeddings=True,
+                 rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    tiny = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    return {"gemma3-270m": lambda: Gemma3TextConfig(**gemma), "llama-1b": lambda: LlamaConfig(**llama),
+            "tiny": lambda: LlamaConfig(**tiny)}
+
+
+def random_decoder(config, dtype: torch.dtype, device: torch.device, seed: int = 0):
+    """Our decoder with random weights of `config`'s shapes, built on the device."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    state = {}
+    for name, tensor in skeleton.state_dict().items():
+        values = torch.randn(tensor.shape, generator=generator, device=device, dtype=torch.float32) * 0.02
+        state[name] = values.to(dtype)
+    return decoder_from_state_dict(config, state, dtype).place(device)
+
+
+class OracleDrafter:
+    """Proposes the next `length` tokens of a known greedy output: every round accepts them all."""
+
+    def __init__(self, reference: list[int], prompt_length: int, length: int) -> None:
+        self.reference, self.prompt_length, self.length = reference, prompt_length, length
+
+    def begin(self, context: DraftContext) -> None:
+        pass
+
+    def observe(self, committed: torch.Tensor) -> None:
+        pass
+
+    def propose(self, context: DraftContext) -> Tree:
+        done = context.tokens.numel() - self.prompt_length
+        return Tree.chain(context.root, self.reference[done : done + min(self.length, context.max_nodes)])
+
+
+def decode_rate(model, prompt: torch.Tensor, new_tokens: int, drafter=None) -> tuple[list[int], GenerationStats]:
+    engine = SpeculativeEngine(model, EngineOptions(progress=False))
+    stats = GenerationStats()
+    tokens = [t for new in engine.generate(prompt, max_new_tokens=new_tokens, drafter=drafter, stats=stats)
+              for t in new.tolist()]
+    synchronize(model.device)
+    return tokens, stats
+
+
+def measure_shape(name: str, config, args, device: torch.device) -> dict:
+    dtype = getattr(torch, args.dtype)
+    started = time.perf_counter()
+    model = random_decoder(config, dtype, device)
+    built_s = time.perf_counter() - started
+    prompt = torch.randint(0, config.vocab_size, (args.prompt_tokens,), generator=torch.Generator().manual_seed(1),
+                           device=HOST)
+    decode_rate(model, prompt[:64], 8)  # warm-up: kernels, allocator, Triton compilation
+    reference, ar = decode_rate(model, prompt, args.new_tokens)
+    oracle = OracleDrafter(reference, args.prompt_tokens, args.oracle_tokens)
+    tokens, spec = decode_rate(model, prompt, args.new_tokens, oracle)
+    if tokens != reference:
+        raise AssertionError(f"{name}: speculation with an oracle drafter changed the output")
+    costs = {}
+    for context in args.contexts:
+        if context + max(args.ks) <= config.max_position_embeddings:
+            cost = measure_forward_cost(model, context=context, ks=args.ks, repeats=args.repeats)
+            costs[context] = {k: cost.seconds_for(k) for k in cost.ks}
+    return {
+        "shape": name, "device": device_name(device), "dtype": args.dtype, "build_s": built_s,
+        "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+        "ar_tokens_per_s": ar.decode_tokens_per_s, "oracle_tokens_per_s": spec.decode_tokens_per_s,
+        "oracle_tau": spec.tau, "forward_seconds": costs,
+    }
+
+
+def markdown(rows: list[dict], ks: list[int]) -> str:
+    lines = ["| shape | device | AR tok/s | oracle chain tok/s (τ) | × AR |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['device']} | {r['ar_tokens_per_s']:.1f} | "
+                     f"{r['oracle_tokens_per_s']:.1f} ({r['oracle_tau']:.2f}) | "
+                     f"{r['oracle_tokens_per_s'] / r['ar_tokens_per_s']:.2f} |")
+    lines += ["", "| shape | context | " + " | ".join(f"k={k}" for k in ks) + " |",
+              "|---|---|" + "---|" * len(ks)]
+    for r in rows:
+        for context, seconds in r["forward_seconds"].items():
+            one = seconds[1]
+            cells = " | ".join(f"{seconds[k] * 1e3:.2f} ms ({seconds[k] / one:.2f}×)" for k in ks)
+            lines.append(f"| {r['shape']} | {context} | {cells} |")
+    return "\n".join(lines) + "\n"
+
+
+def run_tests(device: torch.device) -> int:
+    """The device-parametrised tests; on a GPU they run on it (and the Triton kernel compiled)."""
+    command = [sys.executable, "-m", "pytest", "-q", *DEVICE_TESTS]
+    print("$", " ".join(command), flush=True)
+    return subprocess.call(command, cwd=ROOT)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--shapes", nargs="+", default=["gemma3-270m", "llama-1b"], choices=sorted(shape_configs()))
+    parser.add_argument("--prompt-tokens", type=int, default=1024)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--oracle-tokens", type=int, default=8, help="tokens the oracle drafter proposes per round")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
+    parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path("bench-out/gpu_check"))
+    args = parser.parse_args(argv)
+    device = resolve_device(args.device)
+    if 1 not in args.ks:
+        args.ks = [1, *args.ks]
+    failed = 0 if args.skip_tests else run_tests(device)
+    configs = shape_configs()
+    rows = []
+    for name in args.shapes:
+        rows.append(measure_shape(name, configs[name](), args, device))
+        print(json.dumps(rows[-1]), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(rows, indent=1))
+    table = markdown(rows, sorted(args.ks))
+    (args.out / "results.md").write_text(table)
+    print(table)
+    if failed:
+        print(f"gpu_check: the device tests failed (pytest exit {failed})", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

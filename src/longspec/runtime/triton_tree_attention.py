@@ -1,0 +1,152 @@
+"""Tree attention as one Triton kernel (LongSpec's fused masked attention, for GPUs).
+
+The queries of a speculative tree attend, in one pass with an online softmax:
+
+* the committed prefix of their row, keys 0 .. lengths[b] - 1, all visible (no mask
+  is read: the prefix is the long part, and it needs none);
+* the tree's own keys 0 .. T - 1 under the row's tree mask.
+
+Grouped-query attention is served without repeating K/V: one program takes a block
+of the stacked rows (query head within the group, tree node) of one KV head, so each
+K/V block it loads serves the whole group. Rows are ragged: every batch row has its
+own prefix length. The kernel returns the output and the log-sum-exp of each query.
+
+Two bugs of the published kernel are absent by construction: K and V each use their
+own strides (they were swapped there), and a tree key is visible only when the
+query is real AND the key is real AND the mask says so (an OR stood there).
+
+Import this module only after deciding whether Triton runs compiled (a GPU) or
+interpreted (`TRITON_INTERPRET=1`, how the tests run it on a CPU): Triton reads that
+choice when the kernel is defined.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Kernel tile sizes: 16 is the smallest tile `tl.dot` takes on GPUs.
+BLOCK_M = 16
+BLOCK_N = 32
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _online_softmax_step(acc, m_i, l_i, scores, values):
+    """Fold a block of scores [M, N] and its values [N, D] into the running state."""
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    # A row that has seen no visible key yet keeps m = -inf; shift it by 0 instead.
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_shift)
+    p = tl.exp(scores - m_shift[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values, input_precision="ieee")
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _tree_attention_kernel(
+    Q, KP, VP, KT, VT, MASK, LENGTHS, OUT, LSE,
+    sqb, sqh, sqt, sqd,
+    skpb, skph, skps, skpd,
+    svpb, svph, svps, svpd,
+    sktb, skth, skts, sktd,
+    svtb, svth, svts, svtd,
+    smb, smq, smk,
+    sob, soh, sot, sod,
+    slb, slh, slt,
+    num_kv_heads, group, T, D, scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_bkv = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    b = pid_bkv // num_kv_heads
+    kv = pid_bkv % num_kv_heads
+    # Stacked rows r = g * T + t: query head kv * group + g, tree node t.
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_valid = rows < group * T
+    head = kv * group + rows // T
+    node = rows % T
+    dims = tl.arange(0, BLOCK_D)
+    dim_valid = dims < D
+    offs_n = tl.arange(0, BLOCK_N)
+
+    q = tl.load(Q + b * sqb + head[:, None] * sqh + node[:, None] * sqt + dims[None, :] * sqd,
+                mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    length = tl.load(LENGTHS + b)
+    for start in range(0, length, BLOCK_N):
+        keys = start + offs_n
+        key_valid = keys < length
+        k = tl.load(KP + b * skpb + kv * skph + keys[None, :] * skps + dims[:, None] * skpd,
+                    mask=key_valid[None, :] & dim_valid[:, None], other=0.0)
+        scores = tl.dot(q, k, input_precision="ieee") * scale
+        scores = tl.where(key_valid[None, :], scores, float("-inf"))
+        v = tl.load(VP + b * svpb + kv * svph + keys[:, None] * svps + dims[None, :] * svpd,
+                    mask=key_valid[:, None] & dim_valid[None, :], other=0.0)
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, scores, v)
+
+    for start in range(0, T, BLOCK_N):
+        keys = start + offs_n
+        key_valid = keys < T
+        k = tl.load(KT + b * sktb + kv * skth + keys[None, :] * skts + dims[:, None] * sktd,
+                    mask=key_valid[None, :] & dim_valid[:, None], other=0.0)
+        both = row_valid[:, None] & key_valid[None, :]
+        allowed = tl.load(MASK + b * smb + node[:, None] * smq + keys[None, :] * smk, mask=both, other=0)
+        visible = both & (allowed != 0)
+        scores = tl.dot(q, k, input_precision="ieee") * scale
+        scores = tl.where(visible, scores, float("-inf"))
+        v = tl.load(VT + b * svtb + kv * svth + keys[:, None] * svts + dims[None, :] * svtd,
+                    mask=key_valid[:, None] & dim_valid[None, :], other=0.0)
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, scores, v)
+
+    seen = l_i > 0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+    tl.store(OUT + b * sob + head[:, None] * soh + node[:, None] * sot + dims[None, :] * sod,
+             out.to(OUT.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+    tl.store(LSE + b * slb + head * slh + node * slt, lse, mask=row_valid)
+
+
+def tree_attention(
+    q: torch.Tensor,
+    k_prefix: torch.Tensor,
+    v_prefix: torch.Tensor,
+    prefix_lengths: torch.Tensor,
+    k_tree: torch.Tensor,
+    v_tree: torch.Tensor,
+    tree_mask: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, Hq, T, D]; k/v_prefix [B, Hkv, P, D] with row b's prefix in its first
+    prefix_lengths[b] <= P keys; k/v_tree [B, Hkv, T, D]; tree_mask [T, T] or [B, T, T]
+    bool (True = visible). Returns the output [B, Hq, T, D] in q's dtype and the
+    log-sum-exp [B, Hq, T] in float32 (-inf where a query sees no key)."""
+    B, Hq, T, D = q.shape
+    Hkv = k_prefix.shape[1]
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"tree_attention computes in {SUPPORTED_DTYPES}, got {q.dtype}")
+    if Hq % Hkv:
+        raise ValueError(f"{Hq} query heads do not group over {Hkv} K/V heads")
+    if k_tree.shape[2] != T or tree_mask.shape[-2:] != (T, T):
+        raise ValueError(f"a tree of {T} queries needs {T} tree keys and a [{T}, {T}] mask")
+    if prefix_lengths.shape != (B,) or (B and int(prefix_lengths.max()) > k_prefix.shape[2]):
+        raise ValueError(f"prefix_lengths must be [{B}] and at most {k_prefix.shape[2]} (the prefix's keys)")
+    mask = tree_mask.to(torch.int8)
+    mask_strides = (0, *mask.stride()) if mask.dim() == 2 else mask.stride()
+    group = Hq // Hkv
+    out = torch.empty_like(q)
+    lse = torch.empty((B, Hq, T), dtype=torch.float32, device=q.device)
+    grid = (B * Hkv, triton.cdiv(group * T, BLOCK_M))
+    _tree_attention_kernel[grid](
+        q, k_prefix, v_prefix, k_tree, v_tree, mask, prefix_lengths.to(torch.int32), out, lse,
+        *q.stride(), *k_prefix.stride(), *v_prefix.stride(), *k_tree.stride(), *v_tree.stride(),
+        *mask_strides, *out.stride(), *lse.stride(),
+        Hkv, group, T, D, scale,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(D)),
+    )
+    return out, lse

@@ -1,0 +1,157 @@
+"""Every method on every available device (the CPU always, a CUDA GPU when present).
+
+On a machine without a GPU the device tests still prove what the CPU can: each run
+happens under `stray_allocations_on_meta`, so a tensor that longspec creates without
+naming its device fails the run instead of silently landing on the CPU (where, on a
+GPU machine, it would be on the wrong device). `benchmarks/gpu_check.py` runs this
+file on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from device_guard import stray_allocations_on_meta
+from longspec.runtime.device import HOST, available_devices
+from longspec.speculation.batch_engine import BatchEngine, BatchOptions
+from longspec.speculation.cost_model import ForwardCost
+from longspec.speculation.drafters import NgramDrafter, PromptLookupDrafter
+from longspec.speculation.drafters.adaptive import AdaptiveDrafter
+from longspec.speculation.drafters.draft_model import DraftModelDrafter
+from longspec.speculation.drafters.longspec import ChainStrategy, LongSpecDrafter, SampledChainStrategy
+from longspec.speculation.drafters.mamba import MambaDrafter
+from longspec.speculation.drafters.tokenswift.heads import TokenSwiftHeads
+from longspec.speculation.drafters.tokenswift.one_pass import OnePassTokenSwiftDrafter
+from longspec.speculation.engine import EngineOptions, SpeculativeEngine
+from longspec.speculation.processors import SamplingParams
+from test_engine_exact import PROCESSORS, diverse_model, real_drafters
+from test_longspec_drafting import random_draft
+from test_mamba_drafter import tiny_mamba
+from tiny_models import random_ids
+
+OPTIONS = EngineOptions(prefill_chunk=8, max_tree_nodes=24, progress=False)
+DEVICES = available_devices()
+
+
+def every_drafter(model) -> dict:
+    drafters = dict(real_drafters(model))
+    drafters["tokenswift-onepass"] = lambda: OnePassTokenSwiftDrafter(
+        TokenSwiftHeads.for_target(model.config).randomize(torch.Generator().manual_seed(1)), k=3)
+    drafters["longspec-sampled"] = lambda: LongSpecDrafter(random_draft(model), SampledChainStrategy(3))
+    drafters["draft-model"] = lambda: DraftModelDrafter(model, length=3)
+    drafters["mamba"] = lambda: MambaDrafter(tiny_mamba(vocab_size=model.config.vocab_size), widths=(2, 2, 1))
+    drafters["auto"] = lambda: AdaptiveDrafter([("pld", PromptLookupDrafter(num_tokens=5)), ("ngram", NgramDrafter(k=3))],
+                                               forward_cost=ForwardCost({}, (1, 8, 64), (0.01, 0.012, 0.03)))
+    drafters["ar"] = lambda: None
+    return drafters
+
+
+def generate(model, prompt, drafter, *, params=SamplingParams(), seed=None, max_new_tokens=40):
+    generator = None if seed is None else torch.Generator(device=model.device).manual_seed(seed)
+    rounds = SpeculativeEngine(model, OPTIONS).generate(prompt, params=params, max_new_tokens=max_new_tokens,
+                                                        drafter=drafter, generator=generator)
+    return torch.cat(list(rounds))
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def device(request):
+    return torch.device(request.param)
+
+
+@pytest.fixture(scope="module")
+def placed(device):
+    """A float64 Gemma 3-shaped target (sliding and full layers) on the device, and its
+    greedy AR output computed on the CPU, outside the guard."""
+    model, _ = diverse_model("gemma3")
+    prompt = random_ids(30, seed=5)[0] % 32
+    reference = generate(model, prompt, None)
+    return model.place(device), prompt, reference
+
+
+@pytest.mark.parametrize("name", sorted(every_drafter(diverse_model("gemma3")[0])))
+def test_greedy_identity_on_device(placed, name):
+    model, prompt, reference = placed
+    drafter = every_drafter(model)[name]()  # modules are built on the host; begin() places them
+    with stray_allocations_on_meta() as strays:
+        tokens = generate(model, prompt, drafter)
+    assert not strays, f"{name}: tensors created without a device at {sorted(strays)}"
+    assert tokens.device == HOST
+    assert torch.equal(tokens, reference), f"{name} on {model.device} differs from AR on the CPU"
+
+
+@pytest.mark.parametrize("processor", ["temperature", "top_p", "penalty"])
+def test_seeded_sampling_on_device_equals_seeded_ar(placed, processor):
+    """One draw per emitted token from the device's own generator: a seeded run is the
+    same for AR and deterministic-candidate drafters on that device."""
+    model, prompt, _ = placed
+    params = PROCESSORS[processor]
+    with stray_allocations_on_meta() as strays:
+        ar = generate(model, prompt, None, params=params, seed=7, max_new_tokens=60)
+        for drafter in (PromptLookupDrafter(num_tokens=4), NgramDrafter(k=3)):
+            assert torch.equal(generate(model, prompt, drafter, params=params, seed=7, max_new_tokens=60), ar)
+    assert not strays, f"tensors created without a device at {sorted(strays)}"
+
+
+def test_batch_rows_on_device_equal_single_runs(placed):
+    model, _, _ = placed
+    makers = [lambda: None, lambda: PromptLookupDrafter(num_tokens=4), lambda: NgramDrafter(k=3),
+              lambda: LongSpecDrafter(random_draft(model), ChainStrategy(3))]
+    prompts = [random_ids(5 + 7 * i, seed=30 + i)[0] % 32 for i in range(len(makers) + 1)]
+    references = [generate(model, p, None, max_new_tokens=25) for p in prompts]
+    drafters = [makers[i % len(makers)]() for i in range(len(prompts))]  # modules are built on the host
+    with stray_allocations_on_meta() as strays:
+        engine = BatchEngine(model, OPTIONS, BatchOptions(max_rows=3, row_capacity=96, prefill_tokens_per_step=8))
+        handles = [engine.submit(p, max_new_tokens=25, drafter=d) for p, d in zip(prompts, drafters)]
+        engine.run()
+    assert not strays, f"tensors created without a device at {sorted(strays)}"
+    for handle, reference in zip(handles, references):
+        assert torch.equal(handle.tokens, reference)
+
+
+def test_draft_training_on_device_equals_the_cpu_run(device, tmp_path):
+    """A few steps of LongSpec training (features computed, cached and read back) on
+    the device: the same weights as on the CPU, within float32 rounding."""
+    from longspec.speculation.drafters.longspec import load_draft
+    from longspec.training.longspec_trainer import LongSpecTrainer
+    from test_longspec_training import _options, _tokens, small_draft_config
+    from tiny_models import tiny_decoder
+
+    cpu_target = tiny_decoder("gemma3", dtype=torch.float32)
+    config = small_draft_config(cpu_target)
+    options = _options(steps=3, bf16_autocast=False)
+
+    def train(target, out):
+        trainer = LongSpecTrainer(target, _tokens(), out, options, draft_config=config, draft_vocab=60,
+                                  feature_cache=out / "features", progress=False)
+        trainer.train(stop_after=2)  # features computed and stored
+        LongSpecTrainer(target, _tokens(), out, options, draft_config=config, draft_vocab=60,
+                        feature_cache=out / "features", progress=False).train()  # resumed: one more step
+        return load_draft(out / "draft.safetensors", target.config)
+
+    expected = train(cpu_target, tmp_path / "cpu")
+    target = tiny_decoder("gemma3", dtype=torch.float32).place(device)
+    with stray_allocations_on_meta() as strays:
+        trained = train(target, tmp_path / "device")
+    assert not strays, f"tensors created without a device at {sorted(strays)}"
+    for (name, x), (_, y) in zip(expected.state_dict().items(), trained.state_dict().items()):
+        torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_load_places_the_model_and_refuses_devices_it_cannot_use(tmp_path):
+    import longspec
+    from tiny_models import save_checkpoint
+
+    checkpoint = save_checkpoint(tmp_path / "tiny")
+    model = longspec.load(checkpoint, dtype="float32", device="cpu")
+    assert model.device == HOST and model.generate("ab", max_new_tokens=3, method="pld").token_ids
+    with pytest.raises(ValueError, match="unknown device 'gpu0'"):
+        longspec.load(checkpoint, device="gpu0")
+    with pytest.raises(ValueError, match="not supported"):
+        longspec.load(checkpoint, device="meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="use --device cpu"):
+            longspec.load(checkpoint, device="cuda")
+    else:
+        with pytest.raises(ValueError, match="does not exist"):
+            longspec.load(checkpoint, device=f"cuda:{torch.cuda.device_count()}")
