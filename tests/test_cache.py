@@ -362,3 +362,24 @@ def test_fused_attention_fully_masked_prefix_rows_fall_back_to_new_part(backend)
     expected = reference_attention(q, kn[:, :, :0], vn[:, :, :0], None, kn, vn, new_mask, 0.25)
     assert_exact(backend(*args), expected)
     assert_exact(reference_attention(*args), expected)
+
+
+def test_tree_kernel_fallback_is_taken_and_logged(monkeypatch, caplog):
+    """Off the CPU, a tree the Triton kernel cannot serve (Triton missing, or float64)
+    goes to SDPA, with one warning naming the reason."""
+    from longspec.runtime import attention
+
+    q = torch.zeros((1, 2, 3, 8), dtype=torch.float64)
+    attention._log_fallback_once.cache_clear()
+    monkeypatch.setattr(attention, "_tree_kernel_unavailable", lambda: "triton is not installed")
+    with caplog.at_level("WARNING", logger="longspec.runtime.attention"):
+        assert not attention.tree_kernel_fits(q, None)
+        assert not attention.tree_kernel_fits(q, None)
+    assert [r.getMessage().count("triton is not installed") for r in caplog.records] == [1]
+    monkeypatch.setattr(attention, "_tree_kernel_unavailable", lambda: None)
+    monkeypatch.setattr(attention, "_tree_kernel_dtypes", lambda: (torch.float32,))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="longspec.runtime.attention"):
+        assert not attention.tree_kernel_fits(q, None)
+        assert attention.tree_kernel_fits(q.float(), None)
+    assert "does not compute in torch.float64" in caplog.text
