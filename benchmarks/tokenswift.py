@@ -1,7 +1,7 @@
 """TokenSwift on long generation: AR vs TokenSwift (the paper's drafting forward over
 a dynamic partial cache) vs the heads on the verification pass (one forward per
 round, `tokenswift-onepass`) vs TokenSwift without token reutilization vs without the
-dynamic partial cache, in one run, sampling as in the paper (min-p 0.1, contextual
+dynamic partial cache vs the MagicDec and TriForce* self-speculation baselines, in one run, sampling as in the paper (min-p 0.1, contextual
 penalty θ = 1.2 over W = 1024, temperature 1), or greedy with --greedy.
 
     python benchmarks/tokenswift.py --prompt-tokens 2048 --new-tokens 2048 4096
@@ -26,7 +26,9 @@ import longspec
 from common import machine, write_results
 from longspec.api import parse_dtype
 from longspec.speculation.metrics import distinct_n
+from longspec.speculation.drafters.self_speculation import MagicDecDrafter, TriForceDrafter
 from longspec.speculation.drafters.tokenswift.drafter import TokenSwiftDrafter
+from longspec.speculation.drafters.tokenswift.partial_cache import PartialKVCache
 from longspec.speculation.drafters.tokenswift.one_pass import OnePassTokenSwiftDrafter
 from longspec.speculation.metrics import GenerationStats
 from longspec.speculation.processors import SamplingParams
@@ -42,6 +44,9 @@ VARIANTS = {
     "one-pass-full-vocab": lambda heads: OnePassTokenSwiftDrafter(heads, context_vocab=False),
     "no-reutilization": lambda heads: TokenSwiftDrafter(heads, k=0),
     "no-dynamic-cache": lambda heads: TokenSwiftDrafter(heads, dynamic_cache=False),
+    # Baselines: the target drafts a chain for itself over a StreamingLLM / importance cache.
+    "magicdec": lambda heads: MagicDecDrafter(),
+    "triforce": lambda heads: TriForceDrafter(),
 }
 
 
@@ -106,6 +111,8 @@ def main() -> None:
             tps = out.numel() / wall
             ar_tps = tps if name == "ar" else ar_tps
             tokens = out.tolist()
+            partial = getattr(drafter, "cache", None)
+            partial = partial if isinstance(partial, PartialKVCache) else None
             row = {
                 "method": name, "prompt_tokens": ids.numel(), "new_tokens": out.numel(), "dtype": args.dtype,
                 "tokens_per_s": tps, "ratio_to_ar": tps / ar_tps if ar_tps else None, "tau": stats.tau,
@@ -113,21 +120,22 @@ def main() -> None:
                 "distinct": [distinct_n(tokens, n) for n in (1, 2, 3, 4)],
                 "time_split_s": {"draft": stats.draft_s, "verify": stats.verify_s, "bookkeeping": stats.bookkeeping_s,
                                  "warm_up_and_other": wall - stats.decode_s},
-                "rebuilds": drafter.cache.rebuilds if isinstance(drafter, TokenSwiftDrafter) else None,
-                "budget": drafter.cache.budget if isinstance(drafter, TokenSwiftDrafter) else None,
+                "rebuilds": partial.rebuilds if partial is not None else None,
+                "budget": partial.budget if partial is not None else None,
             }
             rows.append(row)
             print(row, flush=True)
             write_results(args.out, header, rows)
     print(f"\nmachine: {header['machine']}\n")
-    print("| new tokens | method | tok/s | × AR | τ | acceptance d1..d4 | Distinct-1 | -2 | -3 | -4 |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| new tokens | method | tok/s | × AR | τ | acceptance d1..d4 | draft s | verify s | Distinct-1 | -2 | -3 | -4 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         acc = " ".join(f"{a:.2f}" for a in r["acceptance_by_depth"]) or "-"
         ratio = f"{r['ratio_to_ar']:.2f}x" if r["ratio_to_ar"] else "-"
         d = r["distinct"]
+        split = r["time_split_s"]
         print(f"| {r['new_tokens']} | {r['method']} | {r['tokens_per_s']:.1f} | {ratio} | {r['tau']:.2f} | {acc} | "
-              f"{d[0]:.3f} | {d[1]:.3f} | {d[2]:.3f} | {d[3]:.3f} |")
+              f"{split['draft']:.1f} | {split['verify']:.1f} | {d[0]:.3f} | {d[1]:.3f} | {d[2]:.3f} | {d[3]:.3f} |")
 
 
 if __name__ == "__main__":

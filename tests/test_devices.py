@@ -21,6 +21,7 @@ from longspec.speculation.drafters.adaptive import AdaptiveDrafter
 from longspec.speculation.drafters.draft_model import DraftModelDrafter
 from longspec.speculation.drafters.longspec import ChainStrategy, LongSpecDrafter, SampledChainStrategy
 from longspec.speculation.drafters.mamba import MambaDrafter
+from longspec.speculation.drafters.self_speculation import MagicDecDrafter, TriForceDrafter
 from longspec.speculation.drafters.tokenswift.heads import TokenSwiftHeads
 from longspec.speculation.drafters.tokenswift.one_pass import OnePassTokenSwiftDrafter
 from longspec.speculation.engine import EngineOptions, SpeculativeEngine
@@ -43,6 +44,8 @@ def every_drafter(model) -> dict:
     drafters["mamba"] = lambda: MambaDrafter(tiny_mamba(vocab_size=model.config.vocab_size), widths=(2, 2, 1))
     drafters["auto"] = lambda: AdaptiveDrafter([("pld", PromptLookupDrafter(num_tokens=5)), ("ngram", NgramDrafter(k=3))],
                                                forward_cost=ForwardCost({}, (1, 8, 64), (0.01, 0.012, 0.03)))
+    drafters["magicdec"] = lambda: MagicDecDrafter(length=3, budget=16, sinks=2, forward_chunk=8)
+    drafters["triforce"] = lambda: TriForceDrafter(length=3, budget=16, sinks=2, forward_chunk=8)
     drafters["ar"] = lambda: None
     return drafters
 

@@ -16,6 +16,7 @@ from longspec.speculation.drafters.base import Drafter
 from longspec.speculation.drafters.draft_model import DraftModelDrafter
 from longspec.speculation.drafters.mamba import MambaDrafter
 from longspec.speculation.drafters.longspec.presets import LONGSPEC_METHODS
+from longspec.speculation.drafters.self_speculation import MagicDecDrafter, TriForceDrafter
 from longspec.speculation.drafters.tokenswift.drafter import TokenSwiftDrafter
 from longspec.speculation.drafters.tokenswift.one_pass import OnePassTokenSwiftDrafter
 
@@ -32,6 +33,8 @@ METHODS: dict[str, Callable[..., Drafter | None]] = {
     "ngram": NgramDrafter,
     "tokenswift": TokenSwiftDrafter,
     "tokenswift-onepass": OnePassTokenSwiftDrafter,
+    "magicdec": MagicDecDrafter,
+    "triforce": TriForceDrafter,
     **LONGSPEC_METHODS,
     "draft-model": DraftModelDrafter,
     "mamba": MambaDrafter,

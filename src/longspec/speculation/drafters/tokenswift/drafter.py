@@ -20,7 +20,7 @@ import torch
 from longspec.speculation.drafters.base import DraftContext
 from longspec.speculation.drafters.ngram import NgramTable, _check_positive_int
 from longspec.speculation.drafters.tokenswift.heads import TokenSwiftHeads
-from longspec.speculation.drafters.tokenswift.partial_cache import PartialKVCache, recording_queries
+from longspec.speculation.drafters.tokenswift.partial_cache import PartialKVCache, partial_budget, recording_queries
 from longspec.speculation.drafters.tokenswift.tree import add_chains_within, cartesian_within
 from longspec.speculation.tree import Tree
 
@@ -106,9 +106,8 @@ class TokenSwiftDrafter:
         """(budget, sinks) for this sequence."""
         if not self.dynamic_cache:
             return config.max_position_embeddings + self.forward_chunk, 0
-        budget = self.budget or max(self.min_budget, int(prompt_length * self.budget_fraction))
-        sinks = min(self.sinks, max(budget - self.forward_chunk, 0))
-        return max(budget, sinks + self.forward_chunk), sinks
+        return partial_budget(prompt_length, self.budget, self.budget_fraction, self.min_budget, self.sinks,
+                              self.forward_chunk)
 
     def begin(self, context: DraftContext) -> None:
         view = context.target

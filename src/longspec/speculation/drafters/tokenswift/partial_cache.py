@@ -18,8 +18,9 @@ Memory: ``budget + max_forward_tokens`` slots per full layer, a ring of
 ``window + max_forward_tokens`` per sliding layer — independent of the context.
 
 It exposes what `Decoder.forward` uses of a `KVCache` (begin_forward, store,
-prefix, ring_prefix_mask, pending_ring_slots, length, pending, commit); the only
-extension is ``commit(source)``, the K/V to rebuild from when a rebuild is due.
+prefix, ring_prefix_mask, pending_ring_slots, length, pending, commit,
+drop_pending); the only extension is ``commit(source)``, the K/V to rebuild from
+when a rebuild is due.
 The queries for scoring are captured with ``recording_queries(model, cache)``,
 which wraps the model's attention backend for one drafting forward.
 """
@@ -48,6 +49,16 @@ def grouped_importance(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     compute = torch.float64 if keys.dtype == torch.float64 else torch.float32
     group_query = query.reshape(B, Hkv, Hq // Hkv, D).to(compute).sum(dim=2)  # [B, Hkv, D]
     return torch.einsum("bhd,bhnd->n", group_query, keys.to(compute))
+
+
+def partial_budget(prompt_length: int, budget: int | None, budget_fraction: float, min_budget: int, sinks: int,
+                   forward_chunk: int) -> tuple[int, int]:
+    """(budget, sinks) of a partial cache for a prompt: `budget` when given, else
+    `budget_fraction` of the prompt and at least `min_budget`; the sinks shrink so
+    that one drafting forward still fits beside them."""
+    budget = budget or max(min_budget, int(prompt_length * budget_fraction))
+    sinks = min(sinks, max(budget - forward_chunk, 0))
+    return max(budget, sinks + forward_chunk), sinks
 
 
 class PartialKVCache:
@@ -186,6 +197,15 @@ class PartialKVCache:
         if source is None:
             raise ValueError("the partial cache must be rebuilt but no K/V source was given")
         self.rebuild(source, before)
+
+    def drop_pending(self) -> None:
+        """Forget the last forward's tokens (a drafted chain), keeping everything
+        committed: their full-layer slots lie beyond `used`, and the ring slots they
+        took held positions older than any later query's window (the ring has
+        `max_forward_tokens` slots of headroom)."""
+        if self.ring_size and self.pending:
+            self.ring_positions[self.pending_ring_slots] = EMPTY_SLOT
+        self.pending = 0
 
     def rebuild(self, source: KVSource, source_length: int) -> None:
         """Re-select every full layer's tokens: keep those at positions >=

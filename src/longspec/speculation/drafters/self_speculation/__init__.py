@@ -1,0 +1,3 @@
+from longspec.speculation.drafters.self_speculation.drafter import MagicDecDrafter, TriForceDrafter
+
+__all__ = ["MagicDecDrafter", "TriForceDrafter"]
