@@ -1,11 +1,11 @@
-"""`longspec train <method>`: one subcommand per trainer, each in its own module
-(cli/train_<method>.py exposing ``add_parser(sub)`` that sets ``train_command``)."""
+"""`longspec train <method>`: the subcommands of each trainer module
+(cli/train_<kind>.py exposing ``add_parser(sub)`` that sets ``train_command``)."""
 
 from __future__ import annotations
 
-from longspec.cli import train_longspec, train_tokenswift
+from longspec.cli import train_external, train_longspec, train_tokenswift
 
-TRAINERS = (train_tokenswift, train_longspec)
+TRAINERS = (train_tokenswift, train_longspec, train_external)
 
 
 def add_parser(sub) -> None:

@@ -6,18 +6,14 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from longspec.cli.options import add_device_argument
+from longspec.cli.options import add_device_argument, training_process_device
+from longspec.cli.train_corpus import add_corpus_arguments, training_tokens
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("longspec", help="train a LongSpec/GLIDE cross-attention draft for a target")
     p.add_argument("--model", default=None, help="target (default: embedded Gemma 3 270M)")
-    p.add_argument("--corpus", type=Path, action="append", default=[], help="directory, text file or .jsonl (repeatable)")
-    p.add_argument("--stdlib", action="store_true", help="also train on the Python standard library (code + pydoc prose)")
-    p.add_argument("--exclude", action="append", default=[], help="skip directories with this name (repeatable)")
-    p.add_argument("--text-field", default=None, help="JSONL field holding the text (default: text/context/content/...)")
-    p.add_argument("--heldout", type=float, default=0.05, help="fraction of files held out (by file, never by line)")
-    p.add_argument("--shards", type=Path, default=None, help="token shard directory (default: OUT/shards; reused if present)")
+    add_corpus_arguments(p)
     p.add_argument("--feature-cache", type=Path, default=None, help="store target features here and reuse them")
     p.add_argument("--out", type=Path, required=True, help="run directory: draft.safetensors/.json, trainer_state.pt, loss.csv")
     p.add_argument("--init-from", type=Path, default=None,
@@ -53,9 +49,6 @@ def add_parser(sub) -> None:
                         "training row shows; 0: every committed key, so a draft step's cost grows with the context)")
     p.add_argument("--cross-sinks", type=int, default=4, help="new drafts: first target positions always read "
                    "(the Anchor-Offset anchors: BOS + 3 tokens)")
-    p.add_argument("--bos", action=argparse.BooleanOptionalAction, default=True,
-                   help="start every row with what the tokenizer puts before a served prompt (BOS), as served "
-                        "sequences do")
     vis = p.add_mutually_exclusive_group()
     vis.add_argument("--noisy", dest="visibility", action="store_const", const="noisy", help="flash noisy training (default)")
     vis.add_argument("--block-mask", dest="visibility", action="store_const", const="block", help="GLIDE block-wise mask")
@@ -72,30 +65,18 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     import torch
-    import torch.distributed as dist
 
     from longspec.api import parse_dtype
     from longspec.cli.paths import check_output_directory
     from longspec.runtime.loading import load_target
     from longspec.speculation.drafters.longspec.config import DraftConfig
-    from longspec.training.data import (
-        EXCLUDED_DIRS,
-        build_shards,
-        iter_documents,
-        load_split,
-        served_prefix,
-        shards_key,
-        stdlib_dir,
-    )
     from longspec.training.longspec_trainer import LongSpecTrainer, TrainOptions
     from longspec.training.longspec_visibility import BlockVisibility, NoisyShift, ShiftVisibility
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     check_output_directory(args.out)
-    corpus = list(args.corpus) + ([stdlib_dir()] if args.stdlib else [])
-    shards = args.shards or args.out / "shards"
-    if not corpus and not (shards / "index.json").is_file():
+    if not args.corpus and not args.stdlib and not ((args.shards or args.out / "shards") / "index.json").is_file():
         raise ValueError("no training data: pass --corpus PATH (repeatable) and/or --stdlib")
     visibility = {"noisy": lambda: NoisyShift(args.gamma), "block": lambda: BlockVisibility(args.gamma), "exact": lambda: ShiftVisibility(1)}
     options = TrainOptions(
@@ -107,21 +88,10 @@ def run(args) -> int:
         raise FileNotFoundError(f"--init-from: no draft weights at {args.init_from}")
     if args.init_from is not None and args.draft_vocab is not None:
         raise ValueError("--init-from keeps that draft's vocabulary; drop --draft-vocab")
-    device = _process_device(args.device)
-    if dist.is_available() and not dist.is_initialized() and _launched_distributed():
-        dist.init_process_group("nccl" if device is not None and device.type == "cuda" else "gloo")
+    device = training_process_device(args.device)
     target = load_target(args.model, dtype=parse_dtype(args.dtype), device=device)
-    if target.tokenizer is None and not (shards / "index.json").is_file():
-        raise ValueError(f"{target.source} has no tokenizer; pass pre-built --shards")
-    exclude = EXCLUDED_DIRS + tuple(args.exclude)
-    key = shards_key(corpus, target.tokenizer, text_field=args.text_field, heldout_fraction=args.heldout,
-                     exclude=exclude) if corpus and target.tokenizer is not None else None
-    index = build_shards(iter_documents(corpus, text_field=args.text_field, exclude=exclude), target.tokenizer, shards,
-                         heldout_fraction=args.heldout, key=key)
-    print(f"corpus: {index['tokens']['train']} training tokens from {len(index['files']['train'])} documents; "
-          f"{index['tokens']['heldout']} held out from {len(index['files']['heldout'])}", flush=True)
-    if args.bos and target.tokenizer is not None:
-        options = dataclasses.replace(options, row_prefix=served_prefix(target.tokenizer))
+    tokens, prefix = training_tokens(args, target)
+    options = dataclasses.replace(options, row_prefix=prefix)
     if args.init_from is not None:
         architecture = {}  # the checkpoint's own weights: no warm start
     else:
@@ -130,7 +100,7 @@ def run(args) -> int:
                                         cross_window=_cross_window(args), cross_sinks=args.cross_sinks)
         architecture = {"draft_config": config, "draft_vocab": args.draft_vocab, "warm_start": args.warm_start}
     trainer = LongSpecTrainer(
-        target.model, load_split(shards, "train"), args.out, options, feature_cache=args.feature_cache,
+        target.model, tokens, args.out, options, feature_cache=args.feature_cache,
         init_from=args.init_from, **architecture,
     )
     if trainer.step:
@@ -146,25 +116,3 @@ def _cross_window(args) -> int | None:
     if args.cross_window < 0:
         raise ValueError(f"--cross-window must be >= 0 (0: every key), got {args.cross_window}")
     return args.cross_window or None
-
-
-def _process_device(device: str | None):
-    """--device for this process: under `accelerate launch` / `torchrun` with --device cuda,
-    each process takes the GPU of its LOCAL_RANK."""
-    import os
-
-    import torch
-
-    from longspec.runtime.device import resolve_device
-
-    resolved = resolve_device(device)
-    if resolved.type == "cuda" and device in ("cuda", None) and _launched_distributed():
-        resolved = resolve_device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
-        torch.cuda.set_device(resolved)
-    return resolved
-
-
-def _launched_distributed() -> bool:
-    import os
-
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1

@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import functools
+import importlib.util
 import logging
 
 import torch
@@ -178,11 +179,7 @@ def _log_fallback_once(device_type: str, reason: str) -> None:
 
 
 def _tree_kernel_unavailable() -> str | None:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return "triton is not installed"
-    return None
+    return "triton is not installed" if importlib.util.find_spec("triton") is None else None
 
 
 def _tree_kernel_dtypes() -> tuple[torch.dtype, ...]:

@@ -24,6 +24,7 @@ from longspec.runtime.device import HOST
 from longspec.runtime.model import Decoder
 from longspec.speculation.drafters.base import DraftContext
 from longspec.speculation.drafters.longspec.config import DraftMismatchError
+from longspec.speculation.drafters.vocab_map import VocabMap
 from longspec.speculation.tree import Tree
 
 # Room the cache leaves beyond the prompt before it has to grow (tokens).
@@ -40,13 +41,16 @@ class DraftModelDrafter:
         temperature: float = 1.0,
         prefill_chunk: int = 256,
         generator: torch.Generator | None = None,
+        vocab: VocabMap | None = None,
     ) -> None:
         """model: the draft (a loaded `Decoder`, or a checkpoint directory / .gguf /
         local model id, loaded in the target's dtype when generation begins).
         length: γ, draft tokens per round. sample: draw the chain from q (for sampled
         decoding; greedy decoding accepts either). temperature: the draft's own
         sampling temperature for q. generator: a fixed random stream for the sampled
-        chain (default: the one the engine derives from the request's seed)."""
+        chain (default: the one the engine derives from the request's seed). vocab: the
+        reduced vocabulary of a model passed as an object (a checkpoint directory brings
+        its own `longspec-vocab.json`; None: the draft speaks the target's ids)."""
         if isinstance(length, bool) or not isinstance(length, int) or length < 1:
             raise ValueError(f"length must be an int >= 1, got {length!r}")
         if not temperature > 0:
@@ -56,10 +60,13 @@ class DraftModelDrafter:
         if isinstance(model, (str, Path)):
             from longspec.runtime.loading import load_target
 
+            if vocab is None and Path(model).is_dir():
+                vocab = VocabMap.load(model)
             model = load_target(model, dtype=torch.float32).model
         if not isinstance(model, Decoder):
             raise TypeError(f"model must be a longspec Decoder or a checkpoint path, got {type(model).__name__}")
         self.model = model
+        self.vocab = vocab
         self.length = length
         self.sample = bool(sample)
         self.temperature = float(temperature)
@@ -74,6 +81,14 @@ class DraftModelDrafter:
         """The draft must speak the target's vocabulary: its ids a prefix of the
         target's (same tokenizer; a target may pad its embedding) and the same EOS."""
         draft = self.model.config
+        if self.vocab is not None:
+            problems = self.vocab.check_target(config.vocab_size, config.eos_token_ids)
+            if draft.vocab_size < self.vocab.draft_vocab_size:
+                problems.append(f"the draft has {draft.vocab_size} ids, its vocabulary map needs {self.vocab.draft_vocab_size}")
+            if problems:
+                raise DraftMismatchError("the draft model's reduced vocabulary does not fit the target ("
+                                         + "; ".join(problems) + "); use a draft trained for this target")
+            return
         problems = []
         if draft.vocab_size > config.vocab_size:
             problems.append(f"vocabulary: draft {draft.vocab_size} ids vs target {config.vocab_size}")
@@ -90,6 +105,8 @@ class DraftModelDrafter:
             self._vocab_size = view.config.vocab_size
             if self.model.dtype != view.model.dtype or self.model.device != view.device:
                 self.model = self.model.to(view.model.dtype).place(view.device)
+            if self.vocab is not None:
+                self.vocab = self.vocab.to(view.device)
         else:
             self._vocab_size = self.model.config.vocab_size
         self._allocate(context.tokens.numel() + INITIAL_HEADROOM)
@@ -114,28 +131,36 @@ class DraftModelDrafter:
         if n + budget > self.cache.capacity:
             self._allocate(2 * (n + budget))  # the new cache catches up over the whole sequence
         if self.cache.length < n:  # the committed tokens it has not seen, root last
-            self._root_logits = self._run(tokens[self.cache.length :])
+            self._root_logits = self._run(self._draft_ids(tokens[self.cache.length :]))
         logits = self._root_logits
         chain, rows = [], []
         for depth in range(budget):
+            candidates = self.vocab.hide_other(logits) if self.vocab is not None else logits
             if self.sample:
-                q = torch.softmax(logits.double() / self.temperature, dim=-1)
+                q = torch.softmax(candidates.double() / self.temperature, dim=-1)
                 token = int(torch.multinomial(q, 1, generator=self.generator if self.generator is not None else context.generator))
                 rows.append(q)
             else:
-                token = int(torch.argmax(logits))
-            chain.append(token)
+                token = int(torch.argmax(candidates))
+            chain.append(token)  # the draft's id
             if depth + 1 < budget:
                 logits = self._run(torch.tensor([token], device=HOST))
         self.cache.rollback(n)  # drafted tokens leave; the committed ones stay cached
-        tree = Tree.chain(root, chain)
+        target_chain = self.vocab.to_target(torch.tensor(chain, device=HOST)).tolist() if self.vocab is not None else chain
+        tree = Tree.chain(root, target_chain)
         if not self.sample:
             return tree
         q = torch.zeros((tree.size, self._vocab_size), dtype=torch.float64, device=rows[0].device)
-        q[:budget, : rows[0].numel()] = torch.stack(rows)
+        if self.vocab is not None:
+            q[:budget, self.vocab.target_ids] = torch.stack(rows)
+        else:
+            q[:budget, : rows[0].numel()] = torch.stack(rows)
         return Tree.from_parents(tree.tokens, tree.parents, draft_probs=q, children_sampled=True)
 
     # ---------------------------------------------------------------- internals
+    def _draft_ids(self, target_ids: torch.Tensor) -> torch.Tensor:
+        return self.vocab.to_draft(target_ids) if self.vocab is not None else target_ids
+
     def _allocate(self, capacity: int) -> None:
         capacity = min(capacity, self.model.config.max_position_embeddings)
         self.cache = self.model.new_cache(capacity, max_forward_tokens=self.prefill_chunk)

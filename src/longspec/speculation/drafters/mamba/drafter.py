@@ -29,6 +29,7 @@ import torch
 from longspec.speculation.drafters.adaptive.policies import UCBPolicy, mamba_reward
 from longspec.speculation.drafters.base import DraftContext
 from longspec.speculation.drafters.longspec.config import DraftMismatchError
+from longspec.speculation.drafters.vocab_map import VocabMap
 from longspec.speculation.tree import Tree
 
 # The paper's arms for its test-time search; the first is the default shape.
@@ -53,9 +54,11 @@ def tree_nodes(widths: Sequence[int]) -> int:
 
 class MambaDrafter:
     def __init__(self, model, *, widths: Sequence[int] = PAPER_TREES[0], search: Sequence[Sequence[int]] | None = None,
-                 exploration: float = 1.0) -> None:
+                 exploration: float = 1.0, vocab: VocabMap | None = None) -> None:
         """model: a `transformers` Mamba causal LM, or a checkpoint directory / local
-        model id of one. widths: the tree configuration (N1, ..., Nγ). search: tree
+        model id of one (with its reduced vocabulary, `longspec-vocab.json`, when it
+        was trained with one). vocab: the reduced vocabulary of a model passed as an
+        object (None: it speaks the target's ids). widths: the tree configuration (N1, ..., Nγ). search: tree
         configurations to choose among per round (the paper's test-time tree search,
         e.g. `PAPER_TREES`): UCB1 with the paper's reward -(1/N + λγ/N), N the tokens a
         round commits (the bonus counted), γ the configuration's depth, λ the measured
@@ -63,7 +66,10 @@ class MambaDrafter:
         if isinstance(model, (str, Path)):
             from transformers import AutoModelForCausalLM
 
+            if vocab is None:
+                vocab = VocabMap.load(model)
             model = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
+        self.vocab = vocab
         self.model = fold_projections(model.eval().requires_grad_(False))
         self.widths = check_tree_config(widths)
         self.configs = tuple(check_tree_config(w) for w in search) if search is not None else (self.widths,)
@@ -84,6 +90,14 @@ class MambaDrafter:
     # --------------------------------------------------------------- protocol
     def check_target(self, config) -> None:
         draft = self.model.config
+        if self.vocab is not None:
+            problems = self.vocab.check_target(config.vocab_size, config.eos_token_ids)
+            if draft.vocab_size < self.vocab.draft_vocab_size:
+                problems.append(f"the model has {draft.vocab_size} ids, its vocabulary map needs {self.vocab.draft_vocab_size}")
+            if problems:
+                raise DraftMismatchError("the Mamba drafter's reduced vocabulary does not fit the target ("
+                                         + "; ".join(problems) + "); use a drafter trained for this target")
+            return
         problems = []
         if draft.vocab_size > config.vocab_size:
             problems.append(f"vocabulary: draft {draft.vocab_size} ids vs target {config.vocab_size}")
@@ -101,6 +115,8 @@ class MambaDrafter:
             self.check_target(view.config)
             self._vocab_size = view.config.vocab_size
             self.model.to(device=view.device, dtype=view.model.dtype)
+            if self.vocab is not None:
+                self.vocab = self.vocab.to(view.device)
         self.state = None
         self._unfed = context.tokens.tolist()
         self._levels = []
@@ -171,11 +187,12 @@ class MambaDrafter:
         level_state, level_nodes = self.state, [0]  # tree indices of the previous depth's nodes
         self._levels = []
         for depth, width in enumerate(widths):
-            top = torch.topk(logits.float(), width, dim=-1).indices  # [n_prev, width]
-            new_tokens = top.reshape(-1)
+            top = torch.topk(self._candidates(logits).float(), width, dim=-1).indices  # [n_prev, width]
+            new_tokens = top.reshape(-1)  # the drafter's ids
+            target_tokens = self._target_ids(new_tokens).tolist()
             parent_rows = torch.arange(top.shape[0], device=top.device).repeat_interleave(width)
             first = len(tokens)
-            tokens.extend(new_tokens.tolist())
+            tokens.extend(target_tokens)
             parents.extend(level_nodes[p] for p in parent_rows.tolist())
             level_nodes = list(range(first, len(tokens)))
             state = None
@@ -183,7 +200,7 @@ class MambaDrafter:
                 state = _select(level_state, parent_rows)
                 out = self.model(new_tokens.unsqueeze(1), cache_params=state, use_cache=True)
                 logits = out.logits[:, -1]
-            self._levels.append((new_tokens.tolist(), parent_rows.tolist(), state))
+            self._levels.append((target_tokens, parent_rows.tolist(), state))
             level_state = state
         self._proposed_at = time.perf_counter()
         self._drafted_depth = len(widths)
@@ -191,6 +208,13 @@ class MambaDrafter:
         return Tree.from_parents(tokens, parents)
 
     # ---------------------------------------------------------------- internals
+    def _candidates(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits of the ids the drafter may propose (its reduced vocabulary's "other" id never)."""
+        return self.vocab.hide_other(logits) if self.vocab is not None else logits
+
+    def _target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return self.vocab.to_target(draft_ids) if self.vocab is not None else draft_ids
+
     @staticmethod
     def _fitting_widths(widths: tuple[int, ...], budget: int) -> tuple[int, ...]:
         """The configuration cut to the node budget (deepest levels dropped first)."""
@@ -200,7 +224,8 @@ class MambaDrafter:
 
     def _catch_up(self) -> torch.Tensor:
         """Feed the committed tokens the state has not seen; the logits after the root."""
-        ids = torch.tensor(self._unfed, device=self._device).unsqueeze(0)
+        ids = torch.tensor(self._unfed, device=self._device)
+        ids = (self.vocab.to_draft(ids) if self.vocab is not None else ids).unsqueeze(0)
         if self.state is None:  # from the empty state, a multi-token forward is exact
             out = self.model(ids, use_cache=True)
             self.state = out.cache_params

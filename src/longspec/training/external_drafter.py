@@ -1,0 +1,257 @@
+"""Training an external drafter — a small Mamba (state-space) or transformer causal LM
+that shares the target's tokenizer — for `method="mamba"` / `method="draft-model"`.
+
+Rows look like served sequences (the served prefix, e.g. BOS, first; its label never
+counts). Labels are the target's own greedy next tokens (self-distillation: the
+drafter learns what the target will accept) or the corpus's next tokens. The drafter
+speaks a reduced vocabulary (`VocabMap`: the most frequent corpus tokens plus one
+"other" id), so its embedding and output layer stay small beside a 262k-token target
+vocabulary; verification stays exact over the full vocabulary.
+
+A run directory holds the drafter as `transformers` saves it (config.json,
+model.safetensors) with its `longspec-vocab.json` — exactly what the drafters load —
+plus trainer_state.pt and loss.csv. Rerunning resumes: the sequence order is derived
+from (seed, epoch) and the step, so a resumed run ends at the weights of an
+uninterrupted one. Under `accelerate launch` / `torchrun` each rank takes its own
+rows of every batch (DDP).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from longspec.runtime.device import HOST
+from longspec.runtime.model import Decoder
+from longspec.speculation.drafters.vocab_map import VocabMap
+from longspec.training.data import SequenceSampler, most_frequent_ids
+from longspec.training.fingerprint import target_fingerprint, tokens_fingerprint
+from longspec.training.longspec_features import IGNORE, FeatureCache
+
+WEIGHTS_NAME = "model.safetensors"  # what `save_pretrained` writes
+STATE_NAME = "trainer_state.pt"
+LOSS_LOG = "loss.csv"
+LABELS_VERSION = 1
+
+
+@dataclass(frozen=True)
+class DrafterTrainOptions:
+    steps: int = 1000
+    seq_len: int = 512
+    batch_size: int = 8  # sequences per step per process
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 50
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    self_distill: bool = True  # labels = the target's greedy predictions (else the corpus's next tokens)
+    seed: int = 0
+    save_every: int = 50
+    row_prefix: tuple[int, ...] = ()  # the served prefix every row starts with; its labels never count
+    max_rows: int | None = None  # rows one epoch visits (a seeded sample; None: all)
+
+
+def cosine_lr(step: int, options: DrafterTrainOptions) -> float:
+    """Multiplier of the base learning rate: linear warmup, then cosine to min_lr_ratio."""
+    if step < options.warmup:
+        return (step + 1) / options.warmup
+    progress = (step - options.warmup) / max(1, options.steps - options.warmup)
+    return options.min_lr_ratio + (1 - options.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def reduced_vocabulary(train_tokens: torch.Tensor, target_config, size: int) -> VocabMap:
+    """The `size` most frequent training tokens (the target's EOS ids always among them)."""
+    eos = [t for t in target_config.eos_token_ids if t < target_config.vocab_size]
+    if size <= len(eos):
+        raise ValueError(f"a reduced vocabulary of {size} tokens leaves no room beside the EOS ids {eos}")
+    return VocabMap(most_frequent_ids(train_tokens, target_config.vocab_size, size, eos), target_config.vocab_size)
+
+
+class ExternalDrafterTrainer:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        target: Decoder,
+        vocab: VocabMap,
+        train_tokens: torch.Tensor,
+        out_dir: str | Path,
+        options: DrafterTrainOptions,
+        *,
+        label_cache: str | Path | None = None,
+        progress: bool = True,
+    ) -> None:
+        """model: a freshly built `transformers` causal LM over `vocab.draft_vocab_size`
+        ids (its weights are replaced by the run's when `out_dir` holds one)."""
+        if model.config.vocab_size < vocab.draft_vocab_size:
+            raise ValueError(f"the drafter has {model.config.vocab_size} ids; its vocabulary needs {vocab.draft_vocab_size}")
+        self.target = target
+        self.device = target.device
+        self.vocab = vocab.to(self.device)
+        self.options = options
+        self.out = Path(out_dir)
+        self.progress = progress
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        self.sampler = SequenceSampler(train_tokens, options.seq_len, options.seed, options.row_prefix, options.max_rows)
+        self.drafter = model.to(device=self.device, dtype=torch.float32).train()
+        weights = self.out / WEIGHTS_NAME
+        if weights.is_file():
+            from safetensors.torch import load_file
+
+            saved = VocabMap.load(self.out)
+            if saved is None or not torch.equal(saved.target_ids, vocab.target_ids):
+                raise ValueError(f"{self.out} holds a drafter with another vocabulary; use another --out to start over")
+            result = self.drafter.load_state_dict(load_file(str(weights), device=str(self.device)), strict=False)
+            tied = {"lm_head.weight"} if self.drafter.config.tie_word_embeddings else set()
+            if set(result.missing_keys) - tied or result.unexpected_keys:
+                raise ValueError(f"{weights} does not match the drafter's architecture (missing "
+                                 f"{sorted(set(result.missing_keys) - tied)}, unexpected {sorted(result.unexpected_keys)})")
+        self.labels = FeatureCache(label_cache, key={
+            "labels": LABELS_VERSION, "target": target_fingerprint(target), "seq_len": options.seq_len,
+            "row_prefix": list(options.row_prefix), "tokens": tokens_fingerprint(train_tokens),
+        }) if options.self_distill else None
+        self.model = self.drafter
+        if self.world > 1:
+            device_ids = [self.device] if self.device.type == "cuda" else None
+            self.model = torch.nn.parallel.DistributedDataParallel(self.drafter, device_ids=device_ids)
+        self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=options.lr, betas=(0.9, 0.95),
+                                           weight_decay=options.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: cosine_lr(s, options))
+        self.step = 0
+        self.position = 0  # sequences consumed, all ranks together
+        state_file = self.out / STATE_NAME
+        if state_file.is_file() and weights.is_file():
+            state = torch.load(state_file, weights_only=False, map_location=self.device)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.step, self.position = state["step"], state["position"]
+            self._truncate_log()
+
+    # ------------------------------------------------------------------ loop
+    def train(self, stop_after: int | None = None, max_seconds: float | None = None) -> torch.nn.Module:
+        """Train up to options.steps, or `stop_after` more steps, or until `max_seconds`
+        of wall time; saves every `save_every` steps and when it stops."""
+        opts = self.options
+        last = opts.steps if stop_after is None else min(opts.steps, self.step + stop_after)
+        bar = tqdm(total=last, initial=self.step, desc="train drafter", unit="step",
+                   disable=not self.progress or self.rank != 0)
+        start = time.perf_counter()
+        while self.step < last:
+            loss, tokens = self.train_step()
+            self.step += 1
+            self.position += opts.batch_size * self.world
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}")
+            self._log(loss, tokens, time.perf_counter() - start)
+            out_of_time = max_seconds is not None and time.perf_counter() - start > max_seconds
+            if self.step % opts.save_every == 0 or self.step == last or out_of_time:
+                self.save()
+            if out_of_time:
+                break
+        bar.close()
+        return self.drafter
+
+    def train_step(self) -> tuple[float, int]:
+        opts = self.options
+        first = self.position + self.rank * opts.batch_size
+        rows = [self.sampler.row_at(first + i) for i in range(opts.batch_size)]
+        ids = self.sampler.sequences[torch.tensor(rows, device=HOST)]  # [B, L] target ids
+        labels = torch.stack([self._labels(row, ids[i]) for i, row in enumerate(rows)])
+        labels[:, : len(opts.row_prefix)] = IGNORE  # served prompts never end inside the prefix
+        inputs = self.vocab.to_draft(ids)
+        labels = labels.to(self.device)
+        targets = torch.where(labels == IGNORE, IGNORE, self.vocab.to_draft(labels.clamp(min=0)))
+        logits = self.model(input_ids=inputs).logits.float()
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), opts.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        return float(loss.detach()), int((targets != IGNORE).sum())
+
+    def _labels(self, row: int, ids: torch.Tensor) -> torch.Tensor:
+        """[L] target ids: label t is the token after position t (IGNORE where unknown)."""
+        if not self.options.self_distill:
+            return torch.cat([ids[1:], torch.tensor([IGNORE], device=HOST)])
+        features = self.labels.get_or_compute(f"row{row}", lambda: {"labels": self._target_greedy(ids)})
+        return features["labels"].to(HOST)
+
+    @torch.inference_mode()
+    def _target_greedy(self, ids: torch.Tensor) -> torch.Tensor:
+        cache = self.target.new_cache(ids.numel(), max_forward_tokens=ids.numel())
+        out = self.target(ids.unsqueeze(0), cache, with_logits=False)
+        return self.target.greedy_tokens(out.hidden[0]).to(HOST).clone()
+
+    # ------------------------------------------------------------ checkpoints
+    def save(self) -> None:
+        if self.rank != 0:
+            return
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.drafter.save_pretrained(self.out, safe_serialization=True)
+        self.vocab.to(HOST).save(self.out)
+        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "step": self.step,
+                 "position": self.position, "options": asdict(self.options)}
+        tmp = self.out / (STATE_NAME + ".tmp")
+        torch.save(state, tmp)
+        tmp.replace(self.out / STATE_NAME)
+
+    def _truncate_log(self) -> None:
+        """Drop loss rows logged after the checkpoint a resumed run starts from."""
+        path = self.out / LOSS_LOG
+        if self.rank != 0 or not path.is_file():
+            return
+        rows = list(csv.reader(path.open()))
+        kept = rows[:1] + [r for r in rows[1:] if int(r[0]) <= self.step]
+        with path.open("w", newline="") as f:
+            csv.writer(f).writerows(kept)
+
+    def _log(self, loss: float, tokens: int, elapsed: float) -> None:
+        if self.rank != 0:
+            return
+        path = self.out / LOSS_LOG
+        path.parent.mkdir(parents=True, exist_ok=True)
+        new = not path.is_file()
+        with path.open("a", newline="") as f:
+            writer = csv.writer(f)
+            if new:
+                writer.writerow(["step", "loss", "tokens", "lr", "session_elapsed_s"])
+            writer.writerow([self.step, f"{loss:.5f}", tokens, f"{self.scheduler.get_last_lr()[0]:.3e}", f"{elapsed:.1f}"])
+
+
+def mamba_drafter(vocab: VocabMap, *, hidden_size: int = 256, layers: int = 8, state_size: int = 16, seed: int = 0):
+    """A fresh `transformers` Mamba over the drafter's reduced vocabulary (seeded initialisation)."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    config = MambaConfig(vocab_size=vocab.draft_vocab_size, hidden_size=hidden_size, num_hidden_layers=layers,
+                         state_size=state_size, pad_vocab_size_multiple=1, tie_word_embeddings=True,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    return _seeded(lambda: MambaForCausalLM(config), seed)
+
+
+def transformer_drafter(vocab: VocabMap, target_config, *, hidden_size: int = 256, layers: int = 4, heads: int = 4,
+                        kv_heads: int = 2, intermediate_size: int = 768, seed: int = 0):
+    """A fresh small Llama over the drafter's reduced vocabulary and the target's context
+    (our runtime runs it as `method="draft-model"`; seeded initialisation)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab.draft_vocab_size, hidden_size=hidden_size, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden_size // heads,
+                         intermediate_size=intermediate_size, max_position_embeddings=target_config.max_position_embeddings,
+                         tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    return _seeded(lambda: LlamaForCausalLM(config), seed)
+
+
+def _seeded(build, seed: int):
+    with torch.random.fork_rng(devices=[]), torch.device(HOST):
+        torch.manual_seed(seed)
+        return build()
+
+

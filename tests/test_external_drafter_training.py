@@ -1,0 +1,158 @@
+"""External drafters with a reduced vocabulary (Mamba, small transformer): the
+vocabulary map, lossless drafting through it, and their trainer (resumable, its
+output loadable by the drafters)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from longspec.speculation.drafters.draft_model import DraftModelDrafter
+from longspec.speculation.drafters.longspec.config import DraftMismatchError
+from longspec.speculation.drafters.mamba import MambaDrafter
+from longspec.speculation.drafters.vocab_map import VocabMap
+from longspec.speculation.engine import EngineOptions, SpeculativeEngine
+from longspec.speculation.processors import SamplingParams
+from longspec.training.external_drafter import (
+    DrafterTrainOptions,
+    ExternalDrafterTrainer,
+    mamba_drafter,
+    reduced_vocabulary,
+    transformer_drafter,
+)
+from tiny_models import VOCAB_SIZE, decoder_from_hf, random_ids, tiny_decoder
+
+OPTIONS = EngineOptions(prefill_chunk=8, max_tree_nodes=24, progress=False)
+
+
+def generate(model, prompt, drafter=None, params=SamplingParams(), seed=None, max_new_tokens=40):
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
+    rounds = SpeculativeEngine(model, OPTIONS).generate(prompt, params=params, max_new_tokens=max_new_tokens,
+                                                        drafter=drafter, generator=generator)
+    return torch.cat(list(rounds))
+
+
+def test_vocab_map_round_trip_and_refusals(tmp_path):
+    vocab = VocabMap([7, 3, 100], VOCAB_SIZE)
+    assert vocab.draft_vocab_size == 4 and vocab.other == 3
+    assert vocab.to_draft(torch.tensor([3, 7, 5, 100])).tolist() == [1, 0, 3, 2]
+    assert vocab.to_target(torch.tensor([2, 0])).tolist() == [100, 7]
+    assert vocab.hide_other(torch.zeros(2, 4)).shape == (2, 3)
+    loaded = VocabMap.load(vocab.save(tmp_path).parent)
+    assert torch.equal(loaded.target_ids, vocab.target_ids) and loaded.target_vocab_size == VOCAB_SIZE
+    assert VocabMap.load(tmp_path / "nowhere") is None
+    with pytest.raises(ValueError, match="repeat"):
+        VocabMap([1, 1], VOCAB_SIZE)
+    with pytest.raises(ValueError, match="must lie in"):
+        VocabMap([VOCAB_SIZE], VOCAB_SIZE)
+    assert vocab.check_target(VOCAB_SIZE, [7]) == []
+    assert any("outside" in p for p in vocab.check_target(VOCAB_SIZE, [9]))
+    assert any("vocabulary" in p for p in vocab.check_target(VOCAB_SIZE + 1, []))
+
+
+def _prompt_and_vocab(size=40):
+    prompt = random_ids(40, seed=8)[0] % 48
+    return prompt, VocabMap(torch.arange(0, 2 * size, 2), VOCAB_SIZE)  # half the prompt's tokens are "other"
+
+
+@pytest.mark.parametrize("widths", [(2, 2, 1), (3, 1, 1, 1)])
+def test_reduced_vocabulary_mamba_is_lossless(widths):
+    target = tiny_decoder("gemma3", dtype=torch.float64)
+    prompt, vocab = _prompt_and_vocab()
+    drafter = MambaDrafter(mamba_drafter(vocab, hidden_size=32, layers=2, state_size=4).double(), widths=widths,
+                           vocab=vocab)
+    assert torch.equal(generate(target, prompt, drafter), generate(target, prompt))
+
+
+@pytest.mark.parametrize("sample", [False, True])
+def test_reduced_vocabulary_draft_model_is_lossless(sample):
+    target = tiny_decoder("llama", dtype=torch.float64)
+    prompt, vocab = _prompt_and_vocab()
+    draft = decoder_from_hf(transformer_drafter(vocab, target.config, hidden_size=32, layers=2, heads=2, kv_heads=1,
+                                                intermediate_size=64), torch.float64)
+    drafter = DraftModelDrafter(draft, length=4, sample=sample, vocab=vocab)
+    if not sample:
+        assert torch.equal(generate(target, prompt, drafter), generate(target, prompt))
+    else:  # sampled chains carry q over the target vocabulary: seeded runs are reproducible and well-formed
+        params = SamplingParams(temperature=1.0)
+        first = generate(target, prompt, drafter, params=params, seed=3)
+        assert torch.equal(first, generate(target, prompt, DraftModelDrafter(draft, length=4, sample=True, vocab=vocab),
+                                           params=params, seed=3))
+
+
+def test_a_map_that_does_not_fit_the_target_is_refused_before_prefill():
+    target = tiny_decoder("llama", dtype=torch.float64, eos_token_id=5)
+    vocab = VocabMap([1, 2, 3], VOCAB_SIZE)  # EOS 5 is not among them
+    drafter = MambaDrafter(mamba_drafter(vocab, hidden_size=16, layers=1, state_size=4), vocab=vocab)
+    with pytest.raises(DraftMismatchError, match="end-of-sequence"):
+        generate(target, random_ids(10)[0], drafter)
+
+
+def _tokens():
+    return torch.cat([random_ids(12, seed=i)[0].repeat(4) for i in range(12)])
+
+
+def _train(out, target, vocab, architecture, *, stop_after=None, steps=4, self_distill=True, cache=None):
+    model = mamba_drafter(vocab, hidden_size=32, layers=2, state_size=4) if architecture == "mamba" else \
+        transformer_drafter(vocab, target.config, hidden_size=32, layers=2, heads=2, kv_heads=1, intermediate_size=64)
+    options = DrafterTrainOptions(steps=steps, seq_len=24, batch_size=2, lr=3e-3, warmup=2, save_every=2,
+                                  self_distill=self_distill, row_prefix=(1,))
+    trainer = ExternalDrafterTrainer(model, target, vocab, _tokens(), out, options, label_cache=cache, progress=False)
+    trainer.train(stop_after=stop_after)
+    return trainer
+
+
+@pytest.mark.parametrize("architecture", ["mamba", "draft-model"])
+def test_killed_and_resumed_training_ends_at_the_same_weights(tmp_path, architecture):
+    target = tiny_decoder("gemma3", dtype=torch.float32)
+    vocab = reduced_vocabulary(_tokens(), target.config, 60)
+    whole = _train(tmp_path / "whole", target, vocab, architecture, cache=tmp_path / "labels")
+    _train(tmp_path / "split", target, vocab, architecture, stop_after=1, cache=tmp_path / "labels")  # killed
+    resumed = _train(tmp_path / "split", target, vocab, architecture, cache=tmp_path / "labels")
+    assert resumed.step == 4
+    for (name, x), (_, y) in zip(whole.drafter.state_dict().items(), resumed.drafter.state_dict().items()):
+        assert torch.equal(x, y), name
+    rows = (tmp_path / "split" / "loss.csv").read_text().splitlines()
+    assert [r.split(",")[0] for r in rows[1:]] == ["1", "2", "3", "4"]
+
+
+def test_trained_drafters_load_from_their_directory_and_stay_lossless(tmp_path):
+    target = tiny_decoder("llama", dtype=torch.float32)
+    vocab = reduced_vocabulary(_tokens(), target.config, 50)
+    _train(tmp_path / "mamba", target, vocab, "mamba", self_distill=False)
+    _train(tmp_path / "small", target, vocab, "draft-model")
+    prompt = _tokens()[:30]
+    expected = generate(target, prompt)
+    mamba = MambaDrafter(tmp_path / "mamba", widths=(2, 1, 1))
+    assert mamba.vocab is not None and torch.equal(generate(target, prompt, mamba), expected)
+    small = DraftModelDrafter(tmp_path / "small", length=3)
+    assert small.vocab is not None and torch.equal(generate(target, prompt, small), expected)
+
+
+def test_resuming_with_another_vocabulary_is_refused(tmp_path):
+    target = tiny_decoder("gemma3", dtype=torch.float32)
+    _train(tmp_path / "run", target, reduced_vocabulary(_tokens(), target.config, 60), "mamba", steps=2)
+    with pytest.raises(ValueError, match="another vocabulary"):
+        _train(tmp_path / "run", target, reduced_vocabulary(_tokens(), target.config, 50), "mamba", steps=2)
+
+
+@pytest.mark.parametrize("kind", ["mamba", "draft-model"])
+def test_cli_trains_resumes_and_generates_with_the_drafter(tmp_path, capsys, kind):
+    from longspec.cli.main import main
+    from tiny_models import save_checkpoint
+
+    checkpoint = save_checkpoint(tmp_path / "target", family="llama", max_position_embeddings=512)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    out = tmp_path / kind
+    argv = ["train", kind, "--model", str(checkpoint), "--corpus", str(corpus), "--out", str(out), "--dtype", "float32",
+            "--hidden-size", "32", "--layers", "2", "--draft-vocab", "40", "--seq-len", "32", "--batch-size", "2",
+            "--save-every", "2", "--threads", "1"]
+    assert main(argv + ["--steps", "2"]) == 0
+    assert main(argv + ["--steps", "3"]) == 0  # resumes at step 2
+    assert "resuming at step 2" in capsys.readouterr().out
+    assert main(["generate", "the quick", "--model", str(checkpoint), "--dtype", "float32", "--method", kind,
+                 "--option", f"model={out}", "--max-new-tokens", "8", "--json"]) == 0
+    assert '"text"' in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["train", kind, "--out", str(out), "--layers"])  # argparse names the missing value
