@@ -1,7 +1,14 @@
+import os
 import sys
 from pathlib import Path
 
 import torch
+
+# Without a GPU, Triton kernels run through Triton's interpreter. Triton reads the
+# switch when it is first imported (its own library functions are defined then), and
+# other tests may import it (through transformers or torch) before the kernel tests.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 # Tiny test models are dominated by per-op overhead; one intra-op thread avoids
 # OpenMP barrier costs that make them tens of times slower on a busy 2-core machine.

@@ -27,11 +27,10 @@ Hq must be a multiple of Hkv (grouped-query attention); K/V are never repeated.
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import functools
 import importlib.util
 import logging
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F

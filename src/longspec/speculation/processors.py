@@ -292,7 +292,7 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """argmax over the last axis (ties -> lowest index). PyTorch's CPU argmax over
     bfloat16 is not vectorised (~1 ms per 262k row here, 3-4x the float32 one), so
     low-precision rows are widened — exactly — a few at a time first."""
-    if logits.dtype not in (torch.bfloat16, torch.float16) or logits.dim() != 2:
+    if logits.dtype not in (torch.bfloat16, torch.float16) or logits.dim() != 2 or logits.device.type != "cpu":
         return logits.argmax(dim=-1)
     return torch.cat([logits[i : i + _WIDEN_ROWS].float().argmax(dim=-1)
                       for i in range(0, logits.shape[0], _WIDEN_ROWS)])
