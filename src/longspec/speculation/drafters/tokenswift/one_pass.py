@@ -91,7 +91,8 @@ class OnePassTokenSwiftDrafter:
             self._add_to_vocab(committed)
 
     def _add_to_vocab(self, tokens: torch.Tensor) -> None:
-        new = torch.unique(tokens)
+        # On the model's device: the ids index its head rows and map its top-k back.
+        new = torch.unique(tokens).to(self._view.device)
         if self._vocab is not None:
             new = new[~torch.isin(new, self._vocab)]
         if new.numel():
