@@ -158,3 +158,30 @@ def test_load_places_the_model_and_refuses_devices_it_cannot_use(tmp_path):
     else:
         with pytest.raises(ValueError, match="does not exist"):
             longspec.load(checkpoint, device=f"cuda:{torch.cuda.device_count()}")
+
+
+@pytest.mark.parametrize("drafter", ["ar", "chain-q", "deterministic-tree"])
+def test_sampled_sequences_on_device_follow_the_target_distribution(device, drafter):
+    """The engine's chi-square test with the model, processors and random streams on
+    the device (on the CPU this is tests/test_engine_sampling.py itself)."""
+    if device.type == "cpu":
+        pytest.skip("on the CPU, tests/test_engine_sampling.py runs these checks")
+    from test_engine_sampling import (
+        N, PROMPT, SAMPLING, K, CartesianDrafter, SampledChainDrafter, exact_distribution, goodness_of_fit,
+    )
+    from tiny_models import tiny_decoder
+
+    model = tiny_decoder("qwen3", dtype=torch.float64, vocab_size=4, seed=7, initializer_range=0.5)
+    exact = exact_distribution(model, SAMPLING)
+    model.place(device)
+    factory = {"ar": None, "chain-q": SampledChainDrafter, "deterministic-tree": CartesianDrafter}[drafter]
+    engine = SpeculativeEngine(model, EngineOptions(max_tree_nodes=32, progress=False))
+    generator = torch.Generator(device=device).manual_seed(0)
+    draft_generator = torch.Generator().manual_seed(1)
+    counts: dict[tuple[int, ...], int] = {}
+    for _ in range(N):
+        rounds = engine.generate(PROMPT, params=SAMPLING, max_new_tokens=K, generator=generator,
+                                 drafter=factory(draft_generator) if factory else None)
+        key = tuple(torch.cat(list(rounds)).tolist())
+        counts[key] = counts.get(key, 0) + 1
+    assert goodness_of_fit(exact, counts) > 1e-3
