@@ -185,3 +185,19 @@ def test_sampled_sequences_on_device_follow_the_target_distribution(device, draf
         key = tuple(torch.cat(list(rounds)).tolist())
         counts[key] = counts.get(key, 0) + 1
     assert goodness_of_fit(exact, counts) > 1e-3
+
+
+def test_tokenswift_heads_training_on_device_equals_the_cpu_run(device, tmp_path):
+    from longspec.training.tokenswift_heads import HeadsTrainingConfig, train_heads
+    from tiny_models import tiny_decoder
+
+    data = torch.arange(7).repeat(60)[: 16 * 24].view(24, 16) * 3 % 128
+    config = HeadsTrainingConfig(steps=3, batch_size=4, seq_len=16, rows_per_window=8, lr=5e-2, warmup_steps=1,
+                                 heldout_windows=4, eval_every=3, save_every=3)
+    expected = train_heads(tiny_decoder("qwen3", dtype=torch.float32), data, tmp_path / "cpu", config, log=lambda _: None)
+    target = tiny_decoder("qwen3", dtype=torch.float32).place(device)
+    with stray_allocations_on_meta() as strays:
+        trained = train_heads(target, data, tmp_path / "device", config, log=lambda _: None)
+    assert not strays, f"tensors created without a device at {sorted(strays)}"
+    for (name, x), (_, y) in zip(expected.state_dict().items(), trained.state_dict().items()):
+        torch.testing.assert_close(y.cpu(), x, rtol=1e-4, atol=1e-5, msg=name)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from longspec.cli.options import add_device_argument
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("tokenswift", help="train TokenSwift multi-token heads on a frozen target")
@@ -13,6 +15,7 @@ def add_parser(sub) -> None:
     p.add_argument("--out", type=Path, required=True, help="run directory (checkpoints, curve.csv)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     p.add_argument("--dtype", default="bfloat16", help="target dtype (bfloat16 is the fast one on CPU)")
+    add_device_argument(p)
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=256)
@@ -43,7 +46,7 @@ def run(args) -> int:
     files = text_files(args.data) + stdlib_files(args.stdlib_files)
     if not files:
         raise ValueError("no training data: pass --data PATH and/or --stdlib-files N")
-    target = load_target(args.model, dtype=parse_dtype(args.dtype))
+    target = load_target(args.model, dtype=parse_dtype(args.dtype), device=args.device)
     if target.tokenizer is None:
         raise ValueError(f"{target.source} has no tokenizer; TokenSwift training reads text")
     data = windows(tokenize_files(target.tokenizer, files), args.seq_len)

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from longspec.runtime.device import HOST
+
 
 def stdlib_files(limit: int) -> list[Path]:
     """The first `limit` standard-library modules (sorted: reproducible) and the
@@ -42,7 +44,7 @@ def tokenize_files(tokenizer, files: Sequence[Path]) -> torch.Tensor:
         ids.extend(tokenizer(path.read_text(errors="replace")).input_ids)
     if not ids:
         raise ValueError("no training tokens: give text files or directories with --data, or --stdlib-files > 0")
-    return torch.tensor(ids, dtype=torch.long)
+    return torch.tensor(ids, dtype=torch.long, device=HOST)
 
 
 def windows(tokens: torch.Tensor, length: int) -> torch.Tensor:
@@ -57,7 +59,7 @@ def split_heldout(data: torch.Tensor, count: int, seed: int) -> tuple[torch.Tens
     """(training windows, `count` held-out windows), a seeded random split."""
     if not 1 <= count < data.shape[0]:
         raise ValueError(f"cannot hold out {count} of {data.shape[0]} windows")
-    order = torch.randperm(data.shape[0], generator=torch.Generator().manual_seed(seed))
+    order = torch.randperm(data.shape[0], generator=torch.Generator().manual_seed(seed), device=HOST)
     held = count
     return data[order[held:]], data[order[:held]]
 
@@ -69,6 +71,6 @@ def batches(data: torch.Tensor, batch_size: int, seed: int, start_step: int) -> 
     step = start_step
     while True:
         epoch, index = divmod(step, per_epoch)
-        order = torch.randperm(data.shape[0], generator=torch.Generator().manual_seed(seed + epoch))
+        order = torch.randperm(data.shape[0], generator=torch.Generator().manual_seed(seed + epoch), device=HOST)
         yield data[order[index * batch_size : (index + 1) * batch_size]]
         step += 1

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from longspec.runtime.device import HOST
 from longspec.speculation.drafters.tokenswift.heads import TokenSwiftHeads
 from longspec.training.heads_data import batches, split_heldout
 
@@ -86,7 +87,9 @@ def target_hidden(target, windows: torch.Tensor, rows: torch.Tensor) -> torch.Te
 
 
 def heads_loss(target, heads: TokenSwiftHeads, windows: torch.Tensor, rows: torch.Tensor):
-    """Mean cross-entropy over heads, per-head loss and top-1 accuracy."""
+    """Mean cross-entropy over heads, per-head loss and top-1 accuracy (windows and rows
+    are host bookkeeping; the loss is computed on the target's device)."""
+    windows, rows = windows.to(target.device), rows.to(target.device)
     hidden = heads.hidden_states(target, target_hidden(target, windows, rows))  # [B, R, γ, H]
     losses, accuracies = [], []
     for i in range(hidden.shape[2]):
@@ -99,7 +102,7 @@ def heads_loss(target, heads: TokenSwiftHeads, windows: torch.Tensor, rows: torc
 
 def sample_rows(T: int, count: int, gamma: int, generator: torch.Generator) -> torch.Tensor:
     usable = T - gamma - 1
-    return torch.randperm(usable, generator=generator)[: min(count, usable)].sort().values
+    return torch.randperm(usable, generator=generator, device=HOST)[: min(count, usable)].sort().values
 
 
 @torch.no_grad()
@@ -129,7 +132,7 @@ def train_heads(target, data: torch.Tensor, out_dir: Path, config: HeadsTraining
     if train.shape[0] < config.batch_size:
         raise ValueError(f"only {train.shape[0]} training windows for batch size {config.batch_size}; add data")
     torch.manual_seed(config.seed)
-    heads = TokenSwiftHeads.for_target(target.config, config.num_heads, target_name)
+    heads = TokenSwiftHeads.for_target(target.config, config.num_heads, target_name).to(target.device)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, config))
     start_step = 0
@@ -137,7 +140,7 @@ def train_heads(target, data: torch.Tensor, out_dir: Path, config: HeadsTraining
     if resume:
         if not state_path.is_file():
             raise FileNotFoundError(f"cannot resume: {state_path} does not exist (run without --resume first)")
-        state = torch.load(state_path, weights_only=False)
+        state = torch.load(state_path, weights_only=False, map_location=target.device)
         if _run_defining(state["config"]) != _run_defining(asdict(config)):
             raise ValueError(f"cannot resume: {state_path} was written with a different configuration {state['config']}")
         if data_key is not None and state.get("data_key") != data_key:

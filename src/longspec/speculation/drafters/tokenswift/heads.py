@@ -28,6 +28,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from longspec.runtime.device import HOST
+
 FORMAT = "longspec-tokenswift-heads/1"
 
 
@@ -103,7 +105,7 @@ class TokenSwiftHeads(nn.Module):
 
     # ----------------------------------------------------------------- files
     def save(self, path: str | Path) -> None:
-        tensors = {k: v.detach().to(torch.float32).contiguous() for k, v in self.state_dict().items()}
+        tensors = {k: v.detach().to(device=HOST, dtype=torch.float32).contiguous() for k, v in self.state_dict().items()}
         meta = {"format": FORMAT, "config": json.dumps(asdict(self.config))}
         save_file(tensors, str(path), metadata=meta)
 
