@@ -45,9 +45,14 @@ def test_vocab_map_round_trip_and_refusals(tmp_path):
         VocabMap([1, 1], VOCAB_SIZE)
     with pytest.raises(ValueError, match="must lie in"):
         VocabMap([VOCAB_SIZE], VOCAB_SIZE)
-    assert vocab.check_target(VOCAB_SIZE, [7]) == []
-    assert any("outside" in p for p in vocab.check_target(VOCAB_SIZE, [9]))
-    assert any("vocabulary" in p for p in vocab.check_target(VOCAB_SIZE + 1, []))
+    target = tiny_decoder("llama", eos_token_id=7).config
+    vocab.check_fits("drafter", 4, target)
+    with pytest.raises(DraftMismatchError, match="outside"):
+        vocab.check_fits("drafter", 4, tiny_decoder("llama", eos_token_id=9).config)
+    with pytest.raises(DraftMismatchError, match="over 128 target ids, the target has 129"):
+        vocab.check_fits("drafter", 4, tiny_decoder("llama", vocab_size=VOCAB_SIZE + 1).config)
+    with pytest.raises(DraftMismatchError, match="the model has 3 ids"):
+        vocab.check_fits("drafter", 3, target)
 
 
 def _prompt_and_vocab(size=40):

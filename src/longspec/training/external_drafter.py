@@ -18,16 +18,12 @@ rows of every batch (DDP).
 
 from __future__ import annotations
 
-import csv
-import math
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from longspec.runtime.device import HOST
 from longspec.runtime.model import Decoder
@@ -35,10 +31,10 @@ from longspec.speculation.drafters.vocab_map import VocabMap
 from longspec.training.data import SequenceSampler, most_frequent_ids
 from longspec.training.fingerprint import target_fingerprint, tokens_fingerprint
 from longspec.training.longspec_features import IGNORE, FeatureCache
+from longspec.training.resumable import ResumableTrainer, cosine_lr
 
 WEIGHTS_NAME = "model.safetensors"  # what `save_pretrained` writes
 STATE_NAME = "trainer_state.pt"
-LOSS_LOG = "loss.csv"
 LABELS_VERSION = 1
 
 
@@ -59,14 +55,6 @@ class DrafterTrainOptions:
     max_rows: int | None = None  # rows one epoch visits (a seeded sample; None: all)
 
 
-def cosine_lr(step: int, options: DrafterTrainOptions) -> float:
-    """Multiplier of the base learning rate: linear warmup, then cosine to min_lr_ratio."""
-    if step < options.warmup:
-        return (step + 1) / options.warmup
-    progress = (step - options.warmup) / max(1, options.steps - options.warmup)
-    return options.min_lr_ratio + (1 - options.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-
-
 def reduced_vocabulary(train_tokens: torch.Tensor, target_config, size: int) -> VocabMap:
     """The `size` most frequent training tokens (the target's EOS ids always among them)."""
     eos = [t for t in target_config.eos_token_ids if t < target_config.vocab_size]
@@ -75,7 +63,9 @@ def reduced_vocabulary(train_tokens: torch.Tensor, target_config, size: int) -> 
     return VocabMap(most_frequent_ids(train_tokens, target_config.vocab_size, size, eos), target_config.vocab_size)
 
 
-class ExternalDrafterTrainer:
+class ExternalDrafterTrainer(ResumableTrainer):
+    progress_label = "train drafter"
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -123,7 +113,7 @@ class ExternalDrafterTrainer:
             self.model = torch.nn.parallel.DistributedDataParallel(self.drafter, device_ids=device_ids)
         self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=options.lr, betas=(0.9, 0.95),
                                            weight_decay=options.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: cosine_lr(s, options))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: cosine_lr(s, options.steps, options.warmup, options.min_lr_ratio))
         self.step = 0
         self.position = 0  # sequences consumed, all ranks together
         state_file = self.out / STATE_NAME
@@ -135,27 +125,8 @@ class ExternalDrafterTrainer:
             self._truncate_log()
 
     # ------------------------------------------------------------------ loop
-    def train(self, stop_after: int | None = None, max_seconds: float | None = None) -> torch.nn.Module:
-        """Train up to options.steps, or `stop_after` more steps, or until `max_seconds`
-        of wall time; saves every `save_every` steps and when it stops."""
-        opts = self.options
-        last = opts.steps if stop_after is None else min(opts.steps, self.step + stop_after)
-        bar = tqdm(total=last, initial=self.step, desc="train drafter", unit="step",
-                   disable=not self.progress or self.rank != 0)
-        start = time.perf_counter()
-        while self.step < last:
-            loss, tokens = self.train_step()
-            self.step += 1
-            self.position += opts.batch_size * self.world
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}")
-            self._log(loss, tokens, time.perf_counter() - start)
-            out_of_time = max_seconds is not None and time.perf_counter() - start > max_seconds
-            if self.step % opts.save_every == 0 or self.step == last or out_of_time:
-                self.save()
-            if out_of_time:
-                break
-        bar.close()
+    @property
+    def trained_module(self):
         return self.drafter
 
     def train_step(self) -> tuple[float, int]:
@@ -202,28 +173,6 @@ class ExternalDrafterTrainer:
         tmp = self.out / (STATE_NAME + ".tmp")
         torch.save(state, tmp)
         tmp.replace(self.out / STATE_NAME)
-
-    def _truncate_log(self) -> None:
-        """Drop loss rows logged after the checkpoint a resumed run starts from."""
-        path = self.out / LOSS_LOG
-        if self.rank != 0 or not path.is_file():
-            return
-        rows = list(csv.reader(path.open()))
-        kept = rows[:1] + [r for r in rows[1:] if int(r[0]) <= self.step]
-        with path.open("w", newline="") as f:
-            csv.writer(f).writerows(kept)
-
-    def _log(self, loss: float, tokens: int, elapsed: float) -> None:
-        if self.rank != 0:
-            return
-        path = self.out / LOSS_LOG
-        path.parent.mkdir(parents=True, exist_ok=True)
-        new = not path.is_file()
-        with path.open("a", newline="") as f:
-            writer = csv.writer(f)
-            if new:
-                writer.writerow(["step", "loss", "tokens", "lr", "session_elapsed_s"])
-            writer.writerow([self.step, f"{loss:.5f}", tokens, f"{self.scheduler.get_last_lr()[0]:.3e}", f"{elapsed:.1f}"])
 
 
 def mamba_drafter(vocab: VocabMap, *, hidden_size: int = 256, layers: int = 8, state_size: int = 16, seed: int = 0):

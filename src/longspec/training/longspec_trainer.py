@@ -15,16 +15,12 @@ scheduler state, the step and the data position, and nothing else is needed.
 from __future__ import annotations
 
 import contextlib
-import csv
-import math
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from longspec.runtime.device import HOST
 from longspec.runtime.model import Decoder
@@ -36,10 +32,10 @@ from longspec.training.fingerprint import target_fingerprint, tokens_fingerprint
 from longspec.training.longspec_features import FEATURES_VERSION, IGNORE, FeatureCache, target_features
 from longspec.training.longspec_warm_start import warm_start_from_target
 from longspec.training.longspec_visibility import NoisyShift, anchor_offset_positions
+from longspec.training.resumable import ResumableTrainer, cosine_lr
 
 WEIGHTS_NAME = "draft.safetensors"
 STATE_NAME = "trainer_state.pt"
-LOSS_LOG = "loss.csv"
 
 
 @dataclass(frozen=True)
@@ -72,15 +68,9 @@ class TrainOptions:
         return data
 
 
-def cosine_lr(step: int, options: TrainOptions) -> float:
-    """Multiplier of the base learning rate: linear warmup, then cosine to min_lr_ratio."""
-    if step < options.warmup:
-        return (step + 1) / options.warmup
-    progress = (step - options.warmup) / max(1, options.steps - options.warmup)
-    return options.min_lr_ratio + (1 - options.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+class LongSpecTrainer(ResumableTrainer):
+    progress_label = "train longspec"
 
-
-class LongSpecTrainer:
     def __init__(
         self,
         target: Decoder,
@@ -139,7 +129,7 @@ class LongSpecTrainer:
             device_ids = [self.device] if self.device.type == "cuda" else None
             self.model = torch.nn.parallel.DistributedDataParallel(self.draft, device_ids=device_ids)
         self.optimizer = torch.optim.AdamW(self.draft.parameters(), lr=options.lr, betas=(0.9, 0.95), weight_decay=options.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: cosine_lr(s, options))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: cosine_lr(s, options.steps, options.warmup, options.min_lr_ratio))
         self.step = 0
         self.position = 0  # sequences consumed, all ranks together
         state_file = self.out / STATE_NAME
@@ -151,27 +141,8 @@ class LongSpecTrainer:
             self._truncate_log()
 
     # ------------------------------------------------------------------ loop
-    def train(self, stop_after: int | None = None, max_seconds: float | None = None) -> DraftModel:
-        """Train up to options.steps, or `stop_after` more steps, or until
-        `max_seconds` of wall time (a deliberate interruption). Saves every
-        `save_every` steps and when it stops."""
-        opts = self.options
-        last = opts.steps if stop_after is None else min(opts.steps, self.step + stop_after)
-        bar = tqdm(total=last, initial=self.step, desc="train longspec", unit="step", disable=not self.progress or self.rank != 0)
-        start = time.perf_counter()
-        while self.step < last:
-            loss, tokens = self.train_step()
-            self.step += 1
-            self.position += opts.batch_size * self.world
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}")
-            self._log(loss, tokens, time.perf_counter() - start)
-            out_of_time = max_seconds is not None and time.perf_counter() - start > max_seconds
-            if self.step % opts.save_every == 0 or self.step == last or out_of_time:
-                self.save()
-            if out_of_time:
-                break
-        bar.close()
+    @property
+    def trained_module(self):
         return self.draft
 
     def train_step(self) -> tuple[float, int]:
@@ -238,29 +209,6 @@ class LongSpecTrainer:
         tmp = self.out / (STATE_NAME + ".tmp")
         torch.save(state, tmp)
         tmp.replace(self.out / STATE_NAME)
-
-    def _truncate_log(self) -> None:
-        """Drop loss rows logged after the checkpoint a resumed run starts from."""
-        path = self.out / LOSS_LOG
-        if self.rank != 0 or not path.is_file():
-            return
-        rows = list(csv.reader(path.open()))
-        kept = rows[:1] + [r for r in rows[1:] if int(r[0]) <= self.step]
-        with path.open("w", newline="") as f:
-            csv.writer(f).writerows(kept)
-
-    def _log(self, loss: float, tokens: int, elapsed: float) -> None:
-        if self.rank != 0:
-            return
-        path = self.out / LOSS_LOG
-        path.parent.mkdir(parents=True, exist_ok=True)
-        new = not path.is_file()
-        with path.open("a", newline="") as f:
-            writer = csv.writer(f)
-            if new:
-                writer.writerow(["step", "loss", "tokens", "lr", "session_elapsed_s"])
-            writer.writerow([self.step, f"{loss:.5f}", tokens, f"{self.scheduler.get_last_lr()[0]:.3e}", f"{elapsed:.1f}"])
-
 
 
 def training_hidden(model, config: DraftConfig, target: Decoder, features: dict, cross_mask: torch.Tensor,

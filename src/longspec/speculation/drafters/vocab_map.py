@@ -80,16 +80,23 @@ class VocabMap:
             raise ValueError(f"{path} is not a longspec vocabulary map (format {data.get('format')!r})")
         return VocabMap(data["target_ids"], data["target_vocab_size"])
 
-    def check_target(self, vocab_size: int, eos_token_ids) -> list[str]:
-        """What does not fit a target of `vocab_size` tokens with these EOS ids (empty: it fits)."""
+    def check_fits(self, drafter: str, model_ids: int, target_config) -> None:
+        """Raise DraftMismatchError naming what does not fit: a map over another target
+        vocabulary, EOS ids it cannot propose, or a model with fewer ids than the map."""
+        from longspec.speculation.drafters.longspec.config import DraftMismatchError
+
         problems = []
-        if vocab_size != self.target_vocab_size:
+        if target_config.vocab_size != self.target_vocab_size:
             problems.append(f"vocabulary: the drafter's map is over {self.target_vocab_size} target ids, "
-                            f"the target has {vocab_size}")
-        missing = sorted(set(eos_token_ids) - set(self.target_ids.tolist()))
+                            f"the target has {target_config.vocab_size}")
+        missing = sorted(set(target_config.eos_token_ids) - set(self.target_ids.tolist()))
         if missing:
             problems.append(f"end-of-sequence ids {missing} are outside the drafter's reduced vocabulary")
-        return problems
+        if model_ids < self.draft_vocab_size:
+            problems.append(f"the model has {model_ids} ids, its vocabulary map needs {self.draft_vocab_size}")
+        if problems:
+            raise DraftMismatchError(f"the {drafter}'s reduced vocabulary does not fit the target (" + "; ".join(problems)
+                                     + "); use a drafter trained for this target")
 
     @staticmethod
     def _lookup(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

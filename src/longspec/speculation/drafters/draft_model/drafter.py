@@ -82,12 +82,7 @@ class DraftModelDrafter:
         target's (same tokenizer; a target may pad its embedding) and the same EOS."""
         draft = self.model.config
         if self.vocab is not None:
-            problems = self.vocab.check_target(config.vocab_size, config.eos_token_ids)
-            if draft.vocab_size < self.vocab.draft_vocab_size:
-                problems.append(f"the draft has {draft.vocab_size} ids, its vocabulary map needs {self.vocab.draft_vocab_size}")
-            if problems:
-                raise DraftMismatchError("the draft model's reduced vocabulary does not fit the target ("
-                                         + "; ".join(problems) + "); use a draft trained for this target")
+            self.vocab.check_fits("draft model", draft.vocab_size, config)
             return
         problems = []
         if draft.vocab_size > config.vocab_size:

@@ -91,12 +91,7 @@ class MambaDrafter:
     def check_target(self, config) -> None:
         draft = self.model.config
         if self.vocab is not None:
-            problems = self.vocab.check_target(config.vocab_size, config.eos_token_ids)
-            if draft.vocab_size < self.vocab.draft_vocab_size:
-                problems.append(f"the model has {draft.vocab_size} ids, its vocabulary map needs {self.vocab.draft_vocab_size}")
-            if problems:
-                raise DraftMismatchError("the Mamba drafter's reduced vocabulary does not fit the target ("
-                                         + "; ".join(problems) + "); use a drafter trained for this target")
+            self.vocab.check_fits("Mamba drafter", draft.vocab_size, config)
             return
         problems = []
         if draft.vocab_size > config.vocab_size:

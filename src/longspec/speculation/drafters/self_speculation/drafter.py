@@ -32,7 +32,7 @@ import torch
 from longspec.runtime.device import HOST
 from longspec.speculation.drafters.base import DraftContext
 from longspec.speculation.drafters.ngram import _check_positive_int
-from longspec.speculation.drafters.tokenswift.partial_cache import PartialKVCache, partial_budget, recording_queries
+from longspec.speculation.drafters.tokenswift.partial_cache import PartialBudget, PartialKVCache, recording_queries
 from longspec.speculation.tree import Tree
 
 
@@ -59,14 +59,7 @@ class MagicDecDrafter:
         forward_chunk: int = 64,
     ) -> None:
         self.length = _check_positive_int("length", length, 1)
-        if budget is not None:
-            _check_positive_int("budget", budget, 1)
-        if not 0 < budget_fraction <= 1:
-            raise ValueError(f"budget_fraction must lie in (0, 1], got {budget_fraction}")
-        self.budget = budget
-        self.budget_fraction = budget_fraction
-        self.min_budget = _check_positive_int("min_budget", min_budget, 1)
-        self.sinks = sinks if sinks == 0 else _check_positive_int("sinks", sinks, 0)
+        self.partial = PartialBudget(budget, budget_fraction, min_budget, sinks)
         self.forward_chunk = _check_positive_int("forward_chunk", forward_chunk, 1)
         if self.forward_chunk < self.length:
             raise ValueError(f"forward_chunk ({forward_chunk}) must hold a drafted chain of length {length}")
@@ -81,8 +74,7 @@ class MagicDecDrafter:
         model = view.model
         self._view = view
         tokens = torch.as_tensor(context.tokens, dtype=torch.long, device=HOST).reshape(-1)
-        budget, sinks = partial_budget(tokens.numel(), self.budget, self.budget_fraction, self.min_budget, self.sinks,
-                                       self.forward_chunk)
+        budget, sinks = self.partial.for_prompt(tokens.numel(), self.forward_chunk)
         self.cache = PartialKVCache(model.config, budget, sinks, max_forward_tokens=self.forward_chunk,
                                     dtype=model.dtype, device=model.device)
         # Select from the verifier's K/V by recency, run the last window's tokens (they

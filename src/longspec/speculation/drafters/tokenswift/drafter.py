@@ -20,7 +20,7 @@ import torch
 from longspec.speculation.drafters.base import DraftContext
 from longspec.speculation.drafters.ngram import NgramTable, _check_positive_int
 from longspec.speculation.drafters.tokenswift.heads import TokenSwiftHeads
-from longspec.speculation.drafters.tokenswift.partial_cache import PartialKVCache, partial_budget, recording_queries
+from longspec.speculation.drafters.tokenswift.partial_cache import PartialBudget, PartialKVCache, recording_queries
 from longspec.speculation.drafters.tokenswift.tree import add_chains_within, cartesian_within
 from longspec.speculation.tree import Tree
 
@@ -69,14 +69,7 @@ class TokenSwiftDrafter:
     ) -> None:
         self.heads_source = heads
         self.heads: TokenSwiftHeads | None = heads if isinstance(heads, TokenSwiftHeads) else None
-        if budget is not None:
-            _check_positive_int("budget", budget, 1)
-        if not 0 < budget_fraction <= 1:
-            raise ValueError(f"budget_fraction must lie in (0, 1], got {budget_fraction}")
-        self.budget = budget
-        self.budget_fraction = budget_fraction
-        self.min_budget = _check_positive_int("min_budget", min_budget, 1)
-        self.sinks = sinks if sinks == 0 else _check_positive_int("sinks", sinks, 0)
+        self.partial = PartialBudget(budget, budget_fraction, min_budget, sinks)
         self.k = k if k == 0 else _check_positive_int("k", k, 0)
         self.ngram = _check_positive_int("ngram", ngram, 2)
         self.widths = tuple(_check_positive_int("widths", int(w), 1) for w in widths)
@@ -106,8 +99,7 @@ class TokenSwiftDrafter:
         """(budget, sinks) for this sequence."""
         if not self.dynamic_cache:
             return config.max_position_embeddings + self.forward_chunk, 0
-        return partial_budget(prompt_length, self.budget, self.budget_fraction, self.min_budget, self.sinks,
-                              self.forward_chunk)
+        return self.partial.for_prompt(prompt_length, self.forward_chunk)
 
     def begin(self, context: DraftContext) -> None:
         view = context.target

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -51,14 +52,29 @@ def grouped_importance(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return torch.einsum("bhd,bhnd->n", group_query, keys.to(compute))
 
 
-def partial_budget(prompt_length: int, budget: int | None, budget_fraction: float, min_budget: int, sinks: int,
-                   forward_chunk: int) -> tuple[int, int]:
-    """(budget, sinks) of a partial cache for a prompt: `budget` when given, else
-    `budget_fraction` of the prompt and at least `min_budget`; the sinks shrink so
-    that one drafting forward still fits beside them."""
-    budget = budget or max(min_budget, int(prompt_length * budget_fraction))
-    sinks = min(sinks, max(budget - forward_chunk, 0))
-    return max(budget, sinks + forward_chunk), sinks
+@dataclass(frozen=True)
+class PartialBudget:
+    """How large a partial cache is for a prompt: `budget` full-attention slots when
+    given, else `budget_fraction` of the prompt and at least `min_budget`; `sinks`
+    initial tokens always kept (shrunk so one drafting forward still fits beside them)."""
+
+    budget: int | None = None
+    budget_fraction: float = 0.25
+    min_budget: int = 256
+    sinks: int = 64
+
+    def __post_init__(self) -> None:
+        for name, value, minimum in (("budget", self.budget, 1), ("min_budget", self.min_budget, 1), ("sinks", self.sinks, 0)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
+                raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+        if not 0 < self.budget_fraction <= 1:
+            raise ValueError(f"budget_fraction must lie in (0, 1], got {self.budget_fraction}")
+
+    def for_prompt(self, prompt_length: int, forward_chunk: int) -> tuple[int, int]:
+        """(budget, sinks) of the cache for a prompt of this many tokens."""
+        budget = self.budget or max(self.min_budget, int(prompt_length * self.budget_fraction))
+        sinks = min(self.sinks, max(budget - forward_chunk, 0))
+        return max(budget, sinks + forward_chunk), sinks
 
 
 class PartialKVCache:

@@ -1,0 +1,76 @@
+"""The loop the token-stream trainers share (LongSpec drafts, external drafters):
+steps until the step budget, a step limit or a wall-time limit; a checkpoint every
+`save_every` steps and when it stops; a loss curve that a resumed run continues
+from its checkpoint's step (rows logged after it are dropped)."""
+
+from __future__ import annotations
+
+import csv
+import math
+import time
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+LOSS_LOG = "loss.csv"
+
+
+def cosine_lr(step: int, steps: int, warmup: int, min_lr_ratio: float) -> float:
+    """Multiplier of the base learning rate: linear warmup, then cosine to min_lr_ratio."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+class ResumableTrainer:
+    """Subclasses set `options` (steps, batch_size, save_every), `out`, `rank`, `world`,
+    `progress`, `scheduler`, `step`, `position`, and define `train_step()` -> (loss,
+    counted tokens) and `save()`."""
+
+    progress_label = "train"
+
+    def train(self, stop_after: int | None = None, max_seconds: float | None = None):
+        """Train up to options.steps, or `stop_after` more steps, or until `max_seconds`
+        of wall time (a deliberate interruption). Returns the trained module."""
+        opts = self.options
+        last = opts.steps if stop_after is None else min(opts.steps, self.step + stop_after)
+        bar = tqdm(total=last, initial=self.step, desc=self.progress_label, unit="step",
+                   disable=not self.progress or self.rank != 0)
+        start = time.perf_counter()
+        while self.step < last:
+            loss, tokens = self.train_step()
+            self.step += 1
+            self.position += opts.batch_size * self.world
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}")
+            self._log(loss, tokens, time.perf_counter() - start)
+            out_of_time = max_seconds is not None and time.perf_counter() - start > max_seconds
+            if self.step % opts.save_every == 0 or self.step == last or out_of_time:
+                self.save()
+            if out_of_time:
+                break
+        bar.close()
+        return self.trained_module
+
+    def _truncate_log(self) -> None:
+        """Drop loss rows logged after the checkpoint a resumed run starts from."""
+        path = Path(self.out) / LOSS_LOG
+        if self.rank != 0 or not path.is_file():
+            return
+        rows = list(csv.reader(path.open()))
+        kept = rows[:1] + [r for r in rows[1:] if int(r[0]) <= self.step]
+        with path.open("w", newline="") as f:
+            csv.writer(f).writerows(kept)
+
+    def _log(self, loss: float, tokens: int, elapsed: float) -> None:
+        if self.rank != 0:
+            return
+        path = Path(self.out) / LOSS_LOG
+        path.parent.mkdir(parents=True, exist_ok=True)
+        new = not path.is_file()
+        with path.open("a", newline="") as f:
+            writer = csv.writer(f)
+            if new:
+                writer.writerow(["step", "loss", "tokens", "lr", "session_elapsed_s"])
+            writer.writerow([self.step, f"{loss:.5f}", tokens, f"{self.scheduler.get_last_lr()[0]:.3e}", f"{elapsed:.1f}"])
