@@ -31,10 +31,9 @@ from longspec.speculation.drafters.vocab_map import VocabMap
 from longspec.training.data import SequenceSampler, most_frequent_ids
 from longspec.training.fingerprint import target_fingerprint, tokens_fingerprint
 from longspec.training.longspec_features import IGNORE, FeatureCache
-from longspec.training.resumable import ResumableTrainer, cosine_lr
+from longspec.training.resumable import ResumableTrainer
 
 WEIGHTS_NAME = "model.safetensors"  # what `save_pretrained` writes
-STATE_NAME = "trainer_state.pt"
 LABELS_VERSION = 1
 
 
@@ -107,22 +106,7 @@ class ExternalDrafterTrainer(ResumableTrainer):
             "labels": LABELS_VERSION, "target": target_fingerprint(target), "seq_len": options.seq_len,
             "row_prefix": list(options.row_prefix), "tokens": tokens_fingerprint(train_tokens),
         }) if options.self_distill else None
-        self.model = self.drafter
-        if self.world > 1:
-            device_ids = [self.device] if self.device.type == "cuda" else None
-            self.model = torch.nn.parallel.DistributedDataParallel(self.drafter, device_ids=device_ids)
-        self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=options.lr, betas=(0.9, 0.95),
-                                           weight_decay=options.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: cosine_lr(s, options.steps, options.warmup, options.min_lr_ratio))
-        self.step = 0
-        self.position = 0  # sequences consumed, all ranks together
-        state_file = self.out / STATE_NAME
-        if state_file.is_file() and weights.is_file():
-            state = torch.load(state_file, weights_only=False, map_location=self.device)
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.scheduler.load_state_dict(state["scheduler"])
-            self.step, self.position = state["step"], state["position"]
-            self._truncate_log()
+        self._prepare_optimization(self.drafter, options, resume=weights.is_file())
 
     # ------------------------------------------------------------------ loop
     @property
@@ -170,9 +154,9 @@ class ExternalDrafterTrainer(ResumableTrainer):
         self.vocab.to(HOST).save(self.out)
         state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "step": self.step,
                  "position": self.position, "options": asdict(self.options)}
-        tmp = self.out / (STATE_NAME + ".tmp")
+        tmp = self.out / (self.state_name + ".tmp")
         torch.save(state, tmp)
-        tmp.replace(self.out / STATE_NAME)
+        tmp.replace(self.out / self.state_name)
 
 
 def mamba_drafter(vocab: VocabMap, *, hidden_size: int = 256, layers: int = 8, state_size: int = 16, seed: int = 0):

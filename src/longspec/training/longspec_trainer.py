@@ -32,10 +32,9 @@ from longspec.training.fingerprint import target_fingerprint, tokens_fingerprint
 from longspec.training.longspec_features import FEATURES_VERSION, IGNORE, FeatureCache, target_features
 from longspec.training.longspec_warm_start import warm_start_from_target
 from longspec.training.longspec_visibility import NoisyShift, anchor_offset_positions
-from longspec.training.resumable import ResumableTrainer, cosine_lr
+from longspec.training.resumable import ResumableTrainer
 
 WEIGHTS_NAME = "draft.safetensors"
-STATE_NAME = "trainer_state.pt"
 
 
 @dataclass(frozen=True)
@@ -124,21 +123,7 @@ class LongSpecTrainer(ResumableTrainer):
         self.label_map = torch.full((config.vocab_size,), IGNORE, dtype=torch.long, device=self.device)
         ids = self.draft.vocab_ids if self.draft.reduced_vocab else torch.arange(config.vocab_size, device=self.device)
         self.label_map[ids] = torch.arange(ids.numel(), device=self.device)
-        self.model = self.draft
-        if self.world > 1:
-            device_ids = [self.device] if self.device.type == "cuda" else None
-            self.model = torch.nn.parallel.DistributedDataParallel(self.draft, device_ids=device_ids)
-        self.optimizer = torch.optim.AdamW(self.draft.parameters(), lr=options.lr, betas=(0.9, 0.95), weight_decay=options.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: cosine_lr(s, options.steps, options.warmup, options.min_lr_ratio))
-        self.step = 0
-        self.position = 0  # sequences consumed, all ranks together
-        state_file = self.out / STATE_NAME
-        if state_file.is_file() and weights.is_file():
-            state = torch.load(state_file, weights_only=False, map_location=self.device)
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.scheduler.load_state_dict(state["scheduler"])
-            self.step, self.position = state["step"], state["position"]
-            self._truncate_log()
+        self._prepare_optimization(self.draft, options, resume=weights.is_file())
 
     # ------------------------------------------------------------------ loop
     @property
@@ -206,9 +191,9 @@ class LongSpecTrainer(ResumableTrainer):
         meta = {"step": self.step, "options": self.options.describe()}
         save_draft(self.draft, self.out / WEIGHTS_NAME, meta=meta)
         state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "step": self.step, "position": self.position}
-        tmp = self.out / (STATE_NAME + ".tmp")
+        tmp = self.out / (self.state_name + ".tmp")
         torch.save(state, tmp)
-        tmp.replace(self.out / STATE_NAME)
+        tmp.replace(self.out / self.state_name)
 
 
 def training_hidden(model, config: DraftConfig, target: Decoder, features: dict, cross_mask: torch.Tensor,

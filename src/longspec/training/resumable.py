@@ -10,6 +10,7 @@ import math
 import time
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 
 LOSS_LOG = "loss.csv"
@@ -24,11 +25,35 @@ def cosine_lr(step: int, steps: int, warmup: int, min_lr_ratio: float) -> float:
 
 
 class ResumableTrainer:
-    """Subclasses set `options` (steps, batch_size, save_every), `out`, `rank`, `world`,
-    `progress`, `scheduler`, `step`, `position`, and define `train_step()` -> (loss,
-    counted tokens) and `save()`."""
+    """Subclasses set `options` (steps, batch_size, save_every, lr, warmup, min_lr_ratio,
+    weight_decay), `out`, `device`, `rank`, `world` and `progress`, call
+    `_prepare_optimization`, and define `train_step()` -> (loss, counted tokens),
+    `save()` and `trained_module`."""
 
     progress_label = "train"
+    state_name = "trainer_state.pt"
+
+    def _prepare_optimization(self, module, options, resume: bool) -> None:
+        """DDP across ranks, AdamW with the cosine schedule, and — when `resume` (the run
+        directory holds weights) — the optimizer, schedule, step and data position of the
+        last checkpoint. `module` is the trained module (its weights already loaded)."""
+        self.model = module
+        if self.world > 1:
+            device_ids = [self.device] if self.device.type == "cuda" else None
+            self.model = torch.nn.parallel.DistributedDataParallel(module, device_ids=device_ids)
+        self.optimizer = torch.optim.AdamW(module.parameters(), lr=options.lr, betas=(0.9, 0.95),
+                                           weight_decay=options.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: cosine_lr(s, options.steps, options.warmup, options.min_lr_ratio))
+        self.step = 0
+        self.position = 0  # sequences consumed, all ranks together
+        state_file = Path(self.out) / self.state_name
+        if resume and state_file.is_file():
+            state = torch.load(state_file, weights_only=False, map_location=self.device)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.step, self.position = state["step"], state["position"]
+            self._truncate_log()
 
     def train(self, stop_after: int | None = None, max_seconds: float | None = None):
         """Train up to options.steps, or `stop_after` more steps, or until `max_seconds`
