@@ -10,6 +10,7 @@
    machine may have neither): Gemma 3 270M's and a 1B-class Llama's. Per shape: AR
    decode tokens/s, speculation with an oracle drafter (a chain of the true next
    tokens, so every round accepts `--oracle-tokens`; what a perfect drafter buys),
+   AR throughput of the continuous-batching engine at each of `--batch-sizes` rows,
    and the cost of verifying k tree tokens relative to one decode forward.
 
 Writes a markdown table and the raw numbers (JSON) to --out.
@@ -31,6 +32,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from longspec.runtime.device import HOST, device_name, resolve_device, synchronize  # noqa: E402
 from longspec.runtime.loading import decoder_from_state_dict  # noqa: E402
+from longspec.speculation.batch_engine import BatchEngine, BatchOptions  # noqa: E402
 from longspec.speculation.cost_model import measure_forward_cost  # noqa: E402
 from longspec.speculation.drafters.base import DraftContext  # noqa: E402
 from longspec.speculation.engine import EngineOptions, SpeculativeEngine  # noqa: E402
@@ -100,6 +102,21 @@ def decode_rate(model, prompt: torch.Tensor, new_tokens: int, drafter=None) -> t
     return tokens, stats
 
 
+def batch_throughput(model, prompt: torch.Tensor, new_tokens: int, rows: int) -> float:
+    """Generated tokens/s across `rows` AR requests decoded together (prefill excluded)."""
+    engine = BatchEngine(model, EngineOptions(progress=False),
+                         BatchOptions(max_rows=rows, row_capacity=prompt.numel() + new_tokens + 1,
+                                      prefill_tokens_per_step=prompt.numel()))
+    handles = [engine.submit(prompt, max_new_tokens=new_tokens) for _ in range(rows)]
+    while any(h.stats.new_tokens == 0 for h in handles):  # every row prefilled and past its first token
+        engine.step()
+    synchronize(model.device)
+    done, start = sum(h.stats.new_tokens for h in handles), time.perf_counter()
+    engine.run()
+    synchronize(model.device)
+    return (sum(h.stats.new_tokens for h in handles) - done) / (time.perf_counter() - start)
+
+
 def measure_shape(name: str, config, args, device: torch.device) -> dict:
     dtype = getattr(torch, args.dtype)
     started = time.perf_counter()
@@ -113,6 +130,8 @@ def measure_shape(name: str, config, args, device: torch.device) -> dict:
     tokens, spec = decode_rate(model, prompt, args.new_tokens, oracle)
     if tokens != reference:
         raise AssertionError(f"{name}: speculation with an oracle drafter changed the output")
+    batch_throughput(model, prompt[:64], 4, max(args.batch_sizes))  # warm-up: batched shapes and masks
+    batches = {rows: batch_throughput(model, prompt, args.new_tokens, rows) for rows in args.batch_sizes}
     costs = {}
     for context in args.contexts:
         if context + max(args.ks) <= config.max_position_embeddings:
@@ -122,7 +141,7 @@ def measure_shape(name: str, config, args, device: torch.device) -> dict:
         "shape": name, "device": device_name(device), "dtype": args.dtype, "build_s": built_s,
         "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
         "ar_tokens_per_s": ar.decode_tokens_per_s, "oracle_tokens_per_s": spec.decode_tokens_per_s,
-        "oracle_tau": spec.tau, "forward_seconds": costs,
+        "oracle_tau": spec.tau, "batch_tokens_per_s": batches, "forward_seconds": costs,
     }
 
 
@@ -133,6 +152,13 @@ def markdown(rows: list[dict], ks: list[int]) -> str:
         lines.append(f"| {r['shape']} | {r['device']} | {r['ar_tokens_per_s']:.1f} | "
                      f"{r['oracle_tokens_per_s']:.1f} ({r['oracle_tau']:.2f}) | "
                      f"{r['oracle_tokens_per_s'] / r['ar_tokens_per_s']:.2f} |")
+    sizes = sorted({b for r in rows for b in r["batch_tokens_per_s"]})
+    lines += ["", "| shape | " + " | ".join(f"AR, {b} rows: tok/s (× 1 row)" for b in sizes) + " |",
+              "|---|" + "---|" * len(sizes)]
+    for r in rows:
+        rates = r["batch_tokens_per_s"]
+        lines.append(f"| {r['shape']} | " + " | ".join(
+            f"{rates[b]:.1f} ({rates[b] / rates[sizes[0]]:.2f})" if b in rates else "–" for b in sizes) + " |")
     lines += ["", "| shape | context | " + " | ".join(f"k={k}" for k in ks) + " |",
               "|---|---|" + "---|" * len(ks)]
     for r in rows:
@@ -158,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--oracle-tokens", type=int, default=8, help="tokens the oracle drafter proposes per round")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     parser.add_argument("--repeats", type=int, default=10)
