@@ -23,6 +23,9 @@ def add_parser(sub) -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup-steps", type=int, default=20)
     p.add_argument("--num-heads", type=int, default=3)
+    p.add_argument("--independent-heads", action="store_true",
+                   help="Medusa-style heads, each on the target's state alone (method medusa), instead of "
+                        "TokenSwift's residual chain")
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--max-minutes", type=float, default=None, help="stop and save after this much wall time")
     p.add_argument("--seed", type=int, default=0)
@@ -39,7 +42,7 @@ def run(args) -> int:
 
     config = HeadsTrainingConfig(
         steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, rows_per_window=args.rows_per_window,
-        lr=args.lr, warmup_steps=args.warmup_steps, num_heads=args.num_heads, eval_every=args.eval_every,
+        lr=args.lr, warmup_steps=args.warmup_steps, num_heads=args.num_heads, chained=not args.independent_heads, eval_every=args.eval_every,
         save_every=args.eval_every, max_minutes=args.max_minutes, seed=args.seed,
     )
     check_output_directory(args.out)

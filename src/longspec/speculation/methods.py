@@ -18,6 +18,7 @@ from longspec.speculation.drafters.mamba import MambaDrafter
 from longspec.speculation.drafters.longspec.presets import LONGSPEC_METHODS
 from longspec.speculation.drafters.self_speculation import MagicDecDrafter, TriForceDrafter
 from longspec.speculation.drafters.tokenswift.drafter import TokenSwiftDrafter
+from longspec.speculation.drafters.tokenswift.medusa import MedusaDrafter
 from longspec.speculation.drafters.tokenswift.one_pass import OnePassTokenSwiftDrafter
 
 
@@ -33,6 +34,7 @@ METHODS: dict[str, Callable[..., Drafter | None]] = {
     "ngram": NgramDrafter,
     "tokenswift": TokenSwiftDrafter,
     "tokenswift-onepass": OnePassTokenSwiftDrafter,
+    "medusa": MedusaDrafter,
     "magicdec": MagicDecDrafter,
     "triforce": TriForceDrafter,
     **LONGSPEC_METHODS,

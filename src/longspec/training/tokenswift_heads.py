@@ -42,6 +42,7 @@ class HeadsTrainingConfig:
     weight_decay: float = 0.0
     warmup_steps: int = 20
     num_heads: int = 3
+    chained: bool = True  # False: Medusa-style independent heads (see HeadsConfig)
     heldout_windows: int = 32  # windows held out for evaluation
     eval_every: int = 50
     save_every: int = 50
@@ -57,8 +58,9 @@ class HeadsTrainingConfig:
 
 
 def _run_defining(config: dict) -> dict:
-    """The settings a resumed run must share (the wall-time limit may change)."""
-    return {k: v for k, v in config.items() if k != "max_minutes"}
+    """The settings a resumed run must share (the wall-time limit may change; runs from
+    before independent heads existed trained chained ones)."""
+    return {"chained": True, **{k: v for k, v in config.items() if k != "max_minutes"}}
 
 
 def lr_factor(step: int, config: HeadsTrainingConfig) -> float:
@@ -132,7 +134,7 @@ def train_heads(target, data: torch.Tensor, out_dir: Path, config: HeadsTraining
     if train.shape[0] < config.batch_size:
         raise ValueError(f"only {train.shape[0]} training windows for batch size {config.batch_size}; add data")
     torch.manual_seed(config.seed)
-    heads = TokenSwiftHeads.for_target(target.config, config.num_heads, target_name).to(target.device)
+    heads = TokenSwiftHeads.for_target(target.config, config.num_heads, target_name, config.chained).to(target.device)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, config))
     start_step = 0

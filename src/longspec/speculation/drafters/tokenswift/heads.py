@@ -39,6 +39,9 @@ class HeadsConfig:
     vocab_size: int
     num_heads: int = 3  # γ
     target: str = ""  # free-form description of the target the heads were trained on
+    # True: TokenSwift's residual chain, h_i = h_(i-1) + f_i(h_(i-1)); False: Medusa's
+    # independent heads, h_i = h_0 + f_i(h_0) (TokenSwift's "Medusa*" ablation).
+    chained: bool = True
 
     def check_fits(self, target_config) -> None:
         problems = []
@@ -73,8 +76,8 @@ class TokenSwiftHeads(nn.Module):
             nn.init.zeros_(layer.bias)
 
     @classmethod
-    def for_target(cls, target_config, num_heads: int = 3, target: str = "") -> "TokenSwiftHeads":
-        return cls(HeadsConfig(target_config.hidden_size, target_config.vocab_size, num_heads, target))
+    def for_target(cls, target_config, num_heads: int = 3, target: str = "", chained: bool = True) -> "TokenSwiftHeads":
+        return cls(HeadsConfig(target_config.hidden_size, target_config.vocab_size, num_heads, target, chained))
 
     def randomize(self, generator: torch.Generator, scale: float = 0.5) -> "TokenSwiftHeads":
         """Random weights (tests: losslessness must hold for any heads)."""
@@ -90,7 +93,8 @@ class TokenSwiftHeads(nn.Module):
         out = []
         h = h0
         for layer in self.layers:
-            h = layer(h) + h
+            base = h if self.config.chained else h0
+            h = layer(base) + base
             out.append(h)
         return torch.stack(out, dim=-2)
 
