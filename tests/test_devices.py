@@ -23,6 +23,7 @@ from longspec.speculation.drafters.longspec import ChainStrategy, LongSpecDrafte
 from longspec.speculation.drafters.mamba import MambaDrafter
 from longspec.speculation.drafters.self_speculation import MagicDecDrafter, TriForceDrafter
 from longspec.speculation.drafters.tokenswift.heads import TokenSwiftHeads
+from longspec.speculation.drafters.tokenswift.medusa import MedusaDrafter
 from longspec.speculation.drafters.tokenswift.one_pass import OnePassTokenSwiftDrafter
 from longspec.speculation.engine import EngineOptions, SpeculativeEngine
 from longspec.speculation.processors import SamplingParams
@@ -44,6 +45,8 @@ def every_drafter(model) -> dict:
     drafters["mamba"] = lambda: MambaDrafter(tiny_mamba(vocab_size=model.config.vocab_size), widths=(2, 2, 1))
     drafters["auto"] = lambda: AdaptiveDrafter([("pld", PromptLookupDrafter(num_tokens=5)), ("ngram", NgramDrafter(k=3))],
                                                forward_cost=ForwardCost({}, (1, 8, 64), (0.01, 0.012, 0.03)))
+    drafters["medusa"] = lambda: MedusaDrafter(
+        TokenSwiftHeads.for_target(model.config, chained=False).randomize(torch.Generator().manual_seed(2)), k=2)
     drafters["magicdec"] = lambda: MagicDecDrafter(length=3, budget=16, sinks=2, forward_chunk=8)
     drafters["triforce"] = lambda: TriForceDrafter(length=3, budget=16, sinks=2, forward_chunk=8)
     drafters["ar"] = lambda: None
