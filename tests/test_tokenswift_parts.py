@@ -226,3 +226,13 @@ def test_trainer_learns_and_resumes_exactly(tmp_path):
     other = HeadsTrainingConfig(**{**config.__dict__, "lr": 1e-3})
     with pytest.raises(ValueError, match="different configuration"):
         train_heads(model, data, tmp_path / "b", other, resume=True, log=lambda line: None)
+
+
+def test_heads_windows_start_with_the_served_prefix_and_it_is_never_drafted_from():
+    from longspec.training.heads_data import windows
+    from longspec.training.tokenswift_heads import sample_rows
+
+    data = windows(torch.arange(100), 10, prefix=(7,))
+    assert data.shape == (11, 10) and bool((data[:, 0] == 7).all()) and data[0, 1:].tolist() == list(range(9))
+    rows = sample_rows(10, 20, 3, torch.Generator().manual_seed(0), first=1)
+    assert rows.tolist() == list(range(1, 6))  # positions 1 .. T - γ - 2: never the prefix

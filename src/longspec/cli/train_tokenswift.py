@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 from pathlib import Path
 
 from longspec.cli.options import add_device_argument
@@ -23,6 +25,9 @@ def add_parser(sub) -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup-steps", type=int, default=20)
     p.add_argument("--num-heads", type=int, default=3)
+    p.add_argument("--bos", action=argparse.BooleanOptionalAction, default=True,
+                   help="start every window with what the tokenizer puts before a served prompt (BOS), as served "
+                        "sequences do")
     p.add_argument("--independent-heads", action="store_true",
                    help="Medusa-style heads, each on the target's state alone (method medusa), instead of "
                         "TokenSwift's residual chain")
@@ -36,14 +41,15 @@ def run(args) -> int:
     from longspec.api import parse_dtype
     from longspec.cli.paths import check_output_directory
     from longspec.runtime.loading import load_target
+    from longspec.training.data import served_prefix
     from longspec.training.fingerprint import digest, files_fingerprint, tokenizer_fingerprint
     from longspec.training.heads_data import stdlib_files, text_files, tokenize_files, windows
     from longspec.training.tokenswift_heads import HEADS_FILE, HeadsTrainingConfig, train_heads
 
-    config = HeadsTrainingConfig(
+    config = HeadsTrainingConfig(  # checked before any work; the prefix length is known once the tokenizer is
         steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, rows_per_window=args.rows_per_window,
-        lr=args.lr, warmup_steps=args.warmup_steps, num_heads=args.num_heads, chained=not args.independent_heads, eval_every=args.eval_every,
-        save_every=args.eval_every, max_minutes=args.max_minutes, seed=args.seed,
+        lr=args.lr, warmup_steps=args.warmup_steps, num_heads=args.num_heads, chained=not args.independent_heads,
+        eval_every=args.eval_every, save_every=args.eval_every, max_minutes=args.max_minutes, seed=args.seed,
     )
     check_output_directory(args.out)
     files = text_files(args.data) + stdlib_files(args.stdlib_files)
@@ -52,7 +58,9 @@ def run(args) -> int:
     target = load_target(args.model, dtype=parse_dtype(args.dtype), device=args.device)
     if target.tokenizer is None:
         raise ValueError(f"{target.source} has no tokenizer; TokenSwift training reads text")
-    data = windows(tokenize_files(target.tokenizer, files), args.seq_len)
+    prefix = served_prefix(target.tokenizer) if args.bos else ()
+    config = dataclasses.replace(config, prefix_tokens=len(prefix))
+    data = windows(tokenize_files(target.tokenizer, files), args.seq_len, prefix)
     print(f"{len(files)} files, {data.numel()} tokens in {data.shape[0]} windows of {args.seq_len}", flush=True)
     data_key = digest({"files": files_fingerprint(files), "tokenizer": tokenizer_fingerprint(target.tokenizer)})
     train_heads(target.model, data, args.out, config, resume=args.resume, target_name=str(target.source),

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from longspec.runtime.device import HOST
+from longspec.training.data import prefixed_rows
 
 
 def stdlib_files(limit: int) -> list[Path]:
@@ -47,12 +48,14 @@ def tokenize_files(tokenizer, files: Sequence[Path]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long, device=HOST)
 
 
-def windows(tokens: torch.Tensor, length: int) -> torch.Tensor:
-    """[N, length] non-overlapping windows (the tail that does not fill one is dropped)."""
-    count = tokens.numel() // length
-    if count < 2:
+def windows(tokens: torch.Tensor, length: int, prefix: Sequence[int] = ()) -> torch.Tensor:
+    """[N, length] windows: `prefix` (the served prefix, e.g. BOS, as every served
+    sequence starts with it), then the next non-overlapping length - len(prefix)
+    tokens of the stream (the tail that does not fill one is dropped)."""
+    body = length - len(prefix)
+    if body < 1 or tokens.numel() // body < 2:
         raise ValueError(f"{tokens.numel()} tokens make fewer than 2 windows of {length}; add data or shorten --seq-len")
-    return tokens[: count * length].view(count, length)
+    return prefixed_rows(tokens, length, prefix)
 
 
 def split_heldout(data: torch.Tensor, count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

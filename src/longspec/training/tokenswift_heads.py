@@ -43,6 +43,9 @@ class HeadsTrainingConfig:
     warmup_steps: int = 20
     num_heads: int = 3
     chained: bool = True  # False: Medusa-style independent heads (see HeadsConfig)
+    # Positions at the start of every window holding the served prefix (BOS): never
+    # drafted from when serving (a prompt has content), so never trained on.
+    prefix_tokens: int = 0
     heldout_windows: int = 32  # windows held out for evaluation
     eval_every: int = 50
     save_every: int = 50
@@ -50,8 +53,8 @@ class HeadsTrainingConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.seq_len < self.num_heads + 3:
-            raise ValueError(f"seq_len must be >= num_heads + 3, got {self.seq_len}")
+        if self.seq_len < self.prefix_tokens + self.num_heads + 3:
+            raise ValueError(f"seq_len must be >= prefix tokens + num_heads + 3, got {self.seq_len}")
         for name in ("steps", "batch_size", "rows_per_window", "eval_every", "save_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -60,7 +63,7 @@ class HeadsTrainingConfig:
 def _run_defining(config: dict) -> dict:
     """The settings a resumed run must share (the wall-time limit may change; runs from
     before independent heads existed trained chained ones)."""
-    return {"chained": True, **{k: v for k, v in config.items() if k != "max_minutes"}}
+    return {"chained": True, "prefix_tokens": 0, **{k: v for k, v in config.items() if k != "max_minutes"}}
 
 
 def lr_factor(step: int, config: HeadsTrainingConfig) -> float:
@@ -102,9 +105,10 @@ def heads_loss(target, heads: TokenSwiftHeads, windows: torch.Tensor, rows: torc
     return torch.stack(losses).mean(), [l.item() for l in losses], accuracies
 
 
-def sample_rows(T: int, count: int, gamma: int, generator: torch.Generator) -> torch.Tensor:
-    usable = T - gamma - 1
-    return torch.randperm(usable, generator=generator, device=HOST)[: min(count, usable)].sort().values
+def sample_rows(T: int, count: int, gamma: int, generator: torch.Generator, first: int = 0) -> torch.Tensor:
+    """`count` distinct positions in [first, T - gamma - 1): each has γ + 1 tokens after it."""
+    usable = T - gamma - 1 - first
+    return first + torch.randperm(usable, generator=generator, device=HOST)[: min(count, usable)].sort().values
 
 
 @torch.no_grad()
@@ -113,7 +117,7 @@ def evaluate(target, heads, heldout: torch.Tensor, config: HeadsTrainingConfig):
     losses, accs = [], []
     for begin in range(0, heldout.shape[0], config.batch_size):
         windows = heldout[begin : begin + config.batch_size]
-        rows = sample_rows(windows.shape[1], config.rows_per_window, config.num_heads, generator)
+        rows = sample_rows(windows.shape[1], config.rows_per_window, config.num_heads, generator, config.prefix_tokens)
         _, per_head, acc = heads_loss(target, heads, windows, rows)
         losses.append(per_head)
         accs.append(acc)
@@ -176,7 +180,7 @@ def train_heads(target, data: torch.Tensor, out_dir: Path, config: HeadsTraining
         windows = next(stream)
         # Rows seeded per step: a resumed run draws what an uninterrupted one would.
         rng = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
-        rows = sample_rows(config.seq_len, config.rows_per_window, config.num_heads, rng)
+        rows = sample_rows(config.seq_len, config.rows_per_window, config.num_heads, rng, config.prefix_tokens)
         loss, per_head, acc = heads_loss(target, heads, windows, rows)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
