@@ -77,14 +77,7 @@ class MagicDecDrafter:
         budget, sinks = self.partial.for_prompt(tokens.numel(), self.forward_chunk)
         self.cache = PartialKVCache(model.config, budget, sinks, max_forward_tokens=self.forward_chunk,
                                     dtype=model.dtype, device=model.device)
-        # Select from the verifier's K/V by recency, run the last window's tokens (they
-        # fill the sliding layers' rings), then select again (by importance for TriForce*).
-        window = model.config.sliding_window if any(model.config.layer_is_sliding) else 1
-        start = max(0, tokens.numel() - window)
-        self.cache.start_at(start)
-        self.cache.rebuild(view.layer_kv, start)
-        self._forward(tokens[start:])
-        self.cache.rebuild(view.layer_kv, view.committed_length)
+        self.cache.warm_up(view.layer_kv, tokens, self._forward)
 
     def observe(self, committed: torch.Tensor) -> None:
         """Nothing to do: the next propose runs the newly committed tokens."""

@@ -114,15 +114,7 @@ class TokenSwiftDrafter:
                                     dtype=model.dtype, device=model.embed_weight.device)
         self.table = NgramTable(self.ngram)
         self.table.update(tokens)
-        # Warm up: select from the verifier's K/V by recency, forward the last
-        # window's tokens (filling the sliding layers' rings and recording
-        # queries), then re-select by importance.
-        window = model.config.sliding_window if any(model.config.layer_is_sliding) else 1
-        start = max(0, tokens.numel() - window)
-        self.cache.start_at(start)
-        self.cache.rebuild(view.layer_kv, start)
-        self._forward(tokens[start:])
-        self.cache.rebuild(view.layer_kv, view.committed_length)
+        self.cache.warm_up(view.layer_kv, tokens, self._forward)
 
     def _forward(self, new: torch.Tensor) -> None:
         """Drafting forward(s) over tokens not yet in the partial cache."""

@@ -214,6 +214,18 @@ class PartialKVCache:
             raise ValueError("the partial cache must be rebuilt but no K/V source was given")
         self.rebuild(source, before)
 
+    def warm_up(self, source: KVSource, tokens: torch.Tensor, run: Callable[[torch.Tensor], None]) -> None:
+        """Start a sequence of committed `tokens` whose full K/V `source` holds: select by
+        recency from the source, `run` the last window's tokens through the drafter's
+        forward (filling the sliding layers' rings, and recording queries where the
+        drafter does), then select again (by importance once a query is recorded)."""
+        window = self.window if self.ring_size else 1
+        start = max(0, tokens.numel() - window)
+        self.start_at(start)
+        self.rebuild(source, start)
+        run(tokens[start:])
+        self.rebuild(source, tokens.numel() - 1)
+
     def drop_pending(self) -> None:
         """Forget the last forward's tokens (a drafted chain), keeping everything
         committed: their full-layer slots lie beyond `used`, and the ring slots they
