@@ -150,7 +150,9 @@ def test_cli_trains_resumes_and_generates_with_the_drafter(tmp_path, capsys, kin
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 40)
     out = tmp_path / kind
-    argv = ["train", kind, "--model", str(checkpoint), "--corpus", str(corpus), "--out", str(out), "--dtype", "float32",
+    # One corpus file: --heldout 0 keeps it in the training split whatever its (hashed) path.
+    argv = ["train", kind, "--model", str(checkpoint), "--corpus", str(corpus), "--heldout", "0", "--out", str(out),
+            "--dtype", "float32",
             "--hidden-size", "32", "--layers", "2", "--draft-vocab", "40", "--seq-len", "32", "--batch-size", "2",
             "--save-every", "2", "--threads", "1"]
     assert main(argv + ["--steps", "2"]) == 0
@@ -161,3 +163,14 @@ def test_cli_trains_resumes_and_generates_with_the_drafter(tmp_path, capsys, kin
     assert '"text"' in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["train", kind, "--out", str(out), "--layers"])  # argparse names the missing value
+
+
+def test_a_corpus_held_out_whole_names_the_fix(tmp_path):
+    from longspec.training.data import Document, build_shards
+    from tiny_models import char_tokenizer
+
+    from longspec.training.data import is_held_out
+
+    name = next(f"doc{i}.txt" for i in range(10_000) if is_held_out(f"doc{i}.txt", 0.05))  # hashes into the 5 %
+    with pytest.raises(ValueError, match="held-out split .*--heldout 0"):
+        build_shards([Document(name, "some text " * 20)], char_tokenizer(), tmp_path, heldout_fraction=0.05)

@@ -154,6 +154,10 @@ def build_shards(
     for split in buffers:
         flush(split)
     if not index["tokens"]["train"]:
+        held = len(index["files"]["heldout"])
+        if held:
+            raise ValueError(f"all {held} corpus file(s) fell in the held-out split (--heldout {heldout_fraction} picks "
+                             "files by name): add files, or pass --heldout 0 for a corpus of one or a few files")
         raise ValueError("the corpus produced no training tokens; check the --corpus paths")
     index_file.write_text(json.dumps(index, indent=1))
     return index
