@@ -174,3 +174,24 @@ def test_a_corpus_held_out_whole_names_the_fix(tmp_path):
     name = next(f"doc{i}.txt" for i in range(10_000) if is_held_out(f"doc{i}.txt", 0.05))  # hashes into the 5 %
     with pytest.raises(ValueError, match="held-out split .*--heldout 0"):
         build_shards([Document(name, "some text " * 20)], char_tokenizer(), tmp_path, heldout_fraction=0.05)
+
+
+def test_reduced_vocabulary_sampled_chains_follow_the_target_distribution():
+    """Sampled chains carry q scattered from the draft's reduced vocabulary onto the
+    target's: speculative sampling through it must keep the target's distribution."""
+    from test_engine_sampling import PROMPT, SAMPLING, K, N, exact_distribution, goodness_of_fit
+
+    target = tiny_decoder("qwen3", dtype=torch.float64, vocab_size=4, seed=7, initializer_range=0.5)
+    vocab = VocabMap([0, 2, 3], 4)  # token 1 is "other" to the draft: never proposed, still sampled by the target
+    draft = decoder_from_hf(transformer_drafter(vocab, target.config, hidden_size=32, layers=1, heads=2, kv_heads=1,
+                                                intermediate_size=64), torch.float64)
+    engine = SpeculativeEngine(target, EngineOptions(max_tree_nodes=8, progress=False))
+    generator = torch.Generator().manual_seed(0)
+    draft_stream = torch.Generator().manual_seed(1)  # one running stream: draws independent across requests
+    counts: dict[tuple[int, ...], int] = {}
+    for _ in range(N):
+        drafter = DraftModelDrafter(draft, length=2, sample=True, vocab=vocab, generator=draft_stream)
+        rounds = engine.generate(PROMPT, params=SAMPLING, max_new_tokens=K, drafter=drafter, generator=generator)
+        key = tuple(torch.cat(list(rounds)).tolist())
+        counts[key] = counts.get(key, 0) + 1
+    assert goodness_of_fit(exact_distribution(target, SAMPLING), counts) > 1e-3
