@@ -1,21 +1,51 @@
-"""Linear layers for inference: oneDNN's prepacked bf16 weights when available.
+"""Linear layers for inference: the weight prepared once per load for the products a
+forward asks of it.
 
-On CPUs with AVX-512 BF16/AMX, PyTorch's default bf16 matrix-vector product reads
-weights at well under the memory bandwidth; oneDNN with a weight prepacked into its
-blocked layout runs the same product about 1.3-1.6x faster (bitwise equal results
-in our checks). Packing is a load-time step; anything it cannot handle (other
-dtypes, builds without oneDNN) keeps the plain `F.linear`.
+- Few rows (a decode step, a small tree): the native bf16 kernel streams the weight
+  once at the core's read bandwidth (`bf16_matvec`).
+- More rows: oneDNN with the weight prepacked into its blocked layout, about
+  1.3-1.6x faster than PyTorch's default bf16 product on CPUs with AVX-512 BF16/AMX.
+- Anything neither handles (other dtypes, other devices, builds without them) keeps
+  the plain `F.linear`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
+from longspec.runtime.bf16_matvec import Bf16Matvec, bf16_matvec
 
-def prepack(weight: torch.Tensor) -> torch.Tensor | None:
-    """A oneDNN-packed copy of a [out, in] bf16 weight, or None where unsupported."""
-    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+
+@dataclass(frozen=True)
+class PackedWeight:
+    onednn: torch.Tensor | None  # oneDNN's blocked copy, for products of many rows
+    matvec: Bf16Matvec | None  # the native kernel, for products of few rows
+
+
+def prepack(weight: torch.Tensor, *, native_kernels: bool = True) -> PackedWeight | None:
+    """The prepared forms of a [out, in] bf16 CPU weight, or None where none applies."""
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+        return None
+    matvec = bf16_matvec() if native_kernels and weight.is_contiguous() else None
+    packed = PackedWeight(onednn=_onednn_prepack(weight), matvec=matvec)
+    return packed if packed.onednn is not None or packed.matvec is not None else None
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None, bias=None) -> torch.Tensor:
+    if packed is None:
+        return F.linear(x, weight, bias)
+    if packed.matvec is not None and packed.matvec.accepts(x, weight):
+        return packed.matvec(x, weight, bias)
+    if packed.onednn is not None:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed.onednn, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def _onednn_prepack(weight: torch.Tensor) -> torch.Tensor | None:
+    if not torch.backends.mkldnn.is_available():
         return None
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
@@ -26,9 +56,3 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
     except (RuntimeError, AttributeError):
         return None
     return packed
-
-
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias=None) -> torch.Tensor:
-    if packed is None:
-        return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")

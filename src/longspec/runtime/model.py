@@ -16,7 +16,7 @@ from torch import nn
 from longspec.runtime.attention import AttentionBackend, Mask, fused_attention
 from longspec.runtime.cache import KVCache
 from longspec.runtime.config import DecoderConfig
-from longspec.runtime.linear import packed_linear, prepack
+from longspec.runtime.linear import PackedWeight, packed_linear, prepack
 
 
 @dataclass(frozen=True)
@@ -73,12 +73,12 @@ class DecoderLayer(nn.Module):
         heads = c.num_heads + c.num_kv_heads
         self.qk_norm = RMSNorm((heads, c.head_dim), c.rms_norm_eps, g) if c.qk_norm else None
         self.qk_dim = q_dim + kv_dim
-        self.packed: dict[str, torch.Tensor | None] = {}
+        self.packed: dict[str, PackedWeight | None] = {}
 
-    def prepare(self) -> None:
+    def prepare(self, native_kernels: bool = True) -> None:
         """Load-time derived weights: prepacked matrices and norm scales."""
         for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
-            self.packed[name] = prepack(getattr(self, name))
+            self.packed[name] = prepack(getattr(self, name), native_kernels=native_kernels)
         for norm in (self.input_norm, self.pre_mlp_norm, self.post_attn_norm, self.post_mlp_norm, self.qk_norm):
             if norm is not None:
                 norm.prepare()
@@ -155,7 +155,7 @@ class Decoder(nn.Module):
             self.register_buffer(f"inv_freq_{'sliding' if sliding else 'full'}", inv_freq, persistent=False)
         self.rope_scaling = {s: scaling for s, (_, scaling) in rope_inv_freq.items()}
         self.attention: AttentionBackend = fused_attention
-        self._packed_head: torch.Tensor | None = None
+        self._packed_head: PackedWeight | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -255,13 +255,14 @@ class Decoder(nn.Module):
         """Move the weights to `device` and derive its inference-time weights again."""
         return self.to(device).prepare()
 
-    def prepare(self) -> "Decoder":
+    def prepare(self, native_kernels: bool = True) -> "Decoder":
         """Derive inference-time weights (prepacked matrices on CPU, norm scales). Call
-        after loading, moving or changing weights; the loaders do."""
+        after loading, moving or changing weights; the loaders do. native_kernels=False
+        keeps every linear layer on oneDNN / `F.linear` (see `runtime.linear`)."""
         for layer in self.layers:
-            layer.prepare()
+            layer.prepare(native_kernels)
         self.final_norm.prepare()
-        self._packed_head = prepack(self.head_weight)
+        self._packed_head = prepack(self.head_weight, native_kernels=native_kernels)
         return self
 
     def _plan(self, T, cache, tree_mask, positions) -> ForwardPlan:

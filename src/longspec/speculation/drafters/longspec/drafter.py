@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from longspec.runtime.attention import biased_attention
-from longspec.runtime.linear import packed_linear, prepack
+from longspec.runtime.linear import PackedWeight, packed_linear, prepack
 from longspec.speculation.drafters.base import DraftContext
 from longspec.speculation.drafters.longspec.checkpoint import load_draft
 from longspec.speculation.drafters.longspec.model import (
@@ -85,7 +85,7 @@ class LongSpecDrafter:
         self.state: DraftState | None = None
         self._target = None
         self._head_rows: torch.Tensor | None = None
-        self._packed_head: torch.Tensor | None = None
+        self._packed_head: PackedWeight | None = None
         self._project: PackedProjection | None = None
         self._root_logprobs: torch.Tensor | None = None
         self._last_token: int | None = None

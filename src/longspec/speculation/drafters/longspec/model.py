@@ -38,8 +38,8 @@ Projection = Callable[[nn.Linear, torch.Tensor], torch.Tensor]
 
 
 class PackedProjection:
-    """Applies a frozen model's linear layers through oneDNN-prepacked copies of
-    their bf16 weights (faster matrix-vector products at inference; see
+    """Applies a frozen model's linear layers through the prepared forms of their
+    bf16 weights (native few-row kernel, oneDNN-prepacked copy; see
     runtime/linear.py). Built from the weights as they are now: rebuild it after
     the weights or their dtype change."""
 
