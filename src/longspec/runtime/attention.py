@@ -12,8 +12,10 @@ The two partial softmaxes are merged by their log-sum-exp. `reference_attention`
 computes the same thing the obvious way (concatenate, one masked softmax) and is
 the oracle in tests.
 
-`fused_attention` is the fast path of whatever device the tensors are on: PyTorch's
-CPU flash kernel on the CPU; on a GPU, the Triton tree kernel for a tree over an
+`fused_attention` is the fast path of whatever device the tensors are on: on the
+CPU, the native decode kernel for one bf16 query per row (`kernels/decode_attention.cpp`)
+and PyTorch's flash kernel otherwise (`flash_attention`, also the whole CPU path when
+native kernels are off); on a GPU, the Triton tree kernel for a tree over an
 unmasked prefix (one pass, no merge) and `sdpa_attention` otherwise (PyTorch's
 scaled-dot-product kernels, which pick flash / memory-efficient / math per device).
 
@@ -34,6 +36,8 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from longspec.runtime.native import avx512_bf16_ops
 
 logger = logging.getLogger(__name__)
 
@@ -112,14 +116,35 @@ def reference_attention(q, k_prefix, v_prefix, prefix_mask, k_new, v_new, new_ma
 
 
 def fused_attention(q, k_prefix, v_prefix, prefix_mask, k_new, v_new, new_mask, scale):
-    """The device's fast path (see the module's doc). On the CPU: PyTorch's flash
-    kernel for both parts (it returns the log-sum-exp that the merge needs). Grouped
-    queries are stacked along the sequence axis so one K/V head serves its whole
-    group without being copied."""
+    """The device's fast path (see the module's doc)."""
     if q.device.type != "cpu":
         if k_new is not None and prefix_mask is None and tree_kernel_fits(q, new_mask):
             return tree_kernel_attention(q, k_prefix, v_prefix, new_mask, k_new, v_new, scale)
         return sdpa_attention(q, k_prefix, v_prefix, prefix_mask, k_new, v_new, new_mask, scale)
+    if k_new is None and native_decode_fits(q, k_prefix):
+        visible = None if prefix_mask is None else as_mask(prefix_mask).visible.reshape(-1, k_prefix.shape[2])
+        return avx512_bf16_ops().decode_attention(q.contiguous(), k_prefix, v_prefix, visible, scale)
+    return flash_attention(q, k_prefix, v_prefix, prefix_mask, k_new, v_new, new_mask, scale)
+
+
+def native_decode_fits(q, k) -> bool:
+    """One bf16 query per row, a head dimension of whole 32-value registers, and the
+    native kernels built on a CPU with AVX-512 BF16."""
+    return (
+        q.shape[2] == 1
+        and q.dtype == torch.bfloat16
+        and k.shape[2] > 0
+        and q.shape[-1] % 32 == 0
+        and q.shape[-1] <= 512
+        and q.shape[1] // k.shape[1] <= 16
+        and avx512_bf16_ops() is not None
+    )
+
+
+def flash_attention(q, k_prefix, v_prefix, prefix_mask, k_new, v_new, new_mask, scale):
+    """The CPU path through PyTorch's flash kernel for both parts (it returns the
+    log-sum-exp that the merge needs). Grouped queries are stacked along the sequence
+    axis so one K/V head serves its whole group without being copied."""
     out_prefix, lse_prefix = None, None
     if k_prefix.shape[2] > 0:
         out_prefix, lse_prefix = _grouped_flash(q, k_prefix, v_prefix, prefix_mask, scale)

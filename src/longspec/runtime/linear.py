@@ -37,7 +37,7 @@ def prepack(weight: torch.Tensor, *, native_kernels: bool = True) -> PackedWeigh
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None, bias=None) -> torch.Tensor:
     if packed is None:
         return F.linear(x, weight, bias)
-    if packed.matvec is not None and packed.matvec.accepts(x, weight):
+    if packed.matvec is not None and packed.matvec.accepts(x):
         return packed.matvec(x, weight, bias)
     if packed.onednn is not None:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed.onednn, bias, "none", [], "")

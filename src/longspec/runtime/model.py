@@ -13,10 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from longspec.runtime.attention import AttentionBackend, Mask, fused_attention
+from longspec.runtime.attention import AttentionBackend, Mask, flash_attention, fused_attention
 from longspec.runtime.cache import KVCache
 from longspec.runtime.config import DecoderConfig
 from longspec.runtime.linear import PackedWeight, packed_linear, prepack
+from longspec.runtime.native import native_ops
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,8 @@ class ForwardOutput:
 class RMSNorm(nn.Module):
     """RMSNorm in float32 (float64 stays float64). Gemma scales by (1 + w) in float32;
     Llama-style families cast back to the activation dtype before scaling by w (as
-    `transformers` does). `shape` may be [heads, head_dim] for per-head q/k norms."""
+    `transformers` does). `shape` may be [heads, head_dim] for per-head q/k norms.
+    bf16 rows on the CPU take the native one-pass kernel when prepared with it."""
 
     def __init__(self, shape, eps: float, gemma: bool) -> None:
         super().__init__()
@@ -36,11 +38,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.gemma = gemma
         self.scale: torch.Tensor | None = None  # (1 + w) in float32, set by prepare()
+        self.native = None  # the native kernels, set by prepare() where they apply
 
-    def prepare(self) -> None:
+    def prepare(self, native_kernels: bool = True) -> None:
         self.scale = (1.0 + self.weight.float()) if self.gemma else None
+        applies = native_kernels and self.weight.device.type == "cpu" and (self.gemma or self.weight.dtype == torch.bfloat16)
+        self.native = native_ops() if applies else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu" and not x.requires_grad:
+            return self.native.rms_norm(x.contiguous(), self.scale if self.gemma else self.weight, self.eps, self.gemma)
         wide = x if x.dtype == torch.float64 else x.float()
         normed = F.rms_norm(wide, (x.shape[-1],), eps=self.eps)
         if self.gemma:
@@ -81,7 +88,7 @@ class DecoderLayer(nn.Module):
             self.packed[name] = prepack(getattr(self, name), native_kernels=native_kernels)
         for norm in (self.input_norm, self.pre_mlp_norm, self.post_attn_norm, self.post_mlp_norm, self.qk_norm):
             if norm is not None:
-                norm.prepare()
+                norm.prepare(native_kernels)
 
     def _linear(self, x, name: str, bias=None):
         return packed_linear(x, getattr(self, name), self.packed.get(name), bias)
@@ -261,8 +268,10 @@ class Decoder(nn.Module):
         keeps every linear layer on oneDNN / `F.linear` (see `runtime.linear`)."""
         for layer in self.layers:
             layer.prepare(native_kernels)
-        self.final_norm.prepare()
+        self.final_norm.prepare(native_kernels)
         self._packed_head = prepack(self.head_weight, native_kernels=native_kernels)
+        if self.attention in (fused_attention, flash_attention) and self.device.type == "cpu":
+            self.attention = fused_attention if native_kernels else flash_attention
         return self
 
     def _plan(self, T, cache, tree_mask, positions) -> ForwardPlan:

@@ -7,7 +7,7 @@
 // two independent accumulators reaches the measured read bandwidth of a core, about
 // twice what oneDNN's bf16 matrix-vector product reaches on the same machine
 // (measurements in BENCHMARKS.md). Only the kernels are compiled for AVX-512; the rest of
-// the library is baseline x86-64, so `supported()` can be asked on any CPU.
+// the library is baseline x86-64, so `avx512_bf16_supported()` can be asked on any CPU.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -99,9 +99,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
 
 }  // namespace
 
-TORCH_LIBRARY(longspec_bf16_matvec, m) {
-  m.def("supported() -> bool", &supported);
-  m.def("max_rows() -> int", &max_rows);
-  m.def("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-  m.impl("linear", c10::DispatchKey::CPU, TORCH_FN(linear));
+TORCH_LIBRARY_FRAGMENT(longspec_native, m) {
+  m.def("avx512_bf16_supported() -> bool", &supported);
+  m.def("bf16_linear_max_rows() -> int", &max_rows);
+  m.def("bf16_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.impl("bf16_linear", c10::DispatchKey::CPU, TORCH_FN(linear));
 }

@@ -1,0 +1,65 @@
+"""The library of native CPU kernels (`kernels/*.cpp`): built once per machine on first
+use with PyTorch's extension builder (a C++ compiler and ninja), then loaded from its
+cache (`TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions) in about a second.
+
+Each kernel has a PyTorch fallback. Where the library cannot be had (no compiler or
+ninja, a build error, not x86-64, or LONGSPEC_NATIVE_KERNELS=0) the fallbacks run and
+the reason is logged once.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCES = sorted((Path(__file__).with_name("kernels")).glob("*.cpp"))
+LIBRARY = "longspec_native"
+DISABLE_VARIABLE = "LONGSPEC_NATIVE_KERNELS"
+
+
+@functools.cache
+def native_ops():
+    """`torch.ops.longspec_native`, or None (the reason logged once)."""
+    if os.environ.get(DISABLE_VARIABLE, "1") == "0":
+        log.info("native CPU kernels off (%s=0): PyTorch and oneDNN run instead", DISABLE_VARIABLE)
+        return None
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        log.warning("native CPU kernels are built for x86-64 only; PyTorch and oneDNN run instead")
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        load(
+            name=LIBRARY,
+            sources=[str(source) for source in SOURCES],
+            extra_cflags=["-O3", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except (RuntimeError, OSError, ImportError) as error:
+        text = str(error).strip()
+        reason = text.splitlines()[0] if text else type(error).__name__
+        log.warning("native CPU kernels could not be built (%s); PyTorch and oneDNN run instead, decode is slower", reason)
+        return None
+    return getattr(torch.ops, LIBRARY)
+
+
+@functools.cache
+def avx512_bf16_ops():
+    """The native ops whose kernels need AVX-512 BF16 (bf16 products, decode
+    attention), or None where the library or the instruction set is missing."""
+    ops = native_ops()
+    if ops is None:
+        return None
+    if not ops.avx512_bf16_supported():
+        log.warning("this CPU lacks AVX-512 BF16: bf16 linear layers use oneDNN and decode attention PyTorch's flash kernel")
+        return None
+    return ops
