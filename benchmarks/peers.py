@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 import longspec
+from longspec.bench.floor import ar_floor_tokens_per_s, read_bandwidth_gbs
 from common import machine, stdlib_source_text, write_results
 
 
@@ -62,8 +63,11 @@ def llama_bench(bin_dir: Path, model: Path, *, threads: int, prompt: int, genera
     return float(rows[0]["avg_ts"])
 
 
-def ours(model, ids: torch.Tensor, new_tokens: int) -> tuple[float, float]:
-    """(decode tokens/s, prefill tokens/s) of our AR decoding after the prompt `ids`."""
+def ours(model, ids: torch.Tensor, new_tokens: int, *, native_kernels: bool = True) -> tuple[float, float]:
+    """(decode tokens/s, prefill tokens/s) of our AR decoding after the prompt `ids`,
+    with the native CPU kernels or without them (PyTorch / oneDNN only)."""
+    model.model.prepare(native_kernels=native_kernels)
+    model.generate(ids[:64].tolist(), max_new_tokens=8, method="ar", ignore_eos=True)  # warm-up
     stats = model.generate(ids.tolist(), max_new_tokens=new_tokens, method="ar", ignore_eos=True).stats
     return stats.decode_tokens_per_s, (ids.numel() - 1) / stats.prefill_s
 
@@ -84,13 +88,17 @@ def main() -> None:
     bf16 = bf16_gguf(args.llama_bin, q4, args.work)
     model = longspec.load()
     text_ids = model.tokenizer(stdlib_source_text(40 * max(args.contexts))).input_ids
-    header = {"benchmark": "peers", "machine": machine(), "threads": args.threads, "time": time.ctime()}
+    bandwidth = read_bandwidth_gbs()
+    header = {"benchmark": "peers", "machine": machine(), "threads": args.threads, "time": time.ctime(),
+              "read_bandwidth_gbs": bandwidth}
     rows = []
     for context in args.contexts:
         ids = torch.tensor(text_ids[:context])
-        ours(model, ids[:64], 8)  # warm-up
+        pytorch_decode, _ = ours(model, ids, args.new_tokens, native_kernels=False)
         decode, prefill = ours(model, ids, args.new_tokens)
-        row = {"context": context, "ours_bf16_decode": decode, "ours_bf16_prefill": prefill}
+        row = {"context": context, "ours_bf16_decode": decode, "ours_bf16_prefill": prefill,
+               "ours_bf16_decode_without_native_kernels": pytorch_decode,
+               "bandwidth_floor_decode": ar_floor_tokens_per_s(model.model, context, bandwidth)}
         for name, path in (("llama_bf16", bf16), ("llama_q4_k_m", q4)):
             row[f"{name}_decode"] = llama_bench(args.llama_bin, path, threads=args.threads, prompt=0,
                                                 generate=args.new_tokens, depth=context, repeats=args.repeats)
@@ -99,13 +107,15 @@ def main() -> None:
         rows.append(row)
         print(row, flush=True)
         write_results(args.out, header, rows)
-    print(f"\nmachine: {header['machine']}, {args.threads} threads\n")
-    print("| context | ours bf16 decode | llama.cpp BF16 | Q4_K_M | ours / BF16 | ours prefill | llama.cpp BF16 prefill | ours / BF16 |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"\nmachine: {header['machine']}, {args.threads} threads, read bandwidth {bandwidth:.1f} GB/s\n")
+    print("| context | ours bf16 decode | without native kernels | llama.cpp BF16 | Q4_K_M | ours / BF16 | floor | floor / ours "
+          "| ours prefill | llama.cpp BF16 prefill | ours / BF16 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['context']} | {r['ours_bf16_decode']:.1f} | {r['llama_bf16_decode']:.1f} | {r['llama_q4_k_m_decode']:.1f} "
-              f"| {r['ours_bf16_decode'] / r['llama_bf16_decode']:.2f} | {r['ours_bf16_prefill']:.0f} "
-              f"| {r['llama_bf16_prefill']:.0f} | {r['ours_bf16_prefill'] / r['llama_bf16_prefill']:.2f} |")
+        print(f"| {r['context']} | {r['ours_bf16_decode']:.1f} | {r['ours_bf16_decode_without_native_kernels']:.1f} "
+              f"| {r['llama_bf16_decode']:.1f} | {r['llama_q4_k_m_decode']:.1f} | {r['ours_bf16_decode'] / r['llama_bf16_decode']:.2f} "
+              f"| {r['bandwidth_floor_decode']:.1f} | {r['bandwidth_floor_decode'] / r['ours_bf16_decode']:.2f} "
+              f"| {r['ours_bf16_prefill']:.0f} | {r['llama_bf16_prefill']:.0f} | {r['ours_bf16_prefill'] / r['llama_bf16_prefill']:.2f} |")
 
 
 if __name__ == "__main__":
