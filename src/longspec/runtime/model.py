@@ -162,6 +162,7 @@ class Decoder(nn.Module):
             self.register_buffer(f"inv_freq_{'sliding' if sliding else 'full'}", inv_freq, persistent=False)
         self.rope_scaling = {s: scaling for s, (_, scaling) in rope_inv_freq.items()}
         self.attention: AttentionBackend = fused_attention
+        self.native_kernels = True  # whether prepare() chose the native CPU kernels where they apply
         self._packed_head: PackedWeight | None = None
 
     @property
@@ -269,6 +270,7 @@ class Decoder(nn.Module):
         for layer in self.layers:
             layer.prepare(native_kernels)
         self.final_norm.prepare(native_kernels)
+        self.native_kernels = native_kernels
         self._packed_head = prepack(self.head_weight, native_kernels=native_kernels)
         if self.attention in (fused_attention, flash_attention) and self.device.type == "cpu":
             self.attention = fused_attention if native_kernels else flash_attention

@@ -10,6 +10,7 @@ the reason is logged once.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import platform
@@ -50,6 +51,18 @@ def native_ops():
         log.warning("native CPU kernels could not be built (%s); PyTorch and oneDNN run instead, decode is slower", reason)
         return None
     return getattr(torch.ops, LIBRARY)
+
+
+@functools.cache
+def kernels_identity() -> str:
+    """What a measured speed depends on: a digest of the kernel sources in use, or
+    "none" where the library is unavailable (cost-model caches key on it)."""
+    if native_ops() is None:
+        return "none"
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 @functools.cache

@@ -25,6 +25,7 @@ import torch
 from longspec.runtime.device import HOST, device_name, synchronize
 from longspec.runtime.machine import machine_identity
 from longspec.runtime.model import Decoder
+from longspec.runtime.native import kernels_identity
 from longspec.speculation.tree import Tree
 
 DEFAULT_KS = (1, 2, 4, 8, 16, 32, 64)
@@ -88,6 +89,7 @@ def cost_key(model: Decoder, context: int, machine: dict) -> dict:
     return {
         "machine": machine, "device": device_name(model.device), "threads": torch.get_num_threads(), "torch": torch.__version__,
         "model": hashlib.sha256(config.encode()).hexdigest()[:16], "dtype": str(model.dtype), "context": context,
+        "kernels": kernels_identity() if model.native_kernels and model.device.type == "cpu" else "none",
     }
 
 
