@@ -119,6 +119,20 @@ def test_bf16_decoder_with_the_kernel_is_as_accurate_as_without(family):
     assert error(with_kernel) <= 1.1 * max(error(without), error(hf_bf16))
 
 
+@needs_kernel
+def test_training_keeps_the_differentiable_path():
+    """The kernels have no backward: a product or an attention that needs gradients
+    goes through PyTorch, so a draft trained in bf16 still learns."""
+    weight = torch.randn(64, 32).bfloat16().requires_grad_()
+    x = torch.randn(1, 32).bfloat16().requires_grad_()
+    packed_linear(x, weight, prepack(weight.detach())).float().sum().backward()
+    assert x.grad is not None and weight.grad is not None
+    q = torch.randn(1, 4, 1, 32).bfloat16().requires_grad_()
+    k = torch.randn(1, 1, 10, 32).bfloat16()
+    fused_attention(q, k, k, None, None, None, None, 0.2).float().sum().backward()
+    assert q.grad is not None
+
+
 @needs_library
 @pytest.mark.parametrize("gemma", [True, False])
 @pytest.mark.parametrize("shape, normalised", [((3, 5, 64), (64,)), ((2, 3, 6, 16), (6, 16))])

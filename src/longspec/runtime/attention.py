@@ -129,10 +129,11 @@ def fused_attention(q, k_prefix, v_prefix, prefix_mask, k_new, v_new, new_mask, 
 
 def native_decode_fits(q, k) -> bool:
     """One bf16 query per row, a head dimension of whole 32-value registers, and the
-    native kernels built on a CPU with AVX-512 BF16."""
+    native kernels built on a CPU with AVX-512 BF16 (inference only: no backward)."""
     return (
         q.shape[2] == 1
         and q.dtype == torch.bfloat16
+        and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))
         and k.shape[2] > 0
         and q.shape[-1] % 32 == 0
         and q.shape[-1] <= 512

@@ -24,7 +24,7 @@ class Bf16Matvec:
 
     def accepts(self, x: torch.Tensor) -> bool:
         rows = x.numel() // x.shape[-1] if x.numel() else 0
-        return 1 <= rows <= self.max_rows and x.dtype == torch.bfloat16 and x.device.type == "cpu" and not x.requires_grad
+        return 1 <= rows <= self.max_rows and x.dtype == torch.bfloat16 and x.device.type == "cpu"
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1]).contiguous()

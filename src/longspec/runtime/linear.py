@@ -35,7 +35,8 @@ def prepack(weight: torch.Tensor, *, native_kernels: bool = True) -> PackedWeigh
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None, bias=None) -> torch.Tensor:
-    if packed is None:
+    # The prepared forms have no backward: a product that needs gradients stays on F.linear.
+    if packed is None or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         return F.linear(x, weight, bias)
     if packed.matvec is not None and packed.matvec.accepts(x):
         return packed.matvec(x, weight, bias)
