@@ -1,5 +1,5 @@
 """The native CPU kernels (runtime/kernels/): the bf16 few-row product is correctly
-rounded and gives a row the same bits however many rows share the call; decode
+rounded and gives a row the same bits however many rows share the call; few-query
 attention is within one bf16 ulp of the exact result on ragged shapes and masks; the
 one-pass RMSNorm computes what the PyTorch path computes; bf16 decoders are as
 accurate with them as without; a logged fallback where they cannot be had."""
@@ -14,7 +14,15 @@ import torch.nn.functional as F
 
 from longspec.runtime import bf16_matvec as matvec
 from longspec.runtime import native
-from longspec.runtime.attention import flash_attention, fused_attention, reference_attention
+from longspec.runtime.attention import (
+    NATIVE_ATTENTION_MAX_QUERIES,
+    flash_attention,
+    fused_attention,
+    native_attention,
+    native_attention_fits,
+    native_part,
+    reference_attention,
+)
 from longspec.runtime.linear import packed_linear, prepack
 from longspec.runtime.model import RMSNorm
 from test_runtime_equivalence import run_chunks
@@ -73,50 +81,72 @@ def test_packed_linear_sends_few_rows_to_the_kernel_and_many_to_onednn(monkeypat
 @pytest.mark.parametrize("rows, kv_heads, group, keys", [(1, 1, 4, 1), (1, 1, 4, 700), (2, 2, 2, 129), (3, 1, 16, 128), (2, 4, 1, 300)])
 @pytest.mark.parametrize("head_dim", [32, 256])
 @pytest.mark.parametrize("mask", ["none", "shared", "per_row"])
-def test_decode_attention_is_within_one_ulp_of_the_exact_result(rows, kv_heads, group, keys, head_dim, mask):
-    generator = torch.Generator().manual_seed(rows * 7 + keys + head_dim)
-    q = torch.randn(rows, kv_heads * group, 1, head_dim, generator=generator).bfloat16()
+@pytest.mark.parametrize("queries", [1, 3])
+def test_few_query_attention_is_within_one_ulp_of_the_exact_result(rows, kv_heads, group, keys, head_dim, mask, queries):
+    generator = torch.Generator().manual_seed(rows * 7 + keys + head_dim + queries)
+    q = torch.randn(rows, kv_heads * group, queries, head_dim, generator=generator).bfloat16()
     # K/V as the cache hands them over: a view of the first `keys` slots of a larger buffer.
     k = torch.randn(rows, kv_heads, keys + 9, head_dim, generator=generator).bfloat16()[:, :, :keys]
     v = torch.randn(rows, kv_heads, keys + 9, head_dim, generator=generator).bfloat16()[:, :, :keys]
     visible = None
     if mask != "none":
-        visible = torch.rand(rows if mask == "per_row" else 1, 1, keys, generator=generator) < 0.7
-        visible[..., 0] = True  # a decode query always sees at least itself
+        visible = torch.rand(rows if mask == "per_row" else 1, queries, keys, generator=generator) < 0.7
+        visible[..., 0] = True  # every query sees a key here; the empty case has its own test
         visible = visible if mask == "per_row" else visible[0]
     scale = head_dim**-0.5
-    ours = fused_attention(q, k, v, visible, None, None, None, scale)
-    exact = reference_attention(q.double(), k.double(), v.double(), visible, None, None, None, scale)
+    if queries <= NATIVE_ATTENTION_MAX_QUERIES:
+        assert native_attention_fits(q, k)  # the backend itself takes the native path
+        ours = fused_attention(q, k, v, visible, None, None, None, scale)
+    else:
+        ours = native_part(q, k, v, visible, scale)[0]
+    exact, exact_lse = attention_with_lse(q.double(), k.double(), v.double(), visible, scale)
     assert ours.dtype == torch.bfloat16 and ours.shape == q.shape
     assert ((ours.double() - exact).abs() <= bf16_ulp(exact) + 1e-5).all()
+    lse = native_part(q, k, v, visible, scale)[1]
+    assert torch.allclose(lse.double(), exact_lse, rtol=0, atol=1e-4)
     # And no less accurate than PyTorch's flash kernel on the same inputs.
     flash = flash_attention(q, k, v, visible, None, None, None, scale)
     assert (ours.double() - exact).abs().max() <= (flash.double() - exact).abs().max() + 1e-6
 
 
 @needs_kernel
-@pytest.mark.parametrize("family", FAMILIES)
-def test_bf16_decoder_with_the_kernel_is_as_accurate_as_without(family):
-    """Token-by-token decode in bf16 (every linear, norm and attention through the
-    native kernels) against the same weights in float64: no worse than the PyTorch /
-    oneDNN path or `transformers`' own bf16."""
-    # head_dim 32: the native decode attention takes whole 32-value registers.
-    hf_model, decoder = tiny_pair(family, dtype=torch.bfloat16, seed=FAMILIES.index(family), head_dim=32)
-    ids = random_ids(40, seed=3)
-    with torch.no_grad():
-        hf_bf16 = hf_model(ids).logits
-        exact = hf_model.to(torch.float64)(ids).logits
-    assert all(layer.packed["qkv_weight"].matvec is KERNEL and layer.input_norm.native for layer in decoder.layers)
-    assert decoder.attention is fused_attention
-    with_kernel = run_chunks(decoder, ids, [1] * ids.shape[1])
-    decoder.prepare(native_kernels=False)
-    assert decoder.attention is flash_attention
-    without = run_chunks(decoder, ids, [1] * ids.shape[1])
+def test_few_query_attention_merges_a_prefix_and_a_tree_part():
+    """The two parts of Hybrid Tree Attention, each through the kernel, merged by their
+    log-sum-exps, equal one attention over both under the combined mask."""
+    generator = torch.Generator().manual_seed(11)
+    q = torch.randn(1, 4, 5, 64, generator=generator).bfloat16()
+    k_prefix, v_prefix = (torch.randn(1, 1, 200, 64, generator=generator).bfloat16() for _ in range(2))
+    k_new, v_new = (torch.randn(1, 1, 5, 64, generator=generator).bfloat16() for _ in range(2))
+    tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]], dtype=torch.bool)
+    ours = native_attention(q, k_prefix, v_prefix, None, k_new, v_new, tree, 0.125)
+    exact = reference_attention(q.double(), k_prefix.double(), v_prefix.double(), None, k_new.double(), v_new.double(), tree, 0.125)
+    # Each part is rounded to bf16 at its own magnitude before the merge, then the merge once more.
+    prefix_part = attention_with_lse(q.double(), k_prefix.double(), v_prefix.double(), None, 0.125)[0]
+    tree_part = attention_with_lse(q.double(), k_new.double(), v_new.double(), tree, 0.125)[0]
+    bound = bf16_ulp(torch.maximum(prefix_part.abs(), tree_part.abs())) + bf16_ulp(exact) / 2 + 1e-5
+    assert ((ours.double() - exact).abs() <= bound).all()
 
-    def error(logits):  # root mean square: the largest single error moves ±25% with rounding luck
-        return (logits.double() - exact).pow(2).mean().sqrt().item()
 
-    assert error(with_kernel) <= 1.1 * max(error(without), error(hf_bf16))
+@needs_kernel
+def test_few_query_attention_of_a_row_that_sees_no_key_is_zero():
+    q = torch.randn(2, 4, 1, 64).bfloat16()
+    k, v = torch.randn(2, 2, 300, 64).bfloat16(), torch.randn(2, 2, 300, 64).bfloat16()
+    visible = torch.ones(2, 1, 300, dtype=torch.bool)
+    visible[1] = False
+    out, lse = native_part(q, k, v, visible, 0.125)
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and bool((lse[1] == float("-inf")).all())
+    exact = reference_attention(q[:1].double(), k[:1].double(), v[:1].double(), visible[:1], None, None, None, 0.125)
+    assert ((out[:1].double() - exact).abs() <= bf16_ulp(exact) + 1e-5).all()
+
+
+def attention_with_lse(q, k, v, visible, scale):
+    """float64 attention and log-sum-exp, grouped-query heads by repetition."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = q @ k.transpose(-1, -2) * scale
+    if visible is not None:
+        scores = scores.masked_fill(~(visible.unsqueeze(1) if visible.dim() == 3 else visible), float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v, torch.logsumexp(scores, dim=-1)
 
 
 @needs_kernel

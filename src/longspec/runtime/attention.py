@@ -121,25 +121,51 @@ def fused_attention(q, k_prefix, v_prefix, prefix_mask, k_new, v_new, new_mask, 
         if k_new is not None and prefix_mask is None and tree_kernel_fits(q, new_mask):
             return tree_kernel_attention(q, k_prefix, v_prefix, new_mask, k_new, v_new, scale)
         return sdpa_attention(q, k_prefix, v_prefix, prefix_mask, k_new, v_new, new_mask, scale)
-    if k_new is None and native_decode_fits(q, k_prefix):
-        visible = None if prefix_mask is None else as_mask(prefix_mask).visible.reshape(-1, k_prefix.shape[2])
-        return avx512_bf16_ops().decode_attention(q.contiguous(), k_prefix, v_prefix, visible, scale)
+    if native_attention_fits(q, k_prefix if k_new is None else k_new):
+        return native_attention(q, k_prefix, v_prefix, prefix_mask, k_new, v_new, new_mask, scale)
     return flash_attention(q, k_prefix, v_prefix, prefix_mask, k_new, v_new, new_mask, scale)
 
 
-def native_decode_fits(q, k) -> bool:
-    """One bf16 query per row, a head dimension of whole 32-value registers, and the
-    native kernels built on a CPU with AVX-512 BF16 (inference only: no backward)."""
+# Up to this many new tokens per row the native kernel beats PyTorch's flash kernel
+# (measured: 1.6-2.4x at 1 token, 0.9-1.0x at 2, slower beyond; BENCHMARKS.md).
+NATIVE_ATTENTION_MAX_QUERIES = 1
+
+
+def native_attention_fits(q, k) -> bool:
+    """A few bf16 queries per row, a head dimension of whole 32-value registers, and
+    the native kernels built on a CPU with AVX-512 BF16 (inference only: no backward)."""
     return (
-        q.shape[2] == 1
+        q.shape[2] <= NATIVE_ATTENTION_MAX_QUERIES
         and q.dtype == torch.bfloat16
         and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))
-        and k.shape[2] > 0
         and q.shape[-1] % 32 == 0
-        and q.shape[-1] <= 512
-        and q.shape[1] // k.shape[1] <= 16
         and avx512_bf16_ops() is not None
     )
+
+
+def native_attention(q, k_prefix, v_prefix, prefix_mask, k_new, v_new, new_mask, scale):
+    """Both parts through the native few-query kernel, merged by log-sum-exp."""
+    q = q.contiguous()
+    parts = [
+        native_part(q, k, v, mask, scale)
+        for k, v, mask in ((k_prefix, v_prefix, prefix_mask), (k_new, v_new, new_mask))
+        if k is not None and k.shape[2] > 0
+    ]
+    if not parts:
+        raise ValueError("attention over zero keys")
+    if len(parts) == 1:
+        return parts[0][0]
+    (out_a, lse_a), (out_b, lse_b) = parts
+    return merge_partial_attention(out_a, lse_a, out_b, lse_b)
+
+
+def native_part(q, k, v, mask, scale):
+    """(out, lse) of q over one part of the keys under `mask` (None: all visible)."""
+    visible = None
+    if mask is not None:
+        visible = as_mask(mask).visible
+        visible = (visible if visible.dim() == 3 else visible.unsqueeze(0)).contiguous()
+    return avx512_bf16_ops().few_query_attention(q, k, v, visible, scale)
 
 
 def flash_attention(q, k_prefix, v_prefix, prefix_mask, k_new, v_new, new_mask, scale):

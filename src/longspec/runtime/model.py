@@ -42,7 +42,7 @@ class RMSNorm(nn.Module):
 
     def prepare(self, native_kernels: bool = True) -> None:
         self.scale = (1.0 + self.weight.float()) if self.gemma else None
-        applies = native_kernels and self.weight.device.type == "cpu" and (self.gemma or self.weight.dtype == torch.bfloat16)
+        applies = native_kernels and self.weight.device.type == "cpu" and self.weight.dtype == torch.bfloat16
         self.native = native_ops() if applies else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -272,8 +272,9 @@ class Decoder(nn.Module):
         self.final_norm.prepare(native_kernels)
         self.native_kernels = native_kernels
         self._packed_head = prepack(self.head_weight, native_kernels=native_kernels)
-        if self.attention in (fused_attention, flash_attention) and self.device.type == "cpu":
-            self.attention = fused_attention if native_kernels else flash_attention
+        if self.attention in (fused_attention, flash_attention):
+            cpu_without_native = self.device.type == "cpu" and not native_kernels
+            self.attention = flash_attention if cpu_without_native else fused_attention
         return self
 
     def _plan(self, T, cache, tree_mask, positions) -> ForwardPlan:

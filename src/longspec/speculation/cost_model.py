@@ -89,7 +89,7 @@ def cost_key(model: Decoder, context: int, machine: dict) -> dict:
     return {
         "machine": machine, "device": device_name(model.device), "threads": torch.get_num_threads(), "torch": torch.__version__,
         "model": hashlib.sha256(config.encode()).hexdigest()[:16], "dtype": str(model.dtype), "context": context,
-        "kernels": kernels_identity() if model.native_kernels and model.device.type == "cpu" else "none",
+        "kernels": kernels_identity() if model.native_kernels and model.device.type == "cpu" and model.dtype == torch.bfloat16 else "none",
     }
 
 

@@ -112,8 +112,9 @@ class LongSpecDrafter:
             # oneDNN-packed head for bf16 matrix-vector speed: the target's own packed
             # head when scoring the full vocabulary (no copy), else one of the V_d rows.
             own = getattr(view.model, "_packed_head", None)
-            self._packed_head = own if not self.draft.reduced_vocab else prepack(self._head_rows)
-            self._project = PackedProjection(self.draft)
+            native = view.model.native_kernels
+            self._packed_head = own if not self.draft.reduced_vocab else prepack(self._head_rows, native_kernels=native)
+            self._project = PackedProjection(self.draft, native_kernels=native)
         capacity = max(int(context.max_nodes), 1)
         if (self.state is None or self.state.capacity != capacity or self.state.ring_k.dtype != dtype
                 or self.state.ring_k.device != device):

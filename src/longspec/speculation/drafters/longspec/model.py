@@ -43,8 +43,8 @@ class PackedProjection:
     runtime/linear.py). Built from the weights as they are now: rebuild it after
     the weights or their dtype change."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self._packed = {id(m): prepack(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    def __init__(self, model: nn.Module, *, native_kernels: bool = True) -> None:
+        self._packed = {id(m): prepack(m.weight, native_kernels=native_kernels) for m in model.modules() if isinstance(m, nn.Linear)}
 
     def __call__(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return packed_linear(x, linear.weight, self._packed.get(id(linear)), linear.bias)
