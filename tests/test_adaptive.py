@@ -17,6 +17,8 @@ import torch
 from longspec.speculation.cost_model import ForwardCost
 from longspec.speculation.drafters import NgramDrafter, PromptLookupDrafter
 from longspec.speculation.drafters.adaptive import AdaptiveDrafter, ThroughputPolicy, UCBPolicy, mamba_reward
+from longspec.speculation.drafters.adaptive.drafter import AcceptanceTable
+from longspec.speculation.drafters.adaptive.merge import Source
 from longspec.speculation.drafters.base import DraftContext
 from longspec.speculation.drafters.longspec import BeamStrategy, LongSpecDrafter
 from longspec.speculation.engine import EngineOptions, SpeculativeEngine
@@ -153,6 +155,21 @@ def test_garbage_components_switch_speculation_off_and_an_oracle_gets_deep_trees
     assert abs(predicted - stats.controller["realised_accepted_per_round"]) < 0.25 * predicted
 
 
+def test_unmeasured_deep_nodes_start_from_the_deepest_measured_rate_above_them():
+    """A chain that keeps matching is accepted more often the deeper it goes: depths
+    nobody measured yet borrow the rate of the depth above, not the pooled rate that
+    the hard first token dominates."""
+    table = AcceptanceTable(drafters=1)
+    for depth, accepted in ((1, 5), (2, 9), (3, 10)):
+        for i in range(10):
+            table.record(Source(drafter=0, depth=depth, rank=0), accepted=i < accepted)
+    rate = [table.rate(Source(drafter=0, depth=d, rank=0)) for d in range(1, 9)]
+    assert rate[0] < rate[1] < rate[2]  # measured: 0.5, 0.9, 1.0 shrunk by two pseudo-observations
+    assert rate[5] == rate[4] == rate[3] == rate[2] > 0.9  # never proposed: the depth-3 rate carries down
+    pooled = (5 + 9 + 10 + 1) / (30 + 2)
+    assert rate[5] > pooled + 0.1
+
+
 def test_expensive_trees_are_cut_to_the_knee():
     """With verification cost growing fast in k, the optimum is a short tree even for an oracle."""
     model, _ = diverse_model("qwen2")
@@ -161,7 +178,10 @@ def test_expensive_trees_are_cut_to_the_knee():
     cheap = AdaptiveDrafter([("oracle", ReferenceChain(reference, prompt.numel(), length=20))],
                             forward_cost=cheap_trees_cost(0.02))
     costly = AdaptiveDrafter([("oracle", ReferenceChain(reference, prompt.numel(), length=20))],
-                             forward_cost=cheap_trees_cost(1.5))  # each extra token costs 1.5 forwards: no tree pays
+                             # Each extra token costs 4 forwards: more than a whole plain round even after the
+                             # controller scales the synthetic costs to this tiny model (down to 1/4) and adds the
+                             # drafting time every round pays, so no tree pays even when every node is accepted.
+                             forward_cost=cheap_trees_cost(4.0))
     for drafter, check in ((cheap, lambda t: t["mean_nodes"] > 10), (costly, lambda t: t["mean_nodes"] < 1.5)):
         stats = GenerationStats()
         assert torch.equal(run(model, prompt, drafter, max_new_tokens=200, stats=stats), reference)

@@ -76,11 +76,10 @@ LONGSPEC_AVX512_BF16 void attend_chunk(const ChunkTask& task, int64_t s_begin, i
     for (int64_t t = 0; t < task.T; ++t) {
       const int64_t query = h * task.T + t;
       const uint16_t* qv = task.q + query * task.D;
-      for (int64_t i = 0; i < n; ++i) scores[i] = dot(qv, task.k + (s_begin + i) * task.k_stride, task.D) * task.scale;
       const bool* mask = task.visible ? task.visible + t * task.S + s_begin : nullptr;
       float best = kNone;
-      for (int64_t i = 0; i < n; ++i) {
-        if (mask != nullptr && !mask[i]) scores[i] = kNone;
+      for (int64_t i = 0; i < n; ++i) {  // keys the query cannot see are never read
+        scores[i] = mask == nullptr || mask[i] ? dot(qv, task.k + (s_begin + i) * task.k_stride, task.D) * task.scale : kNone;
         best = scores[i] > best ? scores[i] : best;
       }
       Partial& p = partial[query];

@@ -47,13 +47,16 @@ _COST_CONTEXTS = (512, 1024, 2048, 4096, 8192, 16384, 32768)  # cost-model bucke
 
 class AcceptanceTable:
     """P(node accepted | parent accepted) per (drafter, depth, rank, whether another
-    drafter proposed the same node — agreement is strong evidence), each cell shrunk
-    toward the drafter's pooled rate (itself Beta(1, 1)-smoothed): a depth that was
-    rarely reached starts from what the drafter does elsewhere, not from 1/2, so deep
-    nodes of a good drafter get proposed and measured. Depths and ranks beyond the
-    table share its last cell."""
+    drafter proposed the same node — agreement is strong evidence). Each depth's cell
+    is shrunk toward the depth above it, and depth 1 toward the drafter's rate pooled
+    over depths (Beta(1, 1)-smoothed): along a chain that keeps matching, acceptance
+    stays high, so a depth that was rarely reached starts from the deepest measured
+    rate above it — not from 1/2, and not from the pooled rate, which depth 1 (the
+    hardest token, right after a bonus) dominates. That is what lets the deep nodes of
+    a good drafter be proposed, and so measured. Depths and ranks beyond the table
+    share its last cell."""
 
-    PRIOR_WEIGHT = 2.0  # pseudo-observations of the pooled rate in every cell
+    PRIOR_WEIGHT = 2.0  # pseudo-observations of the prior rate in every cell
 
     def __init__(self, drafters: int, max_depth: int = 8, max_rank: int = 4) -> None:
         self.accepted = torch.zeros((drafters, max_depth, max_rank, 2), dtype=torch.float64, device=HOST)
@@ -64,11 +67,14 @@ class AcceptanceTable:
         return source.drafter, min(source.depth, D) - 1, min(source.rank, R - 1), int(agreed)
 
     def rate(self, source: Source, agreed: bool = False) -> float:
-        cell = self._cell(source, agreed)
-        drafter, _, rank, agree = cell  # pooled over depths: same drafter, rank and agreement
-        pooled = (self.accepted[drafter, :, rank, agree].sum() + 1.0) / (self.proposed[drafter, :, rank, agree].sum() + 2.0)
+        drafter, depth, rank, agree = self._cell(source, agreed)
+        accepted = self.accepted[drafter, :, rank, agree]
+        proposed = self.proposed[drafter, :, rank, agree]
+        rate = float((accepted.sum() + 1.0) / (proposed.sum() + 2.0))  # pooled over depths
         m = self.PRIOR_WEIGHT
-        return float((self.accepted[cell] + m * pooled) / (self.proposed[cell] + m))
+        for d in range(depth + 1):  # each depth shrunk toward the one above it
+            rate = float((accepted[d] + m * rate) / (proposed[d] + m))
+        return rate
 
     def record(self, source: Source, accepted: bool, agreed: bool = False) -> None:
         cell = self._cell(source, agreed)
