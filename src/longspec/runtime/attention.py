@@ -13,7 +13,7 @@ computes the same thing the obvious way (concatenate, one masked softmax) and is
 the oracle in tests.
 
 `fused_attention` is the fast path of whatever device the tensors are on: on the
-CPU, the native decode kernel for one bf16 query per row (`kernels/decode_attention.cpp`)
+CPU, the native few-query kernel for one bf16 query per row (`kernels/few_query_attention.cpp`)
 and PyTorch's flash kernel otherwise (`flash_attention`, also the whole CPU path when
 native kernels are off); on a GPU, the Triton tree kernel for a tree over an
 unmasked prefix (one pass, no merge) and `sdpa_attention` otherwise (PyTorch's

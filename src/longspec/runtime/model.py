@@ -260,8 +260,9 @@ class Decoder(nn.Module):
         return best_index
 
     def place(self, device: torch.device) -> "Decoder":
-        """Move the weights to `device` and derive its inference-time weights again."""
-        return self.to(device).prepare()
+        """Move the weights to `device` and derive its inference-time weights again
+        (keeping the choice of native CPU kernels)."""
+        return self.to(device).prepare(self.native_kernels)
 
     def prepare(self, native_kernels: bool = True) -> "Decoder":
         """Derive inference-time weights (prepacked matrices on CPU, norm scales). Call

@@ -67,12 +67,12 @@ def kernels_identity() -> str:
 
 @functools.cache
 def avx512_bf16_ops():
-    """The native ops whose kernels need AVX-512 BF16 (bf16 products, decode
+    """The native ops whose kernels need AVX-512 BF16 (bf16 products, few-query
     attention), or None where the library or the instruction set is missing."""
     ops = native_ops()
     if ops is None:
         return None
     if not ops.avx512_bf16_supported():
-        log.warning("this CPU lacks AVX-512 BF16: bf16 linear layers use oneDNN and decode attention PyTorch's flash kernel")
+        log.warning("this CPU lacks AVX-512 BF16: bf16 linear layers use oneDNN and attention PyTorch's flash kernel")
         return None
     return ops
