@@ -1,6 +1,8 @@
 """Cost of the top-p processor on Gemma 3 270M's real next-token logits: ours (a
 growing top-k candidate set) against a full-vocabulary sort (what TopPLogitsWarper
 does), in one run; also how large the nucleus is and where the two kept sets differ.
+Then the cost of drawing the token from the processed distribution: `torch.multinomial`
+against our inverse-CDF `sample`.
 
     python benchmarks/top_p.py --positions 256 --threads 1
 """
@@ -16,7 +18,7 @@ import torch
 
 import longspec
 from common import machine
-from longspec.speculation.processors import SamplingParams, processed_logits
+from longspec.speculation.processors import SamplingParams, processed_logits, processed_probs, sample
 
 MULTI_NEWS = Path(__file__).resolve().parents[2] / "shared" / "data" / "longbench" / "multi_news.jsonl"
 
@@ -66,6 +68,21 @@ def main() -> None:
         n = len(sizes)
         print(f"| {top_p} | {1e3 * t_full / n:.2f} | {1e3 * t_ours / n:.2f} | {t_full / t_ours:.1f}x | "
               f"{sizes[n // 2]} / {sizes[int(0.9 * n)]} / {sizes[-1]} | {differ} | {ties_only} |")
+    print("\n| top-p | torch.multinomial ms/draw | inverse-CDF sample ms/draw | speedup |")
+    print("|---|---|---|---|")
+    generator = torch.Generator().manual_seed(0)
+    for top_p in args.top_p:
+        probs = processed_probs(logits, None, SamplingParams(temperature=1.0, top_p=top_p, min_p=0.05))
+        t_multinomial = t_sample = 0.0
+        for row in probs.split(1):
+            start = time.perf_counter()
+            torch.multinomial(row, 1, generator=generator)
+            t_multinomial += time.perf_counter() - start
+            start = time.perf_counter()
+            sample(row, generator)
+            t_sample += time.perf_counter() - start
+        n = probs.shape[0]
+        print(f"| {top_p} | {1e3 * t_multinomial / n:.2f} | {1e3 * t_sample / n:.2f} | {t_multinomial / t_sample:.1f}x |")
 
 
 if __name__ == "__main__":

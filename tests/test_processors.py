@@ -261,6 +261,33 @@ def test_sample_frequencies_match_probs() -> None:
     assert not bool((draws[:, 1] == 1).any())
 
 
+def test_sample_passes_a_chi_square_test_with_zero_mass_tokens() -> None:
+    """10^5 draws from one distribution with zero-mass tokens at both ends and inside."""
+    from scipy.stats import chisquare
+
+    probs = torch.tensor([0.0, 0.05, 0.3, 0.0, 0.15, 0.4, 0.1, 0.0], dtype=torch.float32)
+    draws = sample(probs.expand(100_000, -1), torch.Generator().manual_seed(11))
+    counts = torch.bincount(draws, minlength=probs.numel())
+    assert int(counts[probs == 0].sum()) == 0
+    support = probs > 0
+    expected = probs[support].double() / probs.double().sum() * draws.numel()
+    assert chisquare(counts[support].double().numpy(), expected.numpy()).pvalue > 1e-3
+
+
+def test_sample_draws_by_inverse_cdf_and_never_a_zero_mass_token(monkeypatch) -> None:
+    """The draw is the first token whose cumulative mass exceeds u * total; a uniform
+    whose product rounds up to the total still lands on a token with mass (u = 1
+    forces that branch); malformed rows are refused instead of drawn from."""
+    probs = torch.tensor([[0.0, 0.3, 0.0, 0.7, 0.0, 0.0]], dtype=torch.float64)
+    for u, expected in ((0.0, 1), (0.29, 1), (0.31, 3), (1.0 - 2.0**-53, 3), (1.0, 3)):
+        monkeypatch.setattr(torch, "rand", lambda *a, u=u, **k: torch.full((1, 1), u, dtype=torch.float64))
+        assert int(sample(probs, torch.Generator())[0]) == expected, u
+    monkeypatch.undo()
+    for bad in ([[0.0, 0.0]], [[float("nan"), 1.0]], [[-0.1, 1.1]], [[float("inf"), 1.0]]):
+        with pytest.raises(ValueError, match="non-negative"):
+            sample(torch.tensor(bad))
+
+
 def _windows_reference(tokens: list[int], ends: list[int], window: int) -> list[list[int]]:
     out = []
     for e in ends:

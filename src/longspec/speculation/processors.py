@@ -299,9 +299,26 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One draw per row of ``probs`` [N, V]. Returns [N] int64."""
+    """One draw per row of ``probs`` [N, V] (non-negative, any positive total).
+    Returns [N] int64.
+
+    Inverse transform sampling: one uniform u per row (float64, from `generator`),
+    the first token whose cumulative mass exceeds u times the row's total. Exact up to
+    float64 rounding, and a token of zero mass is never drawn (its interval is empty).
+    `torch.multinomial` spends ~5 ms on one draw over a 262k vocabulary on this
+    project's CPUs — a sixth of a decoding step — where the cumulative sum costs ~0.3."""
     if probs.dim() != 2:
         raise ValueError(f"probs must be 2-D [N, V], got shape {tuple(probs.shape)}")
-    if probs.dtype not in (torch.float32, torch.float64):
-        probs = probs.float()
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+    total = cdf[:, -1:]
+    if not bool(((total > 0) & torch.isfinite(total)).all()) or bool((probs < 0).any()):
+        raise ValueError("probs rows must be finite and non-negative with a positive total")
+    draw_device = generator.device if generator is not None else probs.device
+    u = torch.rand((probs.shape[0], 1), generator=generator, dtype=torch.float64, device=draw_device)
+    tokens = torch.searchsorted(cdf, u.to(probs.device) * total, right=True)
+    # u * total can round up to the total itself: that draw belongs to the last token with mass.
+    overflow = tokens >= probs.shape[1]
+    if bool(overflow.any()):
+        last_with_mass = probs.shape[1] - 1 - (probs.flip(-1) > 0).to(torch.int8).argmax(dim=-1, keepdim=True)
+        tokens = torch.where(overflow, last_with_mass, tokens)
+    return tokens.squeeze(-1)

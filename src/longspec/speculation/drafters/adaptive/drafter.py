@@ -6,7 +6,9 @@ Each round:
 1. It asks its components for trees — the cheap ones (prompt lookup, n-gram reuse:
    microseconds) every round; an expensive one (the LongSpec draft: a fair part of a
    target forward) only while the tokens only it contributes are worth its
-   measured time, re-checked every `probe_every` rounds when it sits out.
+   measured time, re-checked by a probe call after `probe_every` rounds out; each
+   probe that does not pay doubles the wait (up to `_MAX_BACKOFF` times), so a
+   drafter that does not fit the text costs ever less.
 2. It merges the trees (equal paths become one node) and estimates each node's
    probability of acceptance as a path product of per-(drafter, depth, sibling
    rank) acceptance rates learned online (Beta(1, 1) prior; siblings' conditional
@@ -15,8 +17,8 @@ Each round:
    tokens per second against the measured cost of a forward of k + 1 tokens
    (`ThroughputPolicy`, the default) or UCB over node budgets (`UCBPolicy`).
    k = 0 — plain decoding — is always a candidate, so speculation switches itself
-   off where it does not pay (with a one-node probe every `probe_every` rounds, so
-   it can switch back on).
+   off where it does not pay (with a one-node probe after `probe_every` rounds off,
+   the wait doubling while speculation stays off, so it can switch back on).
 
 Lossless by construction: the result is an ordinary tree of deterministic
 candidates, verified by the engine's rules (DESIGN.md §5). Components whose
@@ -29,6 +31,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from longspec.runtime.device import HOST
@@ -43,6 +46,10 @@ _EMA = 0.2  # weight of the newest round in moving averages
 # it is called only while what it alone contributes pays for its time.
 _CHEAP_SHARE = 0.05
 _COST_CONTEXTS = (512, 1024, 2048, 4096, 8192, 16384, 32768)  # cost-model buckets
+# Probes that do not pay double the wait before the next one, up to this many times
+# `probe_every` rounds: a probe of a costly drafter or of a speculative node is a
+# loss whenever it shows nothing new.
+_MAX_BACKOFF = 8
 
 
 class AcceptanceTable:
@@ -54,32 +61,43 @@ class AcceptanceTable:
     rate above it — not from 1/2, and not from the pooled rate, which depth 1 (the
     hardest token, right after a bonus) dominates. That is what lets the deep nodes of
     a good drafter be proposed, and so measured. Depths and ranks beyond the table
-    share its last cell."""
+    share its last cell.
+
+    Counts live in NumPy and the shrunk rates are recomputed for every cell at once
+    when a count changed, so a round's lookups cost microseconds, not a tensor
+    operation per node and depth."""
 
     PRIOR_WEIGHT = 2.0  # pseudo-observations of the prior rate in every cell
 
     def __init__(self, drafters: int, max_depth: int = 8, max_rank: int = 4) -> None:
-        self.accepted = torch.zeros((drafters, max_depth, max_rank, 2), dtype=torch.float64, device=HOST)
-        self.proposed = torch.zeros_like(self.accepted)
+        self.accepted = np.zeros((drafters, max_depth, max_rank, 2), dtype=np.float64)
+        self.proposed = np.zeros_like(self.accepted)
+        self._rates: np.ndarray | None = None  # shrunk rates per cell; None once a count changed
 
     def _cell(self, source: Source, agreed: bool) -> tuple[int, int, int, int]:
         D, R = self.accepted.shape[1:3]
         return source.drafter, min(source.depth, D) - 1, min(source.rank, R - 1), int(agreed)
 
+    def rates(self) -> np.ndarray:
+        """[drafters, depth, rank, agreed] shrunk acceptance rates."""
+        if self._rates is None:
+            m = self.PRIOR_WEIGHT
+            rate = (self.accepted.sum(axis=1) + 1.0) / (self.proposed.sum(axis=1) + 2.0)  # pooled over depths
+            rates = np.empty_like(self.accepted)
+            for d in range(self.accepted.shape[1]):  # each depth shrunk toward the one above it
+                rate = (self.accepted[:, d] + m * rate) / (self.proposed[:, d] + m)
+                rates[:, d] = rate
+            self._rates = rates
+        return self._rates
+
     def rate(self, source: Source, agreed: bool = False) -> float:
-        drafter, depth, rank, agree = self._cell(source, agreed)
-        accepted = self.accepted[drafter, :, rank, agree]
-        proposed = self.proposed[drafter, :, rank, agree]
-        rate = float((accepted.sum() + 1.0) / (proposed.sum() + 2.0))  # pooled over depths
-        m = self.PRIOR_WEIGHT
-        for d in range(depth + 1):  # each depth shrunk toward the one above it
-            rate = float((accepted[d] + m * rate) / (proposed[d] + m))
-        return rate
+        return float(self.rates()[self._cell(source, agreed)])
 
     def record(self, source: Source, accepted: bool, agreed: bool = False) -> None:
         cell = self._cell(source, agreed)
         self.proposed[cell] += 1.0
         self.accepted[cell] += float(accepted)
+        self._rates = None
 
 
 @dataclass
@@ -90,6 +108,7 @@ class _Component:
     exclusive_gain: float | None = None  # moving average of accepted tokens only it proposed, per call
     calls: int = 0
     rounds_out: int = 0  # consecutive rounds it sat out
+    probe_wait: int = 0  # rounds out before the next probe call (set by the controller)
     credited: int = 0  # accepted tokens it proposed (shared credit counts for each proposer)
 
 
@@ -176,7 +195,9 @@ class AdaptiveDrafter:
         self.telemetry_state = ControllerTelemetry(unavailable=self.telemetry_state.unavailable)
         for component in self.components:
             component.calls = component.credited = 0
+            component.probe_wait = self.probe_every
         self._rounds_since_speculation = 0
+        self._speculation_probe_wait = self.probe_every
 
     def propose(self, context: DraftContext) -> Tree:
         start = time.perf_counter()
@@ -185,9 +206,13 @@ class AdaptiveDrafter:
         trees: list[tuple[int, Tree]] = []
         called = []
         for index, component in enumerate(self.components):
-            if budget <= 0 or not self._worth_calling(component):
+            pays = self._pays(component)
+            if budget <= 0 or not (pays or component.rounds_out + 1 >= component.probe_wait):
                 component.rounds_out += 1
                 continue
+            # A call that pays resets the wait; a probe that was due doubles it.
+            component.probe_wait = self.probe_every if pays else min(
+                2 * component.probe_wait, _MAX_BACKOFF * self.probe_every)
             t0 = time.perf_counter()
             tree = component.drafter.propose(context)
             elapsed = time.perf_counter() - t0
@@ -204,8 +229,11 @@ class AdaptiveDrafter:
         ranked = torch.tensor([expected[n] for n in order], dtype=torch.float64, device=HOST)
         drafted_s = time.perf_counter() - start
         k = self.policy.choose(ranked, lambda k: drafted_s + self._verify_seconds(k))
-        if k == 0 and order and self._rounds_since_speculation + 1 >= self.probe_every:
-            k = 1  # probe: one node costs almost nothing and keeps the estimates fresh
+        if k:
+            self._speculation_probe_wait = self.probe_every
+        elif order and self._rounds_since_speculation + 1 >= self._speculation_probe_wait:
+            k = 1  # probe: one node costs little and keeps the estimates fresh
+            self._speculation_probe_wait = min(2 * self._speculation_probe_wait, _MAX_BACKOFF * self.probe_every)
         tree, kept = subtree(merged.tree, order[:k])
         self._round = {"start": start, "merged": merged, "kept": kept, "called": called, "k": k,
                        "predicted": float(ranked[:k].sum()), "measured_forward_s": self.forward_cost.seconds_for(self._rows * (k + 1)),
@@ -226,8 +254,9 @@ class AdaptiveDrafter:
         agreement = _agreement(merged)
         on_path = set(accepted_nodes) | {0}
         exclusive = {index: 0 for index in round_["called"]}
+        parents = merged.tree.parents.tolist()
         for node in kept[1:]:
-            if int(merged.tree.parents[node]) not in on_path:
+            if parents[node] not in on_path:
                 continue  # its parent was rejected: this node was never tested
             accepted = node in on_path
             for source in merged.sources[node]:
@@ -281,13 +310,13 @@ class AdaptiveDrafter:
     def _verify_seconds(self, k: int) -> float:
         return self._time_scale * self._measured_seconds(k)
 
-    def _worth_calling(self, component: _Component) -> bool:
+    def _pays(self, component: _Component) -> bool:
         """Cheap components always; an expensive one while the tokens only it adds
-        (per call) are worth its time at the current rate, or when a probe is due."""
+        (per call) are worth its time at the current rate (or before it was measured)."""
         ar_seconds = self._verify_seconds(0)
         if component.seconds is None or component.seconds <= _CHEAP_SHARE * ar_seconds:
             return True
-        if component.rounds_out + 1 >= self.probe_every or component.exclusive_gain is None:
+        if component.exclusive_gain is None:
             return True
         seconds_per_token = ar_seconds / max(1.0, self._recent_tokens_per_round())
         return component.exclusive_gain * seconds_per_token > component.seconds
@@ -301,20 +330,22 @@ class AdaptiveDrafter:
         node proposed by several drafters takes the best of their rates."""
         tree = merged.tree
         agreement = _agreement(merged)
-        conditional = [1.0] + [max(self.table.rate(s, agreement[n]) for s in merged.sources[n])
+        rates, cell = self.table.rates(), self.table._cell
+        conditional = [1.0] + [max(float(rates[cell(s, agreement[n])]) for s in merged.sources[n])
                                for n in range(1, tree.size)]
         # One child at most is accepted: siblings' conditionals sum to at most 1.
+        parents = tree.parents.tolist()
         by_parent: dict[int, list[int]] = {}
         for node in range(1, tree.size):
-            by_parent.setdefault(int(tree.parents[node]), []).append(node)
+            by_parent.setdefault(parents[node], []).append(node)
         for children in by_parent.values():
             total = sum(conditional[c] for c in children)
             if total > 1.0:
                 for c in children:
                     conditional[c] /= total
         probability = [1.0] * tree.size
-        for node in range(1, tree.size):  # parents precede children
-            probability[node] = probability[int(tree.parents[node])] * conditional[node]
+        for node, parent in enumerate(parents[1:], start=1):  # parents precede children
+            probability[node] = probability[parent] * conditional[node]
         return probability
 
 
@@ -323,9 +354,10 @@ def _agreement(merged: MergedTree) -> list[bool]:
     the drafters that proposed it (the tail of a chain two drafters began together)."""
     tree, sources = merged.tree, merged.sources
     agreed = [False] * tree.size
+    parents = tree.parents.tolist()
     for node in range(1, tree.size):
         drafters = {s.drafter for s in sources[node]}
-        parent = int(tree.parents[node])
+        parent = parents[node]
         agreed[node] = len(drafters) > 1 or (agreed[parent] and bool(drafters & {s.drafter for s in sources[parent]}))
     return agreed
 
@@ -334,9 +366,10 @@ def _accepted_path(tree: Tree, kept: list[int], committed: torch.Tensor) -> list
     """Merged-tree nodes (among `kept`) on the accepted path: the committed tokens
     but the last (the bonus) walked down from the root."""
     kept_set = set(kept)
+    parents, tokens = tree.parents.tolist(), tree.tokens.tolist()
     children: dict[int, dict[int, int]] = {}
     for node in kept[1:]:
-        children.setdefault(int(tree.parents[node]), {}).setdefault(int(tree.tokens[node]), node)
+        children.setdefault(parents[node], {}).setdefault(tokens[node], node)
     path, node = [], 0
     for token in committed.tolist()[:-1]:
         node = children.get(node, {}).get(int(token))

@@ -64,5 +64,6 @@ def subtree(tree: Tree, keep: Sequence[int]) -> tuple[Tree, list[int]]:
     first, parents before children). Returns it and the kept original indices."""
     keep = sorted(set(keep) | {0})
     position = {node: i for i, node in enumerate(keep)}
-    parents = [-1] + [position[int(tree.parents[node])] for node in keep[1:]]
+    all_parents = tree.parents.tolist()
+    parents = [-1] + [position[all_parents[node]] for node in keep[1:]]
     return Tree(tree.tokens[keep], torch.tensor(parents, dtype=torch.long, device=HOST), tree.depths[keep]), keep

@@ -25,6 +25,7 @@ from longspec.runtime.model import Decoder
 from longspec.speculation.drafters.base import DraftContext
 from longspec.speculation.drafters.longspec.config import DraftMismatchError
 from longspec.speculation.drafters.vocab_map import VocabMap
+from longspec.speculation.processors import sample
 from longspec.speculation.tree import Tree
 
 # Room the cache leaves beyond the prompt before it has to grow (tokens).
@@ -133,7 +134,7 @@ class DraftModelDrafter:
             candidates = self.vocab.hide_other(logits) if self.vocab is not None else logits
             if self.sample:
                 q = torch.softmax(candidates.double() / self.temperature, dim=-1)
-                token = int(torch.multinomial(q, 1, generator=self.generator if self.generator is not None else context.generator))
+                token = int(sample(q.unsqueeze(0), self.generator if self.generator is not None else context.generator)[0])
                 rows.append(q)
             else:
                 token = int(torch.argmax(candidates))

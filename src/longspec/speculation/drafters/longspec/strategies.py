@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from longspec.speculation.processors import sample
+
 Expand = Callable[["Proposal", list[int]], torch.Tensor]
 
 
@@ -77,7 +79,7 @@ class SampledChainStrategy:
         for depth in range(steps):
             q = torch.softmax(logprobs.double() / self.temperature, dim=-1)
             proposal.probs.append(q)
-            token = int(torch.multinomial(q, 1, generator=generator))
+            token = int(sample(q.unsqueeze(0), generator)[0])
             node = proposal.add(token, node)
             if depth + 1 < steps:
                 logprobs = expand(proposal, [node])[0]
