@@ -170,6 +170,26 @@ def test_unmeasured_deep_nodes_start_from_the_deepest_measured_rate_above_them()
     assert rate[5] > pooled + 0.1
 
 
+def test_optimistic_rates_keep_an_unlucky_depth_in_play_and_fade_with_evidence():
+    """Three rejections at depth 6 of a chain accepted ~95% of the time above it must
+    not bury depth 6 for good: trees are chosen with mean + one posterior deviation,
+    which stays above the mean while the cell is thin and converges to it."""
+    table = AcceptanceTable(drafters=1)
+    chain = Source(drafter=0, depth=1, rank=0)
+    for depth in range(1, 6):
+        for i in range(20):
+            table.record(Source(0, depth, 0), accepted=i != 0)
+    for _ in range(3):
+        table.record(Source(0, 6, 0), accepted=False)
+    mean, optimistic = table.rates()[0, :, 0, 0], table.rates(optimistic=True)[0, :, 0, 0]
+    assert mean[5] < 0.5 and optimistic[5] > mean[5] + 0.15
+    assert (optimistic <= 1.0).all() and (optimistic >= mean).all()
+    for _ in range(400):  # much evidence: the bonus fades
+        table.record(Source(0, 6, 0), accepted=False)
+    assert table.rates(optimistic=True)[0, 5, 0, 0] - table.rates()[0, 5, 0, 0] < 0.01
+    assert table.rate(chain) == pytest.approx(table.rates()[0, 0, 0, 0])
+
+
 def test_expensive_trees_are_cut_to_the_knee():
     """With verification cost growing fast in k, the optimum is a short tree even for an oracle."""
     model, _ = diverse_model("qwen2")

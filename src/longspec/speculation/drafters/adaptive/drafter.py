@@ -63,32 +63,44 @@ class AcceptanceTable:
     a good drafter be proposed, and so measured. Depths and ranks beyond the table
     share its last cell.
 
+    Trees are chosen with optimistic rates — the posterior mean plus `OPTIMISM`
+    posterior standard deviations — so that a cell that a few unlucky rounds pushed
+    down (three rejections at depth 6 of a chain that is otherwise accepted 9 times in
+    10) is still proposed now and then and can recover; with the plain mean such a
+    depth is never verified again and the controller settles on trees shorter than a
+    fixed chain. The bonus fades as the cell is measured; predictions (telemetry,
+    calibration) use the mean.
+
     Counts live in NumPy and the shrunk rates are recomputed for every cell at once
     when a count changed, so a round's lookups cost microseconds, not a tensor
     operation per node and depth."""
 
     PRIOR_WEIGHT = 2.0  # pseudo-observations of the prior rate in every cell
+    OPTIMISM = 1.0  # posterior standard deviations added when choosing trees
 
     def __init__(self, drafters: int, max_depth: int = 8, max_rank: int = 4) -> None:
         self.accepted = np.zeros((drafters, max_depth, max_rank, 2), dtype=np.float64)
         self.proposed = np.zeros_like(self.accepted)
-        self._rates: np.ndarray | None = None  # shrunk rates per cell; None once a count changed
+        self._rates: tuple[np.ndarray, np.ndarray] | None = None  # (mean, optimistic); None once a count changed
 
     def _cell(self, source: Source, agreed: bool) -> tuple[int, int, int, int]:
         D, R = self.accepted.shape[1:3]
         return source.drafter, min(source.depth, D) - 1, min(source.rank, R - 1), int(agreed)
 
-    def rates(self) -> np.ndarray:
-        """[drafters, depth, rank, agreed] shrunk acceptance rates."""
+    def rates(self, optimistic: bool = False) -> np.ndarray:
+        """[drafters, depth, rank, agreed] shrunk acceptance rates (posterior means),
+        or the optimistic rates trees are chosen with."""
         if self._rates is None:
             m = self.PRIOR_WEIGHT
             rate = (self.accepted.sum(axis=1) + 1.0) / (self.proposed.sum(axis=1) + 2.0)  # pooled over depths
-            rates = np.empty_like(self.accepted)
+            mean = np.empty_like(self.accepted)
             for d in range(self.accepted.shape[1]):  # each depth shrunk toward the one above it
                 rate = (self.accepted[:, d] + m * rate) / (self.proposed[:, d] + m)
-                rates[:, d] = rate
-            self._rates = rates
-        return self._rates
+                mean[:, d] = rate
+            # The cell's Beta posterior has proposed + m observations (prior included).
+            deviation = np.sqrt(mean * (1.0 - mean) / (self.proposed + m + 1.0))
+            self._rates = (mean, np.minimum(mean + self.OPTIMISM * deviation, 1.0))
+        return self._rates[int(optimistic)]
 
     def rate(self, source: Source, agreed: bool = False) -> float:
         return float(self.rates()[self._cell(source, agreed)])
@@ -223,10 +235,11 @@ class AdaptiveDrafter:
             trees.append((index, tree))
         merged = merge_trees(context.root, trees)
         expected = self._acceptance(merged)
+        optimistic = self._acceptance(merged, optimistic=True)
         # Path products never grow along a path, so any prefix of this ranking
         # (ties broken by index: parents precede children) is a tree.
-        order = sorted(range(1, merged.tree.size), key=lambda n: (-expected[n], n))[:budget]
-        ranked = torch.tensor([expected[n] for n in order], dtype=torch.float64, device=HOST)
+        order = sorted(range(1, merged.tree.size), key=lambda n: (-optimistic[n], n))[:budget]
+        ranked = torch.tensor([optimistic[n] for n in order], dtype=torch.float64, device=HOST)
         drafted_s = time.perf_counter() - start
         k = self.policy.choose(ranked, lambda k: drafted_s + self._verify_seconds(k))
         if k:
@@ -236,7 +249,7 @@ class AdaptiveDrafter:
             self._speculation_probe_wait = min(2 * self._speculation_probe_wait, _MAX_BACKOFF * self.probe_every)
         tree, kept = subtree(merged.tree, order[:k])
         self._round = {"start": start, "merged": merged, "kept": kept, "called": called, "k": k,
-                       "predicted": float(ranked[:k].sum()), "measured_forward_s": self.forward_cost.seconds_for(self._rows * (k + 1)),
+                       "predicted": sum(expected[n] for n in order[:k]), "measured_forward_s": self.forward_cost.seconds_for(self._rows * (k + 1)),
                        "drafted_s": drafted_s}
         return tree
 
@@ -325,12 +338,13 @@ class AdaptiveDrafter:
         t = self.telemetry_state
         return 1.0 + t.realised_accepted / t.rounds if t.rounds else 1.0
 
-    def _acceptance(self, merged: MergedTree) -> list[float]:
-        """P(node accepted) per merged node: path products of conditional rates; a
-        node proposed by several drafters takes the best of their rates."""
+    def _acceptance(self, merged: MergedTree, optimistic: bool = False) -> list[float]:
+        """P(node accepted) per merged node: path products of conditional rates (the
+        table's means, or its optimistic rates); a node proposed by several drafters
+        takes the best of their rates."""
         tree = merged.tree
         agreement = _agreement(merged)
-        rates, cell = self.table.rates(), self.table._cell
+        rates, cell = self.table.rates(optimistic), self.table._cell
         conditional = [1.0] + [max(float(rates[cell(s, agreement[n])]) for s in merged.sources[n])
                                for n in range(1, tree.size)]
         # One child at most is accepted: siblings' conditionals sum to at most 1.
