@@ -228,6 +228,8 @@ class BenchRunner:
             row |= {"tau": s["tau"], "target_forwards": s["target_forwards"],
                     "acceptance_by_depth": s["acceptance_by_depth"], "proposed_by_depth": s["proposed_by_depth"],
                     "draft_s": s["draft_s"], "verify_s": s["verify_s"], "bookkeeping_s": s["bookkeeping_s"]}
+            if s.get("controller"):  # auto's account: rounds off, nodes, predicted vs realised acceptance
+                row["controller"] = s["controller"]
         if setting.greedy:
             row["check_ar"] = self._check(prompt, tokens, refs.ar)
             row["check_hf"] = self._check(prompt, tokens, refs.hf)

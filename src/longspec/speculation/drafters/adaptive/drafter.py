@@ -5,10 +5,11 @@ Each round:
 
 1. It asks its components for trees — the cheap ones (prompt lookup, n-gram reuse:
    microseconds) every round; an expensive one (the LongSpec draft: a fair part of a
-   target forward) only while the tokens only it contributes are worth its
-   measured time, re-checked by a probe call after `probe_every` rounds out; each
-   probe that does not pay doubles the wait (up to `_MAX_BACKOFF` times), so a
-   drafter that does not fit the text costs ever less.
+   target forward) only in rounds where the cheap ones found nothing, and there only
+   while the tokens only it contributes are worth its measured time, re-checked by
+   a probe call after `probe_every` rounds out; each probe that does not pay doubles
+   the wait (up to `_MAX_BACKOFF` times), so a drafter that does not fit the text
+   costs ever less.
 2. It merges the trees (equal paths become one node) and estimates each node's
    probability of acceptance as a path product of per-(drafter, depth, sibling
    rank) acceptance rates learned online (Beta(1, 1) prior; siblings' conditional
@@ -217,9 +218,14 @@ class AdaptiveDrafter:
         self._rows = max(int(context.rows_in_forward), 1)
         trees: list[tuple[int, Tree]] = []
         called = []
-        for index, component in enumerate(self.components):
+        cheap_nodes = 0  # speculative nodes the cheap components proposed this round
+        # Cheap (and not yet measured) components first; an expensive one only in a round
+        # where they found nothing: where lookups hit, what it adds rarely pays its time.
+        for index in sorted(range(len(self.components)), key=lambda i: self._expensive(self.components[i])):
+            component = self.components[index]
+            expensive = self._expensive(component)
             pays = self._pays(component)
-            if budget <= 0 or not (pays or component.rounds_out + 1 >= component.probe_wait):
+            if budget <= 0 or (expensive and cheap_nodes) or not (pays or component.rounds_out + 1 >= component.probe_wait):
                 component.rounds_out += 1
                 continue
             # A call that pays resets the wait; a probe that was due doubles it.
@@ -233,6 +239,8 @@ class AdaptiveDrafter:
             component.rounds_out = 0
             called.append(index)
             trees.append((index, tree))
+            if not expensive:
+                cheap_nodes += tree.size - 1
         merged = merge_trees(context.root, trees)
         expected = self._acceptance(merged)
         optimistic = self._acceptance(merged, optimistic=True)
@@ -323,14 +331,16 @@ class AdaptiveDrafter:
     def _verify_seconds(self, k: int) -> float:
         return self._time_scale * self._measured_seconds(k)
 
+    def _expensive(self, component: _Component) -> bool:
+        """Measured to cost more than a small share of a plain decoding round."""
+        return component.seconds is not None and component.seconds > _CHEAP_SHARE * self._verify_seconds(0)
+
     def _pays(self, component: _Component) -> bool:
         """Cheap components always; an expensive one while the tokens only it adds
         (per call) are worth its time at the current rate (or before it was measured)."""
+        if not self._expensive(component) or component.exclusive_gain is None:
+            return True
         ar_seconds = self._verify_seconds(0)
-        if component.seconds is None or component.seconds <= _CHEAP_SHARE * ar_seconds:
-            return True
-        if component.exclusive_gain is None:
-            return True
         seconds_per_token = ar_seconds / max(1.0, self._recent_tokens_per_round())
         return component.exclusive_gain * seconds_per_token > component.seconds
 

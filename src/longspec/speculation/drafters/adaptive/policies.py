@@ -35,8 +35,8 @@ class TreePolicy(Protocol):
 
 class ThroughputPolicy:
     def choose(self, expected: torch.Tensor, seconds: Callable[[int], float]) -> int:
-        gains = torch.cat([torch.zeros(1, dtype=torch.float64, device=expected.device), expected.to(torch.float64).cumsum(0)]) + 1.0
-        rates = [float(gains[k]) / seconds(k) for k in range(expected.numel() + 1)]
+        gains = [1.0, *(expected.to(torch.float64).cumsum(0) + 1.0).tolist()]
+        rates = [gains[k] / seconds(k) for k in range(len(gains))]
         return max(range(len(rates)), key=lambda k: (rates[k], -k))
 
     def update(self, k: int, committed: int, seconds: float, ar_seconds: float) -> None:
