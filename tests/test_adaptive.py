@@ -190,6 +190,42 @@ def test_optimistic_rates_keep_an_unlucky_depth_in_play_and_fade_with_evidence()
     assert table.rate(chain) == pytest.approx(table.rates()[0, 0, 0, 0])
 
 
+class CountingModelDrafter(ReferenceChain):
+    """Declares it runs a draft network; counts its calls."""
+
+    runs_model = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = 0
+
+    def propose(self, context: DraftContext) -> Tree:
+        self.calls += 1
+        return super().propose(context)
+
+
+class Silent(ReferenceChain):
+    def propose(self, context: DraftContext) -> Tree:
+        return Tree.chain(context.root, [])
+
+
+def test_a_drafter_that_runs_a_model_is_asked_only_where_the_lookups_found_nothing():
+    model, _ = diverse_model("qwen2")
+    prompt = random_ids(20, seed=6)[0]
+    reference = run(model, prompt, max_new_tokens=120)
+    costly = CountingModelDrafter(reference, prompt.numel())
+    drafter = AdaptiveDrafter([("lookup", ReferenceChain(reference, prompt.numel())), ("model", costly)],
+                              forward_cost=cheap_trees_cost())
+    assert torch.equal(run(model, prompt, drafter, max_new_tokens=120), reference)
+    assert costly.calls == 0  # the cheap oracle proposes every round
+    costly = CountingModelDrafter(reference, prompt.numel())
+    drafter = AdaptiveDrafter([("lookup", Silent(reference, prompt.numel())), ("model", costly)],
+                              forward_cost=cheap_trees_cost())
+    stats = GenerationStats()
+    assert torch.equal(run(model, prompt, drafter, max_new_tokens=120, stats=stats), reference)
+    assert costly.calls > 0 and stats.controller["credited_tokens"]["model"] > 0
+
+
 def test_expensive_trees_are_cut_to_the_knee():
     """With verification cost growing fast in k, the optimum is a short tree even for an oracle."""
     model, _ = diverse_model("qwen2")

@@ -8,7 +8,10 @@ that weights that do not fit the target fail first, naming the mismatch; and
 ``state_nbytes() -> int``, the bytes of their per-sequence state (caches, rings,
 indexes; not weights), which benchmarks report beside the target's cache; and
 ``prefill_hidden_rows`` (an int), how many of the prompt's last final hidden states
-the engine keeps from prefill for them (`TargetView.prefill_hidden`).
+the engine keeps from prefill for them (`TargetView.prefill_hidden`); and
+``runs_model = True`` when each proposal runs a neural network (a draft model), so
+that a controller composing drafters (`auto`) treats it as costly before it has
+measured it.
 """
 
 from __future__ import annotations

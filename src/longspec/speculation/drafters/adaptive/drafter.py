@@ -44,8 +44,10 @@ from longspec.speculation.tree import Tree
 
 _EMA = 0.2  # weight of the newest round in moving averages
 # A component costing more than this share of a plain decoding round is "expensive":
-# it is called only while what it alone contributes pays for its time.
-_CHEAP_SHARE = 0.05
+# it is called only in rounds where the cheap ones found nothing, and only while what
+# it alone contributes pays for its time. Lookups cost 1-5% of a round here (their
+# timing noise must not flip them), a draft network's proposal 100% or more.
+_CHEAP_SHARE = 0.2
 _COST_CONTEXTS = (512, 1024, 2048, 4096, 8192, 16384, 32768)  # cost-model buckets
 # Probes that do not pay double the wait before the next one, up to this many times
 # `probe_every` rounds: a probe of a costly drafter or of a speculative node is a
@@ -332,8 +334,11 @@ class AdaptiveDrafter:
         return self._time_scale * self._measured_seconds(k)
 
     def _expensive(self, component: _Component) -> bool:
-        """Measured to cost more than a small share of a plain decoding round."""
-        return component.seconds is not None and component.seconds > _CHEAP_SHARE * self._verify_seconds(0)
+        """Measured to cost more than a small share of a plain decoding round; before
+        it was measured, whether it runs a draft network (`runs_model`)."""
+        if component.seconds is None:
+            return bool(getattr(component.drafter, "runs_model", False))
+        return component.seconds > _CHEAP_SHARE * self._verify_seconds(0)
 
     def _pays(self, component: _Component) -> bool:
         """Cheap components always; an expensive one while the tokens only it adds

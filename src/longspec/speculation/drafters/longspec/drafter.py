@@ -46,6 +46,8 @@ from longspec.speculation.tree import Tree
 
 
 class LongSpecDrafter:
+    runs_model = True  # each proposal runs the draft network (see drafters.base)
+
     def __init__(
         self,
         draft: DraftModel | str | Path,
