@@ -86,7 +86,8 @@ class AcceptanceTable:
         self.proposed = np.zeros_like(self.accepted)
         self._rates: tuple[np.ndarray, np.ndarray] | None = None  # (mean, optimistic); None once a count changed
 
-    def _cell(self, source: Source, agreed: bool) -> tuple[int, int, int, int]:
+    def cell(self, source: Source, agreed: bool) -> tuple[int, int, int, int]:
+        """Index of a proposed node's cell in the count and rate arrays."""
         D, R = self.accepted.shape[1:3]
         return source.drafter, min(source.depth, D) - 1, min(source.rank, R - 1), int(agreed)
 
@@ -106,10 +107,10 @@ class AcceptanceTable:
         return self._rates[int(optimistic)]
 
     def rate(self, source: Source, agreed: bool = False) -> float:
-        return float(self.rates()[self._cell(source, agreed)])
+        return float(self.rates()[self.cell(source, agreed)])
 
     def record(self, source: Source, accepted: bool, agreed: bool = False) -> None:
-        cell = self._cell(source, agreed)
+        cell = self.cell(source, agreed)
         self.proposed[cell] += 1.0
         self.accepted[cell] += float(accepted)
         self._rates = None
@@ -359,7 +360,7 @@ class AdaptiveDrafter:
         takes the best of their rates."""
         tree = merged.tree
         agreement = _agreement(merged)
-        rates, cell = self.table.rates(optimistic), self.table._cell
+        rates, cell = self.table.rates(optimistic), self.table.cell
         conditional = [1.0] + [max(float(rates[cell(s, agreement[n])]) for s in merged.sources[n])
                                for n in range(1, tree.size)]
         # One child at most is accepted: siblings' conditionals sum to at most 1.
