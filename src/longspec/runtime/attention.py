@@ -127,8 +127,9 @@ def fused_attention(q, k_prefix, v_prefix, prefix_mask, k_new, v_new, new_mask, 
 
 
 # Up to this many new tokens per row the native kernel beats PyTorch's flash kernel
-# (measured: 1.6-2.4x at 1 token, 0.9-1.0x at 2, slower beyond; BENCHMARKS.md).
-NATIVE_ATTENTION_MAX_QUERIES = 1
+# (per call: 1.6-2.4x at 1 token, 0.9-1.5x at 2, slower from 4; a whole 2-token
+# forward of Gemma 3 270M is ~10% cheaper through it at 4k-16k context; BENCHMARKS.md).
+NATIVE_ATTENTION_MAX_QUERIES = 2
 
 
 def native_attention_fits(q, k) -> bool:

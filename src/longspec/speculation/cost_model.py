@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from longspec.runtime.attention import NATIVE_ATTENTION_MAX_QUERIES
 from longspec.runtime.device import HOST, device_name, synchronize
 from longspec.runtime.machine import machine_identity
 from longspec.runtime.model import Decoder
@@ -89,7 +90,8 @@ def cost_key(model: Decoder, context: int, machine: dict) -> dict:
     return {
         "machine": machine, "device": device_name(model.device), "threads": torch.get_num_threads(), "torch": torch.__version__,
         "model": hashlib.sha256(config.encode()).hexdigest()[:16], "dtype": str(model.dtype), "context": context,
-        "kernels": kernels_identity() if model.native_kernels and model.device.type == "cpu" and model.dtype == torch.bfloat16 else "none",
+        "kernels": (f"{kernels_identity()}/attention<={NATIVE_ATTENTION_MAX_QUERIES}q"
+                    if model.native_kernels and model.device.type == "cpu" and model.dtype == torch.bfloat16 else "none"),
     }
 
 
