@@ -35,7 +35,7 @@ def main() -> None:
     rates: dict[tuple, dict[str, float]] = defaultdict(dict)
     controllers: dict[tuple, dict] = {}
     for row in load_rows(args.results):
-        key = (row["setting"], row["task"], row["bucket"], row.get("seed"))
+        key = (row["setting"], row["task"], row["bucket"], row.get("item", ""), row.get("seed"))
         rates[key][row["method"]] = row["decode_tokens_per_s"]
         if row["method"] == ADAPTIVE and row.get("controller"):
             controllers[key] = row["controller"]
@@ -43,10 +43,10 @@ def main() -> None:
     if not keys:
         raise SystemExit(f"no row of {args.results} has both {ADAPTIVE} and {BASELINE}")
     fixed = sorted({m for k in keys for m in rates[k]} - {ADAPTIVE})
-    print("| setting | task | context | " + " | ".join(f"{m} tok/s" for m in fixed)
+    print("| setting | task | context | item | " + " | ".join(f"{m} tok/s" for m in fixed)
           + " | auto tok/s | auto / best fixed (which) | auto / AR | speculation off | nodes/round |"
           + " predicted / realised accepted per round |")
-    print("|---" * (len(fixed) + 8) + "|")
+    print("|---" * (len(fixed) + 9) + "|")
     ratio_best, ratio_ar = [], []
     by_method: dict[str, list[float]] = defaultdict(list)
     calibration: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0.0])
@@ -68,7 +68,7 @@ def main() -> None:
         if c:
             calibration[(key[0], key[1])][0] += c["predicted_accepted_per_round"] * rounds
             calibration[(key[0], key[1])][1] += c["realised_accepted_per_round"] * rounds
-        print(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(f"{row[m]:.1f}" if m in row else "–" for m in fixed)
+        print(f"| {key[0]} | {key[1]} | {key[2]} | {str(key[3])[:8]} | " + " | ".join(f"{row[m]:.1f}" if m in row else "–" for m in fixed)
               + f" | {auto:.1f} | {auto / row[best]:.2f} ({best}) | {auto / row[BASELINE]:.2f} | {off} | {nodes} | {cal} |")
     print()
     print("| method | geometric mean × AR over all rows |")
