@@ -224,16 +224,15 @@ class AdaptiveDrafter:
         cheap_nodes = 0  # speculative nodes the cheap components proposed this round
         # Cheap (and not yet measured) components first; an expensive one only in a round
         # where they found nothing: where lookups hit, what it adds rarely pays its time.
-        for index in sorted(range(len(self.components)), key=lambda i: self._expensive(self.components[i])):
-            component = self.components[index]
-            expensive = self._expensive(component)
-            pays = self._pays(component)
+        expensive_flags = [self._expensive(c) for c in self.components]
+        for index in sorted(range(len(self.components)), key=expensive_flags.__getitem__):
+            component, expensive = self.components[index], expensive_flags[index]
+            pays = not expensive or self._pays(component)
             if budget <= 0 or (expensive and cheap_nodes) or not (pays or component.rounds_out + 1 >= component.probe_wait):
                 component.rounds_out += 1
                 continue
             # A call that pays resets the wait; a probe that was due doubles it.
-            component.probe_wait = self.probe_every if pays else min(
-                2 * component.probe_wait, _MAX_BACKOFF * self.probe_every)
+            component.probe_wait = self.probe_every if pays else self._backed_off(component.probe_wait)
             t0 = time.perf_counter()
             tree = component.drafter.propose(context)
             elapsed = time.perf_counter() - t0
@@ -245,8 +244,8 @@ class AdaptiveDrafter:
             if not expensive:
                 cheap_nodes += tree.size - 1
         merged = merge_trees(context.root, trees)
-        expected = self._acceptance(merged)
-        optimistic = self._acceptance(merged, optimistic=True)
+        agreement = _agreement(merged)
+        expected, optimistic = self._acceptance(merged, agreement)
         # Path products never grow along a path, so any prefix of this ranking
         # (ties broken by index: parents precede children) is a tree.
         order = sorted(range(1, merged.tree.size), key=lambda n: (-optimistic[n], n))[:budget]
@@ -257,9 +256,9 @@ class AdaptiveDrafter:
             self._speculation_probe_wait = self.probe_every
         elif order and self._rounds_since_speculation + 1 >= self._speculation_probe_wait:
             k = 1  # probe: one node costs little and keeps the estimates fresh
-            self._speculation_probe_wait = min(2 * self._speculation_probe_wait, _MAX_BACKOFF * self.probe_every)
+            self._speculation_probe_wait = self._backed_off(self._speculation_probe_wait)
         tree, kept = subtree(merged.tree, order[:k])
-        self._round = {"start": start, "merged": merged, "kept": kept, "called": called, "k": k,
+        self._round = {"start": start, "merged": merged, "agreement": agreement, "kept": kept, "called": called, "k": k,
                        "predicted": sum(expected[n] for n in order[:k]), "measured_forward_s": self.forward_cost.seconds_for(self._rows * (k + 1)),
                        "drafted_s": drafted_s}
         return tree
@@ -275,7 +274,7 @@ class AdaptiveDrafter:
         merged: MergedTree = round_["merged"]
         kept = round_["kept"]
         accepted_nodes = _accepted_path(merged.tree, kept, committed)
-        agreement = _agreement(merged)
+        agreement = round_["agreement"]
         on_path = set(accepted_nodes) | {0}
         exclusive = {index: 0 for index in round_["called"]}
         parents = merged.tree.parents.tolist()
@@ -334,6 +333,10 @@ class AdaptiveDrafter:
     def _verify_seconds(self, k: int) -> float:
         return self._time_scale * self._measured_seconds(k)
 
+    def _backed_off(self, wait: int) -> int:
+        """The wait after a probe that did not pay: twice as long, within the cap."""
+        return min(2 * wait, _MAX_BACKOFF * self.probe_every)
+
     def _expensive(self, component: _Component) -> bool:
         """Measured to cost more than a small share of a plain decoding round; before
         it was measured, whether it runs a draft network (`runs_model`)."""
@@ -342,9 +345,9 @@ class AdaptiveDrafter:
         return component.seconds > _CHEAP_SHARE * self._verify_seconds(0)
 
     def _pays(self, component: _Component) -> bool:
-        """Cheap components always; an expensive one while the tokens only it adds
-        (per call) are worth its time at the current rate (or before it was measured)."""
-        if not self._expensive(component) or component.exclusive_gain is None:
+        """An expensive component pays while the tokens only it adds (per call) are
+        worth its time at the current rate (and before its first call was observed)."""
+        if component.exclusive_gain is None:
             return True
         ar_seconds = self._verify_seconds(0)
         seconds_per_token = ar_seconds / max(1.0, self._recent_tokens_per_round())
@@ -354,29 +357,30 @@ class AdaptiveDrafter:
         t = self.telemetry_state
         return 1.0 + t.realised_accepted / t.rounds if t.rounds else 1.0
 
-    def _acceptance(self, merged: MergedTree, optimistic: bool = False) -> list[float]:
-        """P(node accepted) per merged node: path products of conditional rates (the
-        table's means, or its optimistic rates); a node proposed by several drafters
-        takes the best of their rates."""
-        tree = merged.tree
-        agreement = _agreement(merged)
-        rates, cell = self.table.rates(optimistic), self.table.cell
-        conditional = [1.0] + [max(float(rates[cell(s, agreement[n])]) for s in merged.sources[n])
-                               for n in range(1, tree.size)]
-        # One child at most is accepted: siblings' conditionals sum to at most 1.
+    def _acceptance(self, merged: MergedTree, agreement: list[bool]) -> tuple[list[float], list[float]]:
+        """P(node accepted) per merged node from the table's means and from its
+        optimistic rates: path products of conditional rates; a node proposed by
+        several drafters takes the best of their rates."""
+        tree, cell = merged.tree, self.table.cell
         parents = tree.parents.tolist()
         by_parent: dict[int, list[int]] = {}
         for node in range(1, tree.size):
             by_parent.setdefault(parents[node], []).append(node)
-        for children in by_parent.values():
-            total = sum(conditional[c] for c in children)
-            if total > 1.0:
-                for c in children:
-                    conditional[c] /= total
-        probability = [1.0] * tree.size
-        for node, parent in enumerate(parents[1:], start=1):  # parents precede children
-            probability[node] = probability[parent] * conditional[node]
-        return probability
+        cells = [[cell(s, agreement[n]) for s in merged.sources[n]] for n in range(tree.size)]
+        estimates = []
+        for rates in (self.table.rates(), self.table.rates(optimistic=True)):
+            conditional = [1.0] + [max(float(rates[c]) for c in cells[n]) for n in range(1, tree.size)]
+            # One child at most is accepted: siblings' conditionals sum to at most 1.
+            for children in by_parent.values():
+                total = sum(conditional[c] for c in children)
+                if total > 1.0:
+                    for c in children:
+                        conditional[c] /= total
+            probability = [1.0] * tree.size
+            for node, parent in enumerate(parents[1:], start=1):  # parents precede children
+                probability[node] = probability[parent] * conditional[node]
+            estimates.append(probability)
+        return estimates[0], estimates[1]
 
 
 def _agreement(merged: MergedTree) -> list[bool]:
