@@ -81,7 +81,7 @@ def test_packed_linear_sends_few_rows_to_the_kernel_and_many_to_onednn(monkeypat
 @pytest.mark.parametrize("rows, kv_heads, group, keys", [(1, 1, 4, 1), (1, 1, 4, 700), (2, 2, 2, 129), (3, 1, 16, 128), (2, 4, 1, 300)])
 @pytest.mark.parametrize("head_dim", [32, 256])
 @pytest.mark.parametrize("mask", ["none", "shared", "per_row"])
-@pytest.mark.parametrize("queries", [1, 3])
+@pytest.mark.parametrize("queries", [1, 3, 9, 17])
 def test_few_query_attention_is_within_one_ulp_of_the_exact_result(rows, kv_heads, group, keys, head_dim, mask, queries):
     generator = torch.Generator().manual_seed(rows * 7 + keys + head_dim + queries)
     q = torch.randn(rows, kv_heads * group, queries, head_dim, generator=generator).bfloat16()

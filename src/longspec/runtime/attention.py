@@ -13,9 +13,10 @@ computes the same thing the obvious way (concatenate, one masked softmax) and is
 the oracle in tests.
 
 `fused_attention` is the fast path of whatever device the tensors are on: on the
-CPU, the native few-query kernel for one bf16 query per row (`kernels/few_query_attention.cpp`)
-and PyTorch's flash kernel otherwise (`flash_attention`, also the whole CPU path when
-native kernels are off); on a GPU, the Triton tree kernel for a tree over an
+CPU, the native few-query kernel (`kernels/few_query_attention.cpp`) for up to
+`NATIVE_ATTENTION_MAX_QUERIES` bf16 queries per row (decode steps, trees) and PyTorch's
+flash kernel otherwise (`flash_attention`, also the whole CPU path when native kernels
+are off); on a GPU, the Triton tree kernel for a tree over an
 unmasked prefix (one pass, no merge) and `sdpa_attention` otherwise (PyTorch's
 scaled-dot-product kernels, which pick flash / memory-efficient / math per device).
 
@@ -127,9 +128,10 @@ def fused_attention(q, k_prefix, v_prefix, prefix_mask, k_new, v_new, new_mask, 
 
 
 # Up to this many new tokens per row the native kernel beats PyTorch's flash kernel
-# (per call: 1.6-2.4x at 1 token, 0.9-1.5x at 2, slower from 4; a whole 2-token
-# forward of Gemma 3 270M is ~10% cheaper through it at 4k-16k context; BENCHMARKS.md).
-NATIVE_ATTENTION_MAX_QUERIES = 2
+# (per call, Gemma 3 270M's heads, 1-8 rows over 512-16k keys: 1.4-3.1x at 1-17 tokens,
+# 1.09-1.58x at 65; at 129 flash wins over 512 keys; BENCHMARKS.md, "Few-query attention
+# at long context"). 65 = a 64-node verification tree and its root; prompt chunks go to flash.
+NATIVE_ATTENTION_MAX_QUERIES = 65
 
 
 def native_attention_fits(q, k) -> bool:
