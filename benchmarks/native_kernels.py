@@ -4,9 +4,9 @@ tokens (in bf16 a near-tie may round differently; exactness is proven in float32
 
     python benchmarks/native_kernels.py --tasks multi_news lcc --prompt-tokens 4096 --new-tokens 128
 
-The native kernels serve products of 1-4 rows and single-query attention, so plain
-decoding gains the most; a method whose verification forwards are wider keeps
-oneDNN there and gains in its drafting and in rounds of few nodes.
+The native kernels serve products of 1-3 rows and the attention of up to 65 new tokens
+per row, so plain decoding gains the most in its products; a method whose verification
+forwards are wider keeps oneDNN for their products and gains in their attention.
 """
 
 from __future__ import annotations

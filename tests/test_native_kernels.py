@@ -40,7 +40,7 @@ def bf16_ulp(values: torch.Tensor) -> torch.Tensor:
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3])
 @pytest.mark.parametrize("inner", [40, 64, 96, 640, 2048])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_products_are_within_one_ulp_of_the_exact_result(rows, inner, with_bias):
@@ -58,10 +58,10 @@ def test_products_are_within_one_ulp_of_the_exact_result(rows, inner, with_bias)
 @needs_kernel
 def test_a_row_gets_the_same_bits_alone_or_with_others():
     generator = torch.Generator().manual_seed(7)
-    x = torch.randn(4, 640, generator=generator).bfloat16()
+    x = torch.randn(KERNEL.max_rows, 640, generator=generator).bfloat16()
     weight = torch.randn(1000, 640, generator=generator).bfloat16()
     together = KERNEL(x, weight, None)
-    for row in range(4):
+    for row in range(KERNEL.max_rows):
         assert torch.equal(KERNEL(x[row : row + 1], weight, None), together[row : row + 1])
 
 

@@ -21,7 +21,9 @@
 namespace {
 
 constexpr int64_t kLanes = 32;         // bf16 values per 512-bit register
-constexpr int64_t kMaxRows = 4;  // rows of x per pass over the weight; past 4, oneDNN's blocked GEMM wins
+// Rows of x per pass over the weight. At 4 rows this loop streams the weight slower than oneDNN's
+// blocked GEMM (a whole 4-token Gemma 3 270M forward is 8-10% faster through oneDNN; BENCHMARKS.md).
+constexpr int64_t kMaxRows = 3;
 constexpr int64_t kRowsPerTask = 256;  // weight rows per parallel task (> 320 KB for K = 640)
 
 #define LONGSPEC_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512bf16")))
@@ -64,7 +66,6 @@ Kernel kernel_for(int64_t rows) {
     case 1: return rows_times_weight<1>;
     case 2: return rows_times_weight<2>;
     case 3: return rows_times_weight<3>;
-    case 4: return rows_times_weight<4>;
     default: return nullptr;
   }
 }
