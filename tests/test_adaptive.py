@@ -19,6 +19,7 @@ from longspec.speculation.drafters import NgramDrafter, PromptLookupDrafter
 from longspec.speculation.drafters.adaptive import AdaptiveDrafter, ThroughputPolicy, UCBPolicy, mamba_reward
 from longspec.speculation.drafters.adaptive.drafter import AcceptanceTable
 from longspec.speculation.drafters.adaptive.merge import Source
+from longspec.speculation.drafters.adaptive.unverified import UnverifiedNodes
 from longspec.speculation.drafters.base import DraftContext
 from longspec.speculation.drafters.longspec import BeamStrategy, LongSpecDrafter
 from longspec.speculation.engine import EngineOptions, SpeculativeEngine
@@ -188,6 +189,61 @@ def test_optimistic_rates_keep_an_unlucky_depth_in_play_and_fade_with_evidence()
         table.record(Source(0, 6, 0), accepted=False)
     assert table.rates(optimistic=True)[0, 5, 0, 0] - table.rates()[0, 5, 0, 0] < 0.01
     assert table.rate(chain) == pytest.approx(table.rates()[0, 0, 0, 0])
+
+
+def test_unverified_nodes_are_decided_by_the_tokens_committed_after_them():
+    """Nodes left out of the verified tree get their verdict from the continuation, as
+    verification would have given it: accepted iff their token is the committed one at
+    their depth, untested below a rejected parent, decided once the continuation is long
+    enough (over several rounds)."""
+    #        root
+    #       /    \
+    #     1:a    2:b
+    #     |       |
+    #     3:c    4:d
+    #     |
+    #     5:e
+    nodes = UnverifiedNodes(tokens=[0, 10, 11, 12, 13, 14], parents=[-1, 0, 0, 1, 2, 3], depths=[0, 1, 1, 2, 2, 3],
+                            pending=[2, 3, 4, 5])
+    assert nodes.resolve([10]) == [(2, False)]  # depth 1 known: b rejected; d is below it, never tested
+    assert nodes.pending == [3, 4, 5]
+    assert nodes.resolve([12, 99]) == [(3, True), (5, False)]  # a, c committed, then 99 where e was proposed
+    assert nodes.pending == []
+
+
+class Switching(ReferenceChain):
+    """Garbage for the first `garbage_rounds` calls, then the true continuation."""
+
+    def __init__(self, *args, garbage_rounds: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.garbage_rounds, self.calls = garbage_rounds, 0
+
+    def propose(self, context: DraftContext) -> Tree:
+        self.calls += 1
+        self.garbage = self.calls <= self.garbage_rounds
+        return super().propose(context)
+
+
+def test_speculation_switches_back_on_as_soon_as_the_proposals_match():
+    """After speculation was switched off, the rounds without verification still measure
+    the proposals against the committed tokens, so a drafter that turns good is
+    verified again within a few rounds (no probe, no forgetting needed), and the deep
+    nodes of the short trees verified meanwhile are measured too."""
+    model, _ = diverse_model("qwen2")
+    prompt = random_ids(20, seed=6)[0]
+    reference = run(model, prompt, max_new_tokens=300)
+    drafter = AdaptiveDrafter([("switching", Switching(reference, prompt.numel(), garbage_rounds=60))],
+                              forward_cost=cheap_trees_cost(0.1))
+    stats = GenerationStats()
+    assert torch.equal(run(model, prompt, drafter, max_new_tokens=300, stats=stats), reference)
+    telemetry = stats.controller
+    # 60 garbage rounds (one token each), then the oracle: ~240 tokens in rounds of up to 9.
+    off_after_switch = telemetry["speculation_off_rounds"] - 60
+    assert -60 < off_after_switch <= 5, telemetry
+    assert stats.tau > 2.5, stats.tau
+    # Every depth of the oracle's chains was measured, most of them without a verification.
+    proposed = drafter.table.proposed[0, :, 0].sum(axis=-1)
+    assert (proposed > 20).all(), proposed
 
 
 class CountingModelDrafter(ReferenceChain):

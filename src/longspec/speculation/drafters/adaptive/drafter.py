@@ -18,8 +18,12 @@ Each round:
    tokens per second against the measured cost of a forward of k + 1 tokens
    (`ThroughputPolicy`, the default) or UCB over node budgets (`UCBPolicy`).
    k = 0 — plain decoding — is always a candidate, so speculation switches itself
-   off where it does not pay (with a one-node probe after `probe_every` rounds off,
-   the wait doubling while speculation stays off, so it can switch back on).
+   off where it does not pay.
+4. Every proposed node is measured, verified or not: the nodes left out of the
+   verified tree (and all nodes of rounds with speculation off) get their verdict
+   from the tokens the sequence commits next (`unverified.py`), so the rates of
+   deep nodes stay measured while the controller verifies short trees, and
+   speculation switches back on as soon as the proposals start to match.
 
 Lossless by construction: the result is an ordinary tree of deterministic
 candidates, verified by the engine's rules (DESIGN.md §5). Components whose
@@ -39,6 +43,7 @@ from longspec.runtime.device import HOST
 from longspec.speculation.cost_model import ForwardCost, cached_forward_cost
 from longspec.speculation.drafters.adaptive.merge import MergedTree, Source, merge_trees, subtree
 from longspec.speculation.drafters.adaptive.policies import ThroughputPolicy, TreePolicy
+from longspec.speculation.drafters.adaptive.unverified import UnverifiedNodes
 from longspec.speculation.drafters.base import DraftContext, Drafter
 from longspec.speculation.tree import Tree
 
@@ -49,9 +54,9 @@ _EMA = 0.2  # weight of the newest round in moving averages
 # timing noise must not flip them), a draft network's proposal 100% or more.
 _CHEAP_SHARE = 0.2
 _COST_CONTEXTS = (512, 1024, 2048, 4096, 8192, 16384, 32768)  # cost-model buckets
-# Probes that do not pay double the wait before the next one, up to this many times
-# `probe_every` rounds: a probe of a costly drafter or of a speculative node is a
-# loss whenever it shows nothing new.
+# Probes of a costly drafter that do not pay double the wait before the next one, up
+# to this many times `probe_every` rounds: such a probe is a loss whenever it shows
+# nothing new.
 _MAX_BACKOFF = 8
 
 
@@ -212,8 +217,8 @@ class AdaptiveDrafter:
         for component in self.components:
             component.calls = component.credited = 0
             component.probe_wait = self.probe_every
-        self._rounds_since_speculation = 0
-        self._speculation_probe_wait = self.probe_every
+        # Rounds' unverified nodes waiting for the committed tokens that decide them.
+        self._unverified: list[tuple[UnverifiedNodes, list, list[bool]]] = []
 
     def propose(self, context: DraftContext) -> Tree:
         start = time.perf_counter()
@@ -252,11 +257,6 @@ class AdaptiveDrafter:
         ranked = torch.tensor([optimistic[n] for n in order], dtype=torch.float64, device=HOST)
         drafted_s = time.perf_counter() - start
         k = self.policy.choose(ranked, lambda k: drafted_s + self._verify_seconds(k))
-        if k:
-            self._speculation_probe_wait = self.probe_every
-        elif order and self._rounds_since_speculation + 1 >= self._speculation_probe_wait:
-            k = 1  # probe: one node costs little and keeps the estimates fresh
-            self._speculation_probe_wait = self._backed_off(self._speculation_probe_wait)
         tree, kept = subtree(merged.tree, order[:k])
         self._round = {"start": start, "merged": merged, "agreement": agreement, "kept": kept, "called": called, "k": k,
                        "predicted": sum(expected[n] for n in order[:k]), "measured_forward_s": self.forward_cost.seconds_for(self._rows * (k + 1)),
@@ -290,6 +290,7 @@ class AdaptiveDrafter:
                     self.components[index].credited += 1
                 if len(proposers) == 1:
                     exclusive[next(iter(proposers))] += 1
+        self._measure_unverified(merged, kept, agreement, committed.tolist())
         for index, gained in exclusive.items():
             component = self.components[index]
             previous = component.exclusive_gain
@@ -300,7 +301,6 @@ class AdaptiveDrafter:
         ratio = verify_s / max(round_["measured_forward_s"], 1e-9)
         self._time_scale = (1 - _EMA) * self._time_scale + _EMA * min(max(ratio, 0.25), 4.0)
         self.policy.update(round_["k"], int(committed.numel()), seconds, self._verify_seconds(0))
-        self._rounds_since_speculation = 0 if round_["k"] else self._rounds_since_speculation + 1
         t = self.telemetry_state
         t.rounds += 1
         t.speculation_off_rounds += round_["k"] == 0
@@ -318,6 +318,21 @@ class AdaptiveDrafter:
         return sum(c.drafter.state_nbytes() for c in self.components if hasattr(c.drafter, "state_nbytes"))
 
     # --------------------------------------------------------------- internals
+    def _measure_unverified(self, merged: MergedTree, kept: list[int], agreement: list[bool], committed: list[int]) -> None:
+        """Record the verdicts the committed tokens give on earlier rounds' unverified
+        nodes and on this round's (their first tokens are this round's)."""
+        kept_set = set(kept)
+        tree = merged.tree
+        left_out = [node for node in range(1, tree.size) if node not in kept_set]
+        if left_out:
+            nodes = UnverifiedNodes(tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist(), left_out)
+            self._unverified.append((nodes, merged.sources, agreement))
+        for nodes, sources, agreed in self._unverified:
+            for node, accepted in nodes.resolve(committed):
+                for source in sources[node]:
+                    self.table.record(source, accepted, agreed[node])
+        self._unverified = [entry for entry in self._unverified if entry[0].pending]
+
     def _measured_cost(self, context: DraftContext) -> ForwardCost:
         model = context.target.model
         length = int(context.tokens.numel())
