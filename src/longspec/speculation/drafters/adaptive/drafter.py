@@ -267,7 +267,8 @@ class AdaptiveDrafter:
         for component in self.components:
             component.drafter.observe(committed)
         round_ = self._round
-        if round_ is None:
+        if round_ is None:  # a round this controller did not draft: its tokens still decide earlier nodes
+            self._resolve_unverified(committed.tolist())
             return
         self._round = None
         seconds = time.perf_counter() - round_["start"]
@@ -290,7 +291,8 @@ class AdaptiveDrafter:
                     self.components[index].credited += 1
                 if len(proposers) == 1:
                     exclusive[next(iter(proposers))] += 1
-        self._measure_unverified(merged, kept, agreement, committed.tolist())
+        self._hold_unverified(merged, kept, agreement)
+        self._resolve_unverified(committed.tolist())
         for index, gained in exclusive.items():
             component = self.components[index]
             previous = component.exclusive_gain
@@ -318,15 +320,18 @@ class AdaptiveDrafter:
         return sum(c.drafter.state_nbytes() for c in self.components if hasattr(c.drafter, "state_nbytes"))
 
     # --------------------------------------------------------------- internals
-    def _measure_unverified(self, merged: MergedTree, kept: list[int], agreement: list[bool], committed: list[int]) -> None:
-        """Record the verdicts the committed tokens give on earlier rounds' unverified
-        nodes and on this round's (their first tokens are this round's)."""
+    def _hold_unverified(self, merged: MergedTree, kept: list[int], agreement: list[bool]) -> None:
+        """Keep this round's proposed nodes that were not verified until the committed
+        tokens decide them (this round's tokens are the first of their continuation)."""
         kept_set = set(kept)
         tree = merged.tree
         left_out = [node for node in range(1, tree.size) if node not in kept_set]
         if left_out:
             nodes = UnverifiedNodes(tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist(), left_out)
             self._unverified.append((nodes, merged.sources, agreement))
+
+    def _resolve_unverified(self, committed: list[int]) -> None:
+        """Record the verdicts the newly committed tokens give on held nodes."""
         for nodes, sources, agreed in self._unverified:
             for node, accepted in nodes.resolve(committed):
                 for source in sources[node]:
