@@ -65,6 +65,11 @@ LONGSPEC_AVX512_BF16 inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_maskz_mov_ps(finite, _mm512_scalef_ps(p, n));
 }
 
+// Ask for a bf16 row of D values to be brought into L2 (the next pass over it is a strided walk).
+inline void prefetch_row(const uint16_t* row, int64_t D) {
+  for (int64_t offset = 0; offset < D; offset += 32) _mm_prefetch(reinterpret_cast<const char*>(row + offset), _MM_HINT_T1);
+}
+
 LONGSPEC_AVX512_BF16 inline __m512 bf16_to_float(const uint16_t* values) {
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(values)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
@@ -152,6 +157,8 @@ LONGSPEC_AVX512_BF16 void attend_chunk(const HeadTask& task, int64_t s_begin, in
     std::fill(ws.scores.begin(), ws.scores.end(), kNone);
     for (int64_t i = 0; i < n; ++i) {
       if (!ws.any_seen[i]) continue;
+      // The value rows are read next, across all rows per 16 values: fetch them while scoring.
+      prefetch_row(task.v + (s0 + i) * task.v_stride, D);
       const uint16_t* key = task.k + (s0 + i) * task.k_stride;
       for (int64_t q0 = 0; q0 < queries; q0 += kScoreQueries)
         kScoreFns[std::min<int64_t>(kScoreQueries, queries - q0) - 1](task, key, q0, i, ws.scores.data());
@@ -189,6 +196,8 @@ LONGSPEC_AVX512_BF16 void attend_chunk(const HeadTask& task, int64_t s_begin, in
     // Rows still at -inf (no visible key yet) hold probabilities 0 after the max of -inf was skipped.
     for (int64_t q = 0; q < queries; ++q)
       if (partial[q].max == kNone) std::fill(ws.scores.begin() + q * kBlock, ws.scores.begin() + (q + 1) * kBlock, 0.0f);
+    for (int64_t i = s0 + kBlock; i < std::min(s0 + 2 * kBlock, s_end); ++i)  // the next block's keys
+      prefetch_row(task.k + i * task.k_stride, D);
     for (int64_t d0 = 0; d0 < D; d0 += kFloats)
       for (int64_t q0 = 0; q0 < queries; q0 += kValueQueries)
         kValueFns[std::min<int64_t>(kValueQueries, queries - q0) - 1](task, s0, n, ws, q0, d0, acc);
