@@ -16,7 +16,9 @@
 // and accumulated into accumulators held in registers. Keys are split into chunks processed
 // in parallel (so a single K/V head still uses every thread), each chunk keeps its own
 // running max and sum per query (online softmax over blocks of keys), and the chunks are
-// merged exactly at the end.
+// merged exactly at the end. A block's value rows are prefetched while it is scored (its
+// value pass walks them 16 values at a time across rows, which met them cold: a batch's
+// attention read K/V at half the bandwidth before; BENCHMARKS.md).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
