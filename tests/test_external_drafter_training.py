@@ -10,6 +10,7 @@ import torch
 from longspec.speculation.drafters.draft_model import DraftModelDrafter
 from longspec.speculation.drafters.longspec.config import DraftMismatchError
 from longspec.speculation.drafters.mamba import MambaDrafter
+from longspec.speculation.drafters.mamba.sequence import MambaSequenceLM
 from longspec.speculation.drafters.vocab_map import VocabMap
 from longspec.speculation.engine import EngineOptions, SpeculativeEngine
 from longspec.speculation.processors import SamplingParams
@@ -102,7 +103,9 @@ def _train(out, target, vocab, architecture, *, stop_after=None, steps=4, self_d
         transformer_drafter(vocab, target.config, hidden_size=32, layers=2, heads=2, kv_heads=1, intermediate_size=64)
     options = DrafterTrainOptions(steps=steps, seq_len=24, batch_size=2, lr=3e-3, warmup=2, save_every=2,
                                   self_distill=self_distill, row_prefix=(1,))
-    trainer = ExternalDrafterTrainer(model, target, vocab, _tokens(), out, options, label_cache=cache, progress=False)
+    forward_module = MambaSequenceLM(model) if architecture == "mamba" else None  # as the CLI trains it
+    trainer = ExternalDrafterTrainer(model, target, vocab, _tokens(), out, options, label_cache=cache,
+                                     forward_module=forward_module, progress=False)
     trainer.train(stop_after=stop_after)
     return trainer
 

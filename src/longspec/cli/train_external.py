@@ -54,6 +54,7 @@ def run(args) -> int:
     from longspec.api import parse_dtype
     from longspec.cli.paths import check_output_directory
     from longspec.runtime.loading import load_target
+    from longspec.speculation.drafters.mamba.sequence import MambaSequenceLM
     from longspec.speculation.drafters.vocab_map import VocabMap
     from longspec.training.external_drafter import (
         DrafterTrainOptions,
@@ -86,7 +87,10 @@ def run(args) -> int:
         model = transformer_drafter(vocab, target.model.config, hidden_size=args.hidden_size, layers=layers,
                                     heads=args.heads, kv_heads=args.kv_heads, intermediate_size=args.intermediate_size,
                                     seed=args.seed)
-    trainer = ExternalDrafterTrainer(model, target.model, vocab, tokens, args.out, options, label_cache=args.label_cache)
+    # Mamba rows run through the native CPU scan (transformers' CPU path loops over time in Python).
+    forward_module = MambaSequenceLM(model) if args.architecture == "mamba" else None
+    trainer = ExternalDrafterTrainer(model, target.model, vocab, tokens, args.out, options, label_cache=args.label_cache,
+                                     forward_module=forward_module)
     if trainer.step:
         print(f"resuming at step {trainer.step} (data position {trainer.position})", flush=True)
     params = sum(p.numel() for p in model.parameters())

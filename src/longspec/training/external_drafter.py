@@ -75,10 +75,14 @@ class ExternalDrafterTrainer(ResumableTrainer):
         options: DrafterTrainOptions,
         *,
         label_cache: str | Path | None = None,
+        forward_module: torch.nn.Module | None = None,
         progress: bool = True,
     ) -> None:
         """model: a freshly built `transformers` causal LM over `vocab.draft_vocab_size`
-        ids (its weights are replaced by the run's when `out_dir` holds one)."""
+        ids (its weights are replaced by the run's when `out_dir` holds one).
+        forward_module: what a step calls for the logits, `(input_ids=...) -> .logits`,
+        computing them from `model`'s parameters (e.g. `MambaSequenceLM(model)`, the
+        native scan); default `model` itself."""
         if model.config.vocab_size < vocab.draft_vocab_size:
             raise ValueError(f"the drafter has {model.config.vocab_size} ids; its vocabulary needs {vocab.draft_vocab_size}")
         self.target = target
@@ -106,7 +110,10 @@ class ExternalDrafterTrainer(ResumableTrainer):
             "labels": LABELS_VERSION, "target": target_fingerprint(target), "seq_len": options.seq_len,
             "row_prefix": list(options.row_prefix), "tokens": tokens_fingerprint(train_tokens),
         }) if options.self_distill else None
-        self._prepare_optimization(self.drafter, options, resume=weights.is_file())
+        forward_module = self.drafter if forward_module is None else forward_module.to(self.device, torch.float32)
+        if {id(p) for p in forward_module.parameters()} != {id(p) for p in self.drafter.parameters()}:
+            raise ValueError("forward_module must compute the logits from the drafter's own parameters")
+        self._prepare_optimization(forward_module, options, resume=weights.is_file())
 
     # ------------------------------------------------------------------ loop
     @property
