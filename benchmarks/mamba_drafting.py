@@ -8,7 +8,9 @@ initialised Mamba the size of the paper's (mamba-130m: 24 layers, d_model 768, s
 16) with a 32k vocabulary (the reduced drafter vocabulary a 262k-vocabulary target
 needs); the transformer drafter for the memory table is our runtime's Gemma 3 270M
 (its KV cache bytes per context). Acceptance needs a trained drafter, which is not
-shipped yet; this measures the mechanics.
+shipped yet; this measures the mechanics. `transformers_chain_ms` times the same chain stepped
+through `transformers`' own decoding step and cache (what the drafter ran before its
+states and step moved to `drafters/mamba/state.py`), in the same run.
 """
 
 from __future__ import annotations
@@ -38,6 +40,22 @@ def round_seconds(drafter: MambaDrafter, tokens: torch.Tensor, repeats: int) -> 
     return statistics.median(times[1:])
 
 
+@torch.inference_mode()
+def transformers_chain_seconds(mamba, tokens: torch.Tensor, depth: int, repeats: int) -> float:
+    """Median seconds of `depth - 1` single-token steps of `transformers`' Mamba from a
+    cached prompt state, each followed by its argmax (a chain round's drafting)."""
+    cache = mamba(tokens.unsqueeze(0), use_cache=True).cache
+    times = []
+    for _ in range(repeats + 1):
+        token = tokens[-1:].unsqueeze(0)
+        start = time.perf_counter()
+        for _ in range(depth - 1):
+            logits = mamba(token, cache=cache, use_cache=True).logits[:, -1]
+            token = logits.argmax(-1, keepdim=True)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=24)
@@ -46,6 +64,8 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768])
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                        help="the drafter's weights (its recurrence runs in float32 either way)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=Path("bench-out/mamba_drafting.jsonl"))
     args = parser.parse_args()
@@ -54,18 +74,20 @@ def main() -> None:
     torch.manual_seed(0)
     config = MambaConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers, state_size=16,
                          expand=2, conv_kernel=4)
-    mamba = MambaForCausalLM(config).to(torch.bfloat16).eval()
+    mamba = MambaForCausalLM(config).to(getattr(torch, args.dtype)).eval()
     tokens = torch.randint(0, args.vocab, (args.prompt,))
     rows = []
     for widths in PAPER_TREES:
         chain = (1,) * len(widths)
         tree_s = round_seconds(MambaDrafter(mamba, widths=widths), tokens, args.repeats)
         chain_s = round_seconds(MambaDrafter(mamba, widths=chain), tokens, args.repeats)
+        reference_s = transformers_chain_seconds(mamba, tokens, len(widths), args.repeats)
         row = {"widths": list(widths), "nodes": tree_nodes(widths), "depth": len(widths), "tree_ms": 1e3 * tree_s,
-               "chain_ms": 1e3 * chain_s, "tree_vs_chain": tree_s / chain_s}
+               "chain_ms": 1e3 * chain_s, "tree_vs_chain": tree_s / chain_s, "transformers_chain_ms": 1e3 * reference_s}
         rows.append(row)
         print(f"tree {widths} ({row['nodes']} nodes): {row['tree_ms']:.1f} ms, chain of {len(widths)}: "
-              f"{row['chain_ms']:.1f} ms -> {row['tree_vs_chain']:.2f}x", flush=True)
+              f"{row['chain_ms']:.1f} ms -> {row['tree_vs_chain']:.2f}x; transformers' step, chain: "
+              f"{row['transformers_chain_ms']:.1f} ms", flush=True)
 
     import longspec
 

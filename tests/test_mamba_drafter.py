@@ -13,6 +13,7 @@ from transformers import MambaConfig, MambaForCausalLM
 from longspec.speculation.drafters.base import DraftContext
 from longspec.speculation.drafters.longspec.config import DraftMismatchError
 from longspec.speculation.drafters.mamba import PAPER_TREES, MambaDrafter, tree_nodes
+from longspec.speculation.drafters.mamba.state import MambaStepper
 from longspec.speculation.engine import EngineOptions, SpeculativeEngine
 from longspec.speculation.metrics import GenerationStats
 from longspec.speculation.methods import make_drafter
@@ -149,3 +150,35 @@ def test_state_memory_is_flat_in_the_context():
         drafter.propose(DraftContext(tokens, None, 8))
         sizes.append(drafter.state_nbytes())
     assert sizes[0] == sizes[1] > 0
+
+
+def test_every_path_of_the_stepper_computes_transformers_mamba():
+    """The native prompt scan and state step, and the PyTorch fallbacks (the model's own
+    forward for the prompt, the recurrence in tensor operations), give the logits of a
+    fresh `transformers` forward over each branch's whole sequence."""
+    mamba = tiny_mamba(seed=7)
+    prompt, branches = random_ids(17, seed=9)[0], torch.tensor([3, 11, 5])
+    fallback = MambaStepper(mamba)
+    fallback.native = None
+    for stepper in (MambaStepper(mamba), fallback):
+        logits, state = stepper.prompt(prompt)
+        torch.testing.assert_close(logits, mamba(prompt.unsqueeze(0)).logits[0, -1], rtol=1e-5, atol=1e-6)
+        state = state.select(torch.zeros(3, dtype=torch.long))
+        for token in range(2):
+            logits = stepper.step(state, branches + token)
+        for row in range(3):
+            sequence = torch.cat([prompt, branches[row : row + 1], branches[row : row + 1] + 1])
+            fresh = mamba(sequence.unsqueeze(0)).logits[0, -1]
+            torch.testing.assert_close(logits[row], fresh, rtol=1e-5, atol=1e-6)
+
+
+def test_a_bf16_drafter_keeps_its_recurrence_in_float32():
+    mamba = tiny_mamba(seed=7)
+    reduced = tiny_mamba(seed=7).to(torch.bfloat16)
+    prompt = random_ids(30, seed=9)[0]
+    stepper = MambaStepper(reduced)
+    logits, state = stepper.prompt(prompt)
+    assert all(t.dtype == torch.float32 for t in state.conv + state.ssm)
+    logits = stepper.step(state, torch.tensor([4]))[0]
+    exact = mamba(torch.cat([prompt, torch.tensor([4])]).unsqueeze(0)).logits[0, -1]
+    assert (logits.double() - exact).abs().max() < 0.05 * exact.abs().max()

@@ -11,6 +11,6 @@ exec longspec train draft-model \
   --stdlib --corpus ../shared/data/books \
   --exclude test --exclude tests --exclude idlelib --exclude tkinter --exclude turtledemo --exclude lib2to3 --exclude ensurepip \
   --shards "$RUNS"/external-drafter-shards \
-  --out "$RUNS"/draft-model-gemma270m --label-cache "$RUNS"/draft-model-gemma270m/labels \
+  --out "$RUNS"/draft-model-gemma270m --label-cache "$RUNS"/external-drafter-labels \
   --max-rows 1200 --steps 520 --seq-len 512 --batch-size 8 --lr 1e-3 --warmup 50 --save-every 10 \
   --labels target --threads 1 --max-minutes 115 "$@"

@@ -18,6 +18,7 @@
 //   ddelta_t += g_t * (h_{t-1} * a_t * A_n + B_tn * u_t)
 //   dA_n += g_t * h_{t-1} * a_t * delta_t
 //   du_t += g_t * delta_t * B_tn + D_d * gy_t                        dD_d += gy_t * u_t
+// `selective_state_step` is one decoding step of the same recurrence for many rows.
 // Batch rows run in parallel; dA and dD are returned per row (the caller sums them).
 // float32 with N a multiple of 16 runs 16 states per AVX-512 register where the CPU has
 // AVX-512F (exp by Cephes' polynomial, within ~2 float ulps); everything else (float64,
@@ -284,12 +285,50 @@ std::vector<at::Tensor> selective_scan_backward(const at::Tensor& u, const at::T
   return {du, ddelta, dA, dB, dC, dD};
 }
 
+// One decoding step for `rows` sequences (tree branches): state [rows, D, N] advances in
+// place by one input (x, delta [rows, D]; B, C [rows, N]); returns y [rows, D].
+at::Tensor selective_state_step(at::Tensor& state, const at::Tensor& x, const at::Tensor& delta, const at::Tensor& A,
+                                const at::Tensor& B, const at::Tensor& C, const at::Tensor& D) {
+  TORCH_CHECK(state.dim() == 3 && state.is_contiguous(), "state: contiguous [rows, D, N]");
+  const int64_t rows = state.size(0), Dc = state.size(1), N = state.size(2);
+  TORCH_CHECK(x.sizes() == delta.sizes() && x.dim() == 2 && x.size(0) == rows && x.size(1) == Dc &&
+                  x.is_contiguous() && delta.is_contiguous(),
+              "x, delta: contiguous [rows, D]");
+  TORCH_CHECK(A.dim() == 2 && A.size(0) == Dc && A.size(1) == N && A.is_contiguous(), "A: contiguous [D, N]");
+  TORCH_CHECK(B.sizes() == C.sizes() && B.dim() == 2 && B.size(0) == rows && B.size(1) == N && B.is_contiguous() &&
+                  C.is_contiguous(),
+              "B, C: contiguous [rows, N]");
+  TORCH_CHECK(D.dim() == 1 && D.size(0) == Dc && D.is_contiguous(), "D: contiguous [D]");
+  for (const at::Tensor* t : {&x, &delta, &A, &B, &C, &D}) {
+    TORCH_CHECK(t->scalar_type() == state.scalar_type(), "every input has the state's dtype");
+  }
+  at::Tensor y = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES(state.scalar_type(), "selective_state_step", [&] {
+    const bool vector = use_avx512<scalar_t>(N);
+    scalar_t* h = state.data_ptr<scalar_t>();
+    const scalar_t *xs = x.data_ptr<scalar_t>(), *ds = delta.data_ptr<scalar_t>(), *As = A.data_ptr<scalar_t>();
+    const scalar_t *Bs = B.data_ptr<scalar_t>(), *Cs = C.data_ptr<scalar_t>(), *Dv = D.data_ptr<scalar_t>();
+    scalar_t* ys = y.data_ptr<scalar_t>();
+    at::parallel_for(0, rows * Dc, 256, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t r = i / Dc, d = i % Dc;
+        scalar_t* hi = h + i * N;
+        ys[i] = step(vector, As + d * N, hi, hi, Bs + r * N, Cs + r * N, ds[i], xs[i], N) + Dv[d] * xs[i];
+      }
+    });
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(longspec_native, m) {
   m.def("selective_scan_forward(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, Tensor D) -> (Tensor, Tensor)");
   m.def("selective_scan_backward(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, Tensor D, Tensor grad_y) "
         "-> Tensor[]");
+  m.def("selective_state_step(Tensor(a!) state, Tensor x, Tensor delta, Tensor A, Tensor B, Tensor C, Tensor D) "
+        "-> Tensor");
+  m.impl("selective_state_step", c10::DispatchKey::CPU, TORCH_FN(selective_state_step));
   m.impl("selective_scan_forward", c10::DispatchKey::CPU, TORCH_FN(selective_scan_forward));
   m.impl("selective_scan_backward", c10::DispatchKey::CPU, TORCH_FN(selective_scan_backward));
 }

@@ -4,22 +4,19 @@ drafting by batching copied states (no tree attention), after "Mamba Drafters fo
 Speculative Decoding".
 
 A tree configuration (N1, ..., Nγ) is drafted breadth-first: depth i holds
-N1·…·Ni nodes, each branch a copy of its parent's state, fed its own token in one
-batched step; children are the parent's top-N(i+1) tokens (deterministic candidates,
-verified by the one-draw rule, so greedy and sampled decoding both stay lossless).
-The model is `transformers`' Mamba (its PyTorch path on CPU; the `mamba-ssm` /
-`causal-conv1d` kernels where installed).
+N1·…·Ni nodes, each branch a copy of its parent's state (into buffers kept per depth),
+fed its own token in one batched step; children are the parent's top-N(i+1) tokens
+(deterministic candidates, verified by the one-draw rule, so greedy and sampled
+decoding both stay lossless). The model is `transformers`' Mamba; its states and step
+are `state.py`'s (the native CPU scan and state update where they apply).
 
-Its multi-token forward from an existing state ignores that state's SSM part, so the
-drafter never feeds more than one token to a non-empty state: the prompt goes in one
-forward from the empty state, and after each round it resumes from the state it
-already computed for the deepest accepted node, feeding only the tokens after it
-(the bonus, one at a time).
+The prompt goes in one forward from the empty state; after each round the drafter
+resumes from the state it already computed for the deepest accepted node, feeding only
+the tokens after it (the bonus, one at a time).
 """
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,6 +26,7 @@ import torch
 from longspec.speculation.drafters.adaptive.policies import UCBPolicy, mamba_reward
 from longspec.speculation.drafters.base import DraftContext
 from longspec.speculation.drafters.longspec.config import DraftMismatchError
+from longspec.speculation.drafters.mamba.state import MambaState, MambaStepper
 from longspec.speculation.drafters.vocab_map import VocabMap
 from longspec.speculation.tree import Tree
 
@@ -70,7 +68,8 @@ class MambaDrafter:
                 vocab = VocabMap.load(model)
             model = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
         self.vocab = vocab
-        self.model = fold_projections(model.eval().requires_grad_(False))
+        self.model = model.eval().requires_grad_(False)
+        self.stepper = MambaStepper(self.model)
         self.widths = check_tree_config(widths)
         self.configs = tuple(check_tree_config(w) for w in search) if search is not None else (self.widths,)
         if not self.configs:
@@ -81,7 +80,8 @@ class MambaDrafter:
         self._cost_ratio: float | None = None  # λ: a draft step over a verification round, smoothed
         self._proposed_at: float | None = None
         self._drafted_depth = 0
-        self.state = None  # the state after every committed token but those in `_unfed`
+        self.state: MambaState | None = None  # the state after every committed token but those in `_unfed`
+        self._buffers: dict[int, MambaState] = {}  # per depth: the branches' states, reused round after round
         self._unfed: list[int] = []  # committed tokens not yet in `state` (the root last)
         self._root_logits: torch.Tensor | None = None
         self._levels: list = []  # per depth: (tokens [n_d], parent index [n_d] into depth d-1, state after them)
@@ -112,6 +112,9 @@ class MambaDrafter:
             self.model.to(device=view.device, dtype=view.model.dtype)
             if self.vocab is not None:
                 self.vocab = self.vocab.to(view.device)
+        if not self.stepper.prepared_for(self.model):  # moved (here or by another user of the model)
+            self.stepper = MambaStepper(self.model)
+            self._buffers = {}
         self.state = None
         self._unfed = context.tokens.tolist()
         self._levels = []
@@ -139,7 +142,7 @@ class MambaDrafter:
             path.pop()
         if path:
             level_state = self._levels[len(path) - 1][2]
-            self.state = _select(level_state, torch.tensor([path[-1]], device=self._device))
+            self.state = level_state.select(torch.tensor([path[-1]], device=self._device))
             self._unfed = tokens[len(path):]
         else:
             self._unfed.extend(tokens)
@@ -150,15 +153,7 @@ class MambaDrafter:
         return next(self.model.parameters()).device
 
     def state_nbytes(self) -> int:
-        if self.state is None:
-            return 0
-        total = 0
-        for layer in self.state.layers:
-            for states in (layer.conv_states, layer.recurrent_states):
-                # transformers keeps one tensor per state index (a dict), or the tensor itself
-                tensors = states.values() if isinstance(states, dict) else [states]
-                total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-        return total
+        return self.state.nbytes() if self.state is not None else 0
 
     @property
     def arm_counts(self) -> dict[tuple[int, ...], int]:
@@ -192,9 +187,9 @@ class MambaDrafter:
             level_nodes = list(range(first, len(tokens)))
             state = None
             if depth + 1 < len(widths):  # the last depth's tokens need no forward
-                state = _select(level_state, parent_rows)
-                out = self.model(new_tokens.unsqueeze(1), cache_params=state, use_cache=True)
-                logits = out.logits[:, -1]
+                state = level_state.select(parent_rows, out=self._buffers.get(depth))
+                self._buffers[depth] = state
+                logits = self.stepper.step(state, new_tokens)
             self._levels.append((target_tokens, parent_rows.tolist(), state))
             level_state = state
         self._proposed_at = time.perf_counter()
@@ -220,52 +215,11 @@ class MambaDrafter:
     def _catch_up(self) -> torch.Tensor:
         """Feed the committed tokens the state has not seen; the logits after the root."""
         ids = torch.tensor(self._unfed, device=self._device)
-        ids = (self.vocab.to_draft(ids) if self.vocab is not None else ids).unsqueeze(0)
-        if self.state is None:  # from the empty state, a multi-token forward is exact
-            out = self.model(ids, use_cache=True)
-            self.state = out.cache_params
-        else:
-            for i in range(ids.shape[1]):
-                out = self.model(ids[:, i : i + 1], cache_params=self.state, use_cache=True)
+        ids = self.vocab.to_draft(ids) if self.vocab is not None else ids
         self._unfed = []
-        return out.logits[0, -1]
-
-
-class FoldedLinear(torch.nn.Module):
-    """A linear layer applied to [..., in] inputs as one [rows, in] GEMM. The reference
-    Mamba step hands its projections transposed [B, 1, d] inputs, which `matmul` runs
-    as a batched product against the weight copied once per row (measured: 75 % of a
-    tree round at batch 18); folded, the weight is read once."""
-
-    def __init__(self, linear: torch.nn.Linear) -> None:
-        super().__init__()
-        self.linear = linear
-
-    @property
-    def weight(self) -> torch.Tensor:  # the fused GPU path reads the projections' tensors
-        return self.linear.weight
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return self.linear.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.linear(x.reshape(-1, x.shape[-1]))
-        return out.view(*x.shape[:-1], out.shape[-1])
-
-
-def fold_projections(model):
-    """Wrap the x and output projections of every Mamba mixer in `FoldedLinear` (once)."""
-    for module in model.modules():
-        for name in ("x_proj", "out_proj"):
-            linear = getattr(module, name, None)
-            if isinstance(linear, torch.nn.Linear) and hasattr(module, "A_log"):
-                setattr(module, name, FoldedLinear(linear))
-    return model
-
-
-def _select(state, rows: torch.Tensor):
-    """A new state whose batch rows are `state`'s rows at `rows` (copies; `state` is kept)."""
-    picked = copy.deepcopy(state)
-    picked.reorder_cache(rows)
-    return picked
+        if self.state is None:  # from the empty state, the whole sequence in one forward
+            logits, self.state = self.stepper.prompt(ids)
+            return logits
+        for i in range(ids.numel()):
+            logits = self.stepper.step(self.state, ids[i : i + 1])[0]
+        return logits
