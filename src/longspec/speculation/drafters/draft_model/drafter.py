@@ -16,6 +16,7 @@ allocated for the prompt with room to spare and doubled when the sequence outgro
 
 from __future__ import annotations
 
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -30,12 +31,17 @@ from longspec.speculation.tree import Tree
 
 # Room the cache leaves beyond the prompt before it has to grow (tokens).
 INITIAL_HEADROOM = 1024
+SHIPPED_DRAFTER = "draft-model-gemma-3-270m"  # in longspec/weights, for the embedded target
+
+
+def shipped_drafter_path() -> Path:
+    return Path(str(resources.files("longspec") / "weights" / SHIPPED_DRAFTER))
 
 
 class DraftModelDrafter:
     def __init__(
         self,
-        model: Decoder | str | Path,
+        model: Decoder | str | Path | None = None,
         *,
         length: int = 5,
         sample: bool = False,
@@ -45,7 +51,8 @@ class DraftModelDrafter:
         vocab: VocabMap | None = None,
     ) -> None:
         """model: the draft (a loaded `Decoder`, or a checkpoint directory / .gguf /
-        local model id, loaded in the target's dtype when generation begins).
+        local model id, loaded in the target's dtype when generation begins); default:
+        the small transformer drafter shipped for the embedded Gemma 3 270M.
         length: γ, draft tokens per round. sample: draw the chain from q (for sampled
         decoding; greedy decoding accepts either). temperature: the draft's own
         sampling temperature for q. generator: a fixed random stream for the sampled
@@ -58,6 +65,11 @@ class DraftModelDrafter:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if model is None:
+            model = shipped_drafter_path()
+            if not model.is_dir():
+                raise FileNotFoundError(f"no draft model at {model}: this installation lacks the shipped one; pass "
+                                        "model=PATH (train one with `longspec train draft-model --model ... --out DIR`)")
         if isinstance(model, (str, Path)):
             from longspec.runtime.loading import load_target
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -32,6 +33,11 @@ from longspec.speculation.tree import Tree
 
 # The paper's arms for its test-time search; the first is the default shape.
 PAPER_TREES = ((3, 3, 2, 1), (3, 2, 2, 1, 1), (2, 2, 2, 1, 1, 1))
+SHIPPED_DRAFTER = "mamba-gemma-3-270m"  # in longspec/weights, for the embedded target
+
+
+def shipped_drafter_path() -> Path:
+    return Path(str(resources.files("longspec") / "weights" / SHIPPED_DRAFTER))
 
 
 def check_tree_config(widths: Sequence[int]) -> tuple[int, ...]:
@@ -51,16 +57,22 @@ def tree_nodes(widths: Sequence[int]) -> int:
 
 
 class MambaDrafter:
-    def __init__(self, model, *, widths: Sequence[int] = PAPER_TREES[0], search: Sequence[Sequence[int]] | None = None,
+    def __init__(self, model=None, *, widths: Sequence[int] = PAPER_TREES[0], search: Sequence[Sequence[int]] | None = None,
                  exploration: float = 1.0, vocab: VocabMap | None = None) -> None:
         """model: a `transformers` Mamba causal LM, or a checkpoint directory / local
         model id of one (with its reduced vocabulary, `longspec-vocab.json`, when it
-        was trained with one). vocab: the reduced vocabulary of a model passed as an
+        was trained with one); default: the drafter shipped for the embedded Gemma 3
+        270M (checked against the actual target when generation begins). vocab: the reduced vocabulary of a model passed as an
         object (None: it speaks the target's ids). widths: the tree configuration (N1, ..., Nγ). search: tree
         configurations to choose among per round (the paper's test-time tree search,
         e.g. `PAPER_TREES`): UCB1 with the paper's reward -(1/N + λγ/N), N the tokens a
         round commits (the bonus counted), γ the configuration's depth, λ the measured
         cost of a draft step over a verification round; `widths` is then ignored."""
+        if model is None:
+            model = shipped_drafter_path()
+            if not model.is_dir():
+                raise FileNotFoundError(f"no Mamba drafter at {model}: this installation lacks the shipped one; pass "
+                                        "model=PATH (train one with `longspec train mamba --model ... --out DIR`)")
         if isinstance(model, (str, Path)):
             from transformers import AutoModelForCausalLM
 
