@@ -160,9 +160,15 @@ def test_every_path_of_the_stepper_computes_transformers_mamba():
     prompt, branches = random_ids(17, seed=9)[0], torch.tensor([3, 11, 5])
     fallback = MambaStepper(mamba)
     fallback.native = None
+    more = random_ids(6, seed=10)[0]
     for stepper in (MambaStepper(mamba), fallback):
-        logits, state = stepper.prompt(prompt)
+        logits, state = stepper.run(prompt)
         torch.testing.assert_close(logits, mamba(prompt.unsqueeze(0)).logits[0, -1], rtol=1e-5, atol=1e-6)
+        kept = state.select(torch.zeros(1, dtype=torch.long))
+        logits, _ = stepper.run(more, state)  # many tokens after a state, in one pass
+        fresh = mamba(torch.cat([prompt, more]).unsqueeze(0)).logits[0, -1]
+        torch.testing.assert_close(logits, fresh, rtol=1e-5, atol=1e-6)
+        assert all(torch.equal(a, b) for a, b in zip(state.conv + state.ssm, kept.conv + kept.ssm))  # left as it was
         state = state.select(torch.zeros(3, dtype=torch.long))
         for token in range(2):
             logits = stepper.step(state, branches + token)
@@ -177,7 +183,7 @@ def test_a_bf16_drafter_keeps_its_recurrence_in_float32():
     reduced = tiny_mamba(seed=7).to(torch.bfloat16)
     prompt = random_ids(30, seed=9)[0]
     stepper = MambaStepper(reduced)
-    logits, state = stepper.prompt(prompt)
+    logits, state = stepper.run(prompt)
     assert all(t.dtype == torch.float32 for t in state.conv + state.ssm)
     logits = stepper.step(state, torch.tensor([4]))[0]
     exact = mamba(torch.cat([prompt, torch.tensor([4])]).unsqueeze(0)).logits[0, -1]

@@ -9,7 +9,8 @@
 //   h_t = a_t * h_{t-1} + delta_t * B_tn * u_t          h_{-1} = 0
 //   y_t = sum_n C_tn * h_tn + D_d * u_t
 // Layouts (contiguous): u, delta, y [batch, L, D]; B, C [batch, L, N]; A [D, N]; D [D];
-// the final state [batch, D, N] (what a decoding step continues from).
+// the final state [batch, D, N] (what a decoding step continues from). The forward may
+// start from a given state (a drafter catching up on many tokens); training starts empty.
 //
 // The backward pass recomputes the states of one block of channels at a time into a
 // buffer (L x block x N values) and walks back in time with g_t = dLoss/dh_t:
@@ -37,6 +38,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <immintrin.h>
+#include <optional>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -189,14 +191,15 @@ std::pair<T, T> grad(bool vector, const T* An, const T* previous, const T* h, co
 }
 
 template <typename T>
-void scan_forward(const Shapes& s, const T* u, const T* delta, const T* A, const T* Bm, const T* Cm, const T* Dv, T* y,
-                  T* last) {
+void scan_forward(const Shapes& s, const T* u, const T* delta, const T* A, const T* Bm, const T* Cm, const T* Dv,
+                  const T* initial, T* y, T* last) {
   const int64_t L = s.length, Dc = s.channels, N = s.states, blocks = (Dc + kBlock - 1) / kBlock;
   const bool vector = use_avx512<T>(N);
   at::parallel_for(0, s.batch * blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> h(kBlock * N);
     for (int64_t job = begin; job < end; ++job) {
       const int64_t b = job / blocks, d0 = (job % blocks) * kBlock, width = std::min(kBlock, Dc - d0);
+      if (initial) std::copy(initial + (b * Dc + d0) * N, initial + (b * Dc + d0 + width) * N, h.begin());
       for (int64_t t = 0; t < L; ++t) {
         const int64_t row = (b * L + t) * Dc + d0;
         const T* Bt = Bm + (b * L + t) * N;
@@ -204,7 +207,7 @@ void scan_forward(const Shapes& s, const T* u, const T* delta, const T* A, const
         for (int64_t j = 0; j < width; ++j) {
           T* hj = h.data() + j * N;
           const T x = u[row + j];
-          y[row + j] = step(vector, A + (d0 + j) * N, t ? hj : nullptr, hj, Bt, Ct, delta[row + j], x, N) +
+          y[row + j] = step(vector, A + (d0 + j) * N, t || initial ? hj : nullptr, hj, Bt, Ct, delta[row + j], x, N) +
                        Dv[d0 + j] * x;
         }
       }
@@ -250,16 +253,24 @@ void scan_backward(const Shapes& s, const T* u, const T* delta, const T* A, cons
   });
 }
 
+// initial: the state before the sequence [batch, D, N] (None: zeros).
 std::tuple<at::Tensor, at::Tensor> selective_scan_forward(const at::Tensor& u, const at::Tensor& delta,
                                                           const at::Tensor& A, const at::Tensor& B,
-                                                          const at::Tensor& C, const at::Tensor& D) {
+                                                          const at::Tensor& C, const at::Tensor& D,
+                                                          const std::optional<at::Tensor>& initial) {
   const Shapes s = check(u, delta, A, B, C, D);
+  if (initial) {
+    TORCH_CHECK(initial->dim() == 3 && initial->size(0) == s.batch && initial->size(1) == s.channels &&
+                    initial->size(2) == s.states && initial->is_contiguous() && initial->scalar_type() == u.scalar_type(),
+                "initial: contiguous [batch, D, N] of u's dtype");
+  }
   at::Tensor y = at::empty_like(u);
   at::Tensor last = at::empty({s.batch, s.channels, s.states}, u.options());
   AT_DISPATCH_FLOATING_TYPES(u.scalar_type(), "selective_scan_forward", [&] {
     scan_forward<scalar_t>(s, u.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(), A.data_ptr<scalar_t>(),
                            B.data_ptr<scalar_t>(), C.data_ptr<scalar_t>(), D.data_ptr<scalar_t>(),
-                           y.data_ptr<scalar_t>(), last.data_ptr<scalar_t>());
+                           initial ? initial->data_ptr<scalar_t>() : nullptr, y.data_ptr<scalar_t>(),
+                           last.data_ptr<scalar_t>());
   });
   return {y, last};
 }
@@ -323,7 +334,8 @@ at::Tensor selective_state_step(at::Tensor& state, const at::Tensor& x, const at
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(longspec_native, m) {
-  m.def("selective_scan_forward(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, Tensor D) -> (Tensor, Tensor)");
+  m.def("selective_scan_forward(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, Tensor D, Tensor? initial=None) "
+        "-> (Tensor, Tensor)");
   m.def("selective_scan_backward(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, Tensor D, Tensor grad_y) "
         "-> Tensor[]");
   m.def("selective_state_step(Tensor(a!) state, Tensor x, Tensor delta, Tensor A, Tensor B, Tensor C, Tensor D) "

@@ -12,7 +12,7 @@ are `state.py`'s (the native CPU scan and state update where they apply).
 
 The prompt goes in one forward from the empty state; after each round the drafter
 resumes from the state it already computed for the deepest accepted node, feeding only
-the tokens after it (the bonus, one at a time).
+the tokens after it (the bonus; several in one pass when it was not asked for a while).
 """
 
 from __future__ import annotations
@@ -62,8 +62,9 @@ class MambaDrafter:
         """model: a `transformers` Mamba causal LM, or a checkpoint directory / local
         model id of one (with its reduced vocabulary, `longspec-vocab.json`, when it
         was trained with one); default: the drafter shipped for the embedded Gemma 3
-        270M (checked against the actual target when generation begins). vocab: the reduced vocabulary of a model passed as an
-        object (None: it speaks the target's ids). widths: the tree configuration (N1, ..., Nγ). search: tree
+        270M (checked against the actual target when generation begins). vocab: the
+        reduced vocabulary of a model passed as an object (None: it speaks the target's
+        ids). widths: the tree configuration (N1, ..., Nγ). search: tree
         configurations to choose among per round (the paper's test-time tree search,
         e.g. `PAPER_TREES`): UCB1 with the paper's reward -(1/N + λγ/N), N the tokens a
         round commits (the bonus counted), γ the configuration's depth, λ the measured
@@ -229,9 +230,7 @@ class MambaDrafter:
         ids = torch.tensor(self._unfed, device=self._device)
         ids = self.vocab.to_draft(ids) if self.vocab is not None else ids
         self._unfed = []
-        if self.state is None:  # from the empty state, the whole sequence in one forward
-            logits, self.state = self.stepper.prompt(ids)
-            return logits
-        for i in range(ids.numel()):
-            logits = self.stepper.step(self.state, ids[i : i + 1])[0]
+        if self.state is not None and ids.numel() == 1:
+            return self.stepper.step(self.state, ids)[0]
+        logits, self.state = self.stepper.run(ids, self.state)  # one pass (from the empty state for a prompt)
         return logits

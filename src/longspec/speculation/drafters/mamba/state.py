@@ -12,9 +12,10 @@ while the recurrence (convolution window, SSM state, scan) stays in float32 as
 The state is plain tensors (rows = tree branches), copied by `index_select` into
 buffers that the drafter reuses.
 
-A prompt goes through the native scan from the empty state on the CPU (its final
-states kept); elsewhere, or without the native library, through the model's own
-forward, whose cache is read into a `MambaState`.
+Many tokens at once (a prompt, or the tokens a drafter skipped) go through the native
+scan on the CPU, from the empty state or a given one; elsewhere, or without the native
+library, a prompt goes through the model's own forward, whose cache is read into a
+`MambaState`, and later tokens step one at a time.
 """
 
 from __future__ import annotations
@@ -114,22 +115,29 @@ class MambaStepper:
         weights = next(model.parameters())
         return model is self.model and (weights.device, weights.dtype) == self._placement
 
-    def prompt(self, ids: torch.Tensor) -> tuple[torch.Tensor, MambaState]:
-        """(logits after the last of `ids` [V], the state after all of them), from the empty state."""
+    def run(self, ids: torch.Tensor, state: MambaState | None = None) -> tuple[torch.Tensor, MambaState]:
+        """Feed `ids` ([L]) after `state` (one row; None: the empty state) in one pass:
+        (logits after the last id [V], the state after them); `state` is kept as it was."""
         if self.native is None:
-            return self._reference_prompt(ids)
-        backbone = self.model.backbone
-        hidden = backbone.embeddings(ids.unsqueeze(0))
+            if state is None:
+                return self._reference_prompt(ids)
+            state = state.select(torch.zeros(1, dtype=torch.long, device=ids.device))
+            for i in range(ids.numel()):
+                logits = self.step(state, ids[i : i + 1])[0]
+            return logits, state
+        hidden = self.model.backbone.embeddings(ids.unsqueeze(0))
         conv, ssm = [], []
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
             residual, x, gate = layer.mix_in(hidden, self.dtype)
             keep = layer.conv_weight.shape[1] - 1
-            window = F.pad(x.transpose(1, 2), (keep, 0))  # [1, D, keep + L]: zeros before the sequence
+            before = x.new_zeros(1, x.shape[-1], keep) if state is None else state.conv[index]
+            window = torch.cat([before, x.transpose(1, 2)], dim=-1)  # [1, D, keep + L]
             conv.append(window[..., window.shape[-1] - keep :].contiguous())
             x = layer.act(F.conv1d(window, layer.conv_weight.unsqueeze(1), layer.conv_bias, groups=x.shape[-1]))
             x = x.transpose(1, 2).contiguous()
             delta, B, C = layer.selective_inputs(x)
-            y, last = self.native.selective_scan_forward(x, delta.contiguous(), layer.A, B, C, layer.D)
+            initial = None if state is None else state.ssm[index]
+            y, last = self.native.selective_scan_forward(x, delta.contiguous(), layer.A, B, C, layer.D, initial)
             ssm.append(last)
             hidden = layer.mix_out(residual, y, gate)
         return self._logits(hidden[0, -1:])[0], MambaState(conv, ssm)
