@@ -6,7 +6,7 @@ speed over AR on the same prompt and setting.
     python benchmarks/external_drafters.py --tasks multi_news lcc --prompt-tokens 4096 --new-tokens 256
 
 Drafters default to the ones shipped for Gemma 3 270M; `--mamba DIR` / `--draft-model DIR`
-score a training run instead.
+score a training run instead (the `auto` rows always use the shipped ones).
 """
 
 from __future__ import annotations
@@ -41,6 +41,10 @@ def configurations(mamba: str | None, draft_model: str | None) -> dict[str, tupl
         "mamba-paper-tree": ("mamba", {**m, "widths": list(PAPER_TREES[0])}),
         "mamba-search-paper": ("mamba", {**m, "search": [list(w) for w in PAPER_TREES]}),
         "mamba-search-small": ("mamba", {**m, "search": [list(w) for w in SMALL_TREES]}),
+        # auto's components are the shipped drafters (no path option).
+        "auto": ("auto", {}),
+        "auto-mamba": ("auto", {"components": ["pld", "ngram", "mamba"]}),
+        "auto-draft-model": ("auto", {"components": ["pld", "ngram", "draft-model"]}),
     }
 
 

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 
 from longspec.speculation.drafters.adaptive.drafter import AdaptiveDrafter
 from longspec.speculation.drafters.adaptive.policies import ThroughputPolicy, TreePolicy, UCBPolicy
 from longspec.speculation.drafters.base import Drafter
+from longspec.speculation.drafters.draft_model import DraftModelDrafter
 from longspec.speculation.drafters.longspec.presets import make_longspec
+from longspec.speculation.drafters.mamba import MambaDrafter
 from longspec.speculation.drafters.ngram import NgramDrafter
 from longspec.speculation.drafters.prompt_lookup import PromptLookupDrafter
 
@@ -15,6 +18,9 @@ COMPONENTS: dict[str, Callable[[], Drafter]] = {
     "pld": PromptLookupDrafter,
     "ngram": NgramDrafter,
     "longspec": make_longspec,  # the shipped draft (beam trees); left out on targets it does not fit
+    # The shipped external drafters (opt-in): chains, which a CPU verifies cheaply.
+    "mamba": partial(MambaDrafter, widths=(1, 1, 1, 1)),
+    "draft-model": partial(DraftModelDrafter, length=4),
 }
 POLICIES: dict[str, Callable[[], TreePolicy]] = {
     "throughput": ThroughputPolicy,  # expected tokens per second from the measured cost model (default)
@@ -29,8 +35,8 @@ def make_auto(
     policy: str = "throughput",
     probe_every: int = 16,
 ) -> AdaptiveDrafter:
-    """auto over the named components (any of pld, ngram, longspec; a comma-separated
-    string works too) with the named policy (throughput or ucb)."""
+    """auto over the named components (any of pld, ngram, longspec, mamba, draft-model;
+    a comma-separated string works too) with the named policy (throughput or ucb)."""
     names = [n.strip() for n in components.split(",")] if isinstance(components, str) else list(components)
     unknown = [n for n in names if n not in COMPONENTS]
     if unknown or not names:

@@ -39,6 +39,8 @@ def shipped_drafter_path() -> Path:
 
 
 class DraftModelDrafter:
+    runs_model = True  # each proposal runs the draft network (see drafters.base)
+
     def __init__(
         self,
         model: Decoder | str | Path | None = None,

@@ -57,6 +57,8 @@ def tree_nodes(widths: Sequence[int]) -> int:
 
 
 class MambaDrafter:
+    runs_model = True  # each proposal runs the drafter network (see drafters.base)
+
     def __init__(self, model=None, *, widths: Sequence[int] = PAPER_TREES[0], search: Sequence[Sequence[int]] | None = None,
                  exploration: float = 1.0, vocab: VocabMap | None = None) -> None:
         """model: a `transformers` Mamba causal LM, or a checkpoint directory / local
