@@ -5,12 +5,13 @@ and drafter state memory by context length (Mamba against a transformer drafter)
 
 Weights do not change what a draft round costs, so the drafter is a randomly
 initialised Mamba the size of the paper's (mamba-130m: 24 layers, d_model 768, state
-16) with a 32k vocabulary (the reduced drafter vocabulary a 262k-vocabulary target
-needs); the transformer drafter for the memory table is our runtime's Gemma 3 270M
-(its KV cache bytes per context). Acceptance needs a trained drafter, which is not
-shipped yet; this measures the mechanics. `transformers_chain_ms` times the same chain stepped
-through `transformers`' own decoding step and cache (what the drafter ran before its
-states and step moved to `drafters/mamba/state.py`), in the same run.
+16; `--layers 8 --hidden 256` is the drafter `train mamba` builds) with a 32k
+vocabulary (the reduced drafter vocabulary a 262k-vocabulary target needs).
+`transformers_chain_ms` times the same chain stepped through `transformers`' own
+decoding step and cache (what the drafter ran before its states and step moved to
+`drafters/mamba/state.py`), in the same run. The memory table sets the Mamba state
+beside the KV caches of the small transformer drafter and of Gemma 3 270M itself.
+Acceptance is `external_drafters.py`'s; this measures the mechanics.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from transformers import MambaConfig, MambaForCausalLM
 
 from common import machine, write_results
 from longspec.speculation.drafters.base import DraftContext
+from longspec.speculation.drafters.draft_model import DraftModelDrafter
 from longspec.speculation.drafters.mamba import PAPER_TREES, MambaDrafter, tree_nodes
 
 
@@ -64,6 +66,8 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768])
+    parser.add_argument("--draft-model", default=None,
+                        help="small transformer drafter directory for the memory table (default: the shipped one)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                         help="the drafter's weights (its recurrence runs in float32 either way)")
     parser.add_argument("--threads", type=int, default=None)
@@ -92,15 +96,18 @@ def main() -> None:
     import longspec
 
     target = longspec.load(dtype="bfloat16").model
+    small = DraftModelDrafter(args.draft_model).model.to(torch.bfloat16)  # its KV cache is its state
     drafter = MambaDrafter(mamba, widths=(1,))
     for context in args.contexts:
         drafter.begin(DraftContext(tokens, None, 8))
         drafter.propose(DraftContext(tokens, None, 8))
         mamba_bytes = drafter.state_nbytes()  # constant: it never depends on how many tokens were seen
-        transformer_bytes = target.new_cache(context, max_forward_tokens=1).nbytes()
-        rows.append({"context": context, "mamba_state_bytes": mamba_bytes, "transformer_cache_bytes": transformer_bytes})
-        print(f"context {context}: Mamba state {mamba_bytes / 2**20:.2f} MiB, Gemma 3 270M KV cache "
-              f"{transformer_bytes / 2**20:.1f} MiB", flush=True)
+        small_bytes = small.new_cache(context, max_forward_tokens=1).nbytes()
+        target_bytes = target.new_cache(context, max_forward_tokens=1).nbytes()
+        rows.append({"context": context, "mamba_state_bytes": mamba_bytes, "draft_model_cache_bytes": small_bytes,
+                     "target_cache_bytes": target_bytes})
+        print(f"context {context}: Mamba state {mamba_bytes / 2**20:.2f} MiB, small transformer drafter's KV cache "
+              f"{small_bytes / 2**20:.1f} MiB, Gemma 3 270M KV cache {target_bytes / 2**20:.1f} MiB", flush=True)
     write_results(args.out, {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()}}, rows)
 
 

@@ -23,21 +23,7 @@ from transformers import AutoModelForCausalLM
 from longspec.runtime.loading import load_target
 from longspec.speculation.drafters.vocab_map import VocabMap
 from longspec.training.data import load_split, token_frequencies
-
-
-def cut_vocabulary(model, vocab: VocabMap, frequencies: torch.Tensor, keep: int, always: list[int]) -> VocabMap:
-    """Keep the `keep` most frequent of the drafter's tokens (and `always`); the
-    embedding rows of the rest go, the "other" id's row stays (last)."""
-    ranked = frequencies[vocab.target_ids].double()
-    ranked[vocab.to_draft(torch.tensor(always))] = float("inf")
-    kept = ranked.argsort(descending=True, stable=True)[:keep].sort().values  # draft ids, ascending target order
-    rows = torch.cat([kept, torch.tensor([vocab.other])])
-    embedding = model.get_input_embeddings()
-    embedding.weight.data = embedding.weight.data[rows].clone()
-    embedding.num_embeddings = rows.numel()
-    model.config.vocab_size = rows.numel()
-    model.tie_weights()
-    return VocabMap(vocab.target_ids[kept], vocab.target_vocab_size)
+from longspec.training.external_drafter import cut_vocabulary
 
 
 def main() -> None:
@@ -51,8 +37,6 @@ def main() -> None:
     args = parser.parse_args()
     model = AutoModelForCausalLM.from_pretrained(str(args.run), dtype=torch.float32)
     vocab = VocabMap.load(args.run)
-    if not model.config.tie_word_embeddings:
-        raise ValueError(f"{args.run}: the shipping cut expects an output layer tied to the embedding")
     if args.keep is not None:
         if args.shards is None:
             raise ValueError("--keep needs --shards (the training tokens' frequencies)")

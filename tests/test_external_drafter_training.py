@@ -17,6 +17,7 @@ from longspec.speculation.processors import SamplingParams
 from longspec.training.external_drafter import (
     DrafterTrainOptions,
     ExternalDrafterTrainer,
+    cut_vocabulary,
     mamba_drafter,
     reduced_vocabulary,
     transformer_drafter,
@@ -198,3 +199,30 @@ def test_reduced_vocabulary_sampled_chains_follow_the_target_distribution():
         key = tuple(torch.cat(list(rounds)).tolist())
         counts[key] = counts.get(key, 0) + 1
     assert goodness_of_fit(exact_distribution(target, SAMPLING), counts) > 1e-3
+
+
+@pytest.mark.parametrize("architecture", ["mamba", "draft-model"])
+def test_a_cut_vocabulary_keeps_the_drafters_function_on_the_kept_tokens(architecture):
+    """Shipping cuts a drafter to its most frequent tokens: on inputs among them, its
+    logits over them are the uncut drafter's; EOS stays; the rest read as "other"."""
+    target = tiny_decoder("gemma3", dtype=torch.float32)
+    tokens = _tokens()
+    vocab = reduced_vocabulary(tokens, target.config, 60)
+    build = (lambda v: mamba_drafter(v, hidden_size=32, layers=2, state_size=4)) if architecture == "mamba" else \
+        (lambda v: transformer_drafter(v, target.config, hidden_size=32, layers=2, heads=2, kv_heads=1,
+                                       intermediate_size=64))
+    model = build(vocab).double().eval()
+    cut = build(vocab).double().eval()
+    cut.load_state_dict(model.state_dict())
+    frequencies = torch.bincount(tokens, minlength=target.config.vocab_size)
+    eos = list(target.config.eos_token_ids)
+    small = cut_vocabulary(cut, vocab, frequencies, 20, eos)
+    assert small.draft_vocab_size == 21 and cut.config.vocab_size == 21
+    assert cut.get_output_embeddings().weight.data_ptr() == cut.get_input_embeddings().weight.data_ptr()
+    in_vocab = [t for t in eos if t < target.config.vocab_size and int(vocab.to_draft(torch.tensor([t]))) != vocab.other]
+    assert all(int(small.to_draft(torch.tensor([t]))) != small.other for t in in_vocab)
+    ids = small.target_ids[torch.randint(0, 20, (2, 9), generator=torch.Generator().manual_seed(0))]
+    with torch.no_grad():
+        full = model(input_ids=vocab.to_draft(ids)).logits[..., vocab.to_draft(small.target_ids)]
+        reduced = cut(input_ids=small.to_draft(ids)).logits[..., :20]
+    torch.testing.assert_close(reduced, full)

@@ -166,6 +166,29 @@ class ExternalDrafterTrainer(ResumableTrainer):
         tmp.replace(self.out / self.state_name)
 
 
+def cut_vocabulary(model, vocab: VocabMap, frequencies: torch.Tensor, keep: int, always: list[int]) -> VocabMap:
+    """Cut a trained drafter (embedding tied to its output layer) to the `keep` most
+    frequent of its tokens by `frequencies` [target vocabulary] (and `always`, e.g.
+    EOS): the embedding rows of the rest go, the "other" id's row stays (last). Returns
+    the new vocabulary; a target token outside it reads as "other" and is never
+    proposed. For shipping a smaller drafter."""
+    if not model.config.tie_word_embeddings:
+        raise ValueError("cutting the vocabulary expects an output layer tied to the embedding")
+    if not 0 < keep < vocab.other:
+        raise ValueError(f"keep must be in [1, {vocab.other}), got {keep}")
+    ranked = frequencies[vocab.target_ids].double()
+    listed = vocab.to_draft(torch.tensor(list(always), dtype=torch.long))
+    ranked[listed[listed != vocab.other]] = float("inf")
+    kept = ranked.argsort(descending=True, stable=True)[:keep].sort().values  # draft ids, ascending target order
+    rows = torch.cat([kept, torch.tensor([vocab.other])])
+    embedding = model.get_input_embeddings()
+    embedding.weight.data = embedding.weight.data[rows].clone()
+    embedding.num_embeddings = rows.numel()
+    model.config.vocab_size = rows.numel()
+    model.tie_weights()
+    return VocabMap(vocab.target_ids[kept], vocab.target_vocab_size)
+
+
 def mamba_drafter(vocab: VocabMap, *, hidden_size: int = 256, layers: int = 8, state_size: int = 16, seed: int = 0):
     """A fresh `transformers` Mamba over the drafter's reduced vocabulary (seeded initialisation)."""
     from transformers import MambaConfig, MambaForCausalLM
