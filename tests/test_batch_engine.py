@@ -300,3 +300,22 @@ def test_generate_batch_equals_generate(tmp_path):
     assert stopped.stats.stop_reason == "stop" and stop not in stopped.text
     with pytest.raises(TypeError, match="list of prompts"):
         model.generate_batch("one prompt")
+
+
+def test_auto_fills_the_padding_of_a_batch_forward_and_stays_exact():
+    """Beside a row whose trees are wide, `auto` grows its own tree into the padding
+    slots the shared forward verifies anyway; every row still equals its B = 1 run."""
+    model, _ = diverse_model("llama")
+    prompts = [torch.cat([random_ids(6, seed=4)[0].repeat(4), random_ids(3, seed=5)[0]]) % 24,
+               random_ids(17, seed=6)[0] % 24]
+    references = [single_run(model, p, max_new_tokens=30) for p in prompts]
+    auto = AdaptiveDrafter([("pld", PromptLookupDrafter(num_tokens=5)), ("ngram", NgramDrafter(k=3))],
+                           forward_cost=ForwardCost({}, (1, 8, 64), (0.01, 0.03, 0.2)))  # wide trees cost
+    wide = MambaDrafter(tiny_mamba(vocab_size=model.config.vocab_size), widths=(3, 2, 2))
+    engine = BatchEngine(model, OPTIONS, BatchOptions(max_rows=2, row_capacity=120))
+    handles = [engine.submit(p, max_new_tokens=30, drafter=d) for p, d in zip(prompts, (auto, wide))]
+    while engine.has_work:
+        engine.step()
+    for handle, reference in zip(handles, references):
+        assert torch.equal(handle.tokens, reference)
+    assert auto.telemetry_state.nodes_widened > 0

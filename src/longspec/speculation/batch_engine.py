@@ -329,6 +329,18 @@ class BatchEngine:
         return DraftContext(row.tokens[: row.length], row.view, budget, row.draft_generator, rows_in_forward=rows)
 
     # -------------------------------------------------------------------- round
+    def _widen(self, rows: list[_Row], trees: list[Tree], vocab: int) -> None:
+        """The forward verifies the widest row's node count in every row: a drafter that
+        can grow its tree (`widen`) fills its padding slots with its next best nodes."""
+        width = max(tree.size for tree in trees) - 1
+        for index, (row, tree) in enumerate(zip(rows, trees)):
+            widen = getattr(row.drafter, "widen", None)
+            if widen is None or tree.size - 1 >= width:
+                continue
+            t0 = time.perf_counter()
+            trees[index] = checked_proposal(row.drafter, self._context(row), vocab, lambda c: widen(c, width))
+            row.stats.draft_s += time.perf_counter() - t0
+
     def _round(self) -> None:
         rows = self._decoding
         vocab = self.model.config.vocab_size
@@ -340,6 +352,7 @@ class BatchEngine:
             else:
                 trees.append(checked_proposal(row.drafter, self._context(row), vocab))
             row.stats.draft_s += time.perf_counter() - t0
+        self._widen(rows, trees, vocab)
 
         t0 = time.perf_counter()
         view = self.cache.rows(0, len(rows))

@@ -172,11 +172,12 @@ class SpeculativeEngine:
         return checked_proposal(drafter, context, self.model.config.vocab_size)
 
 
-def checked_proposal(drafter: Drafter, context: DraftContext, vocab_size: int) -> Tree:
-    """The drafter's tree, every invariant checked once before the target sees it."""
+def checked_proposal(drafter: Drafter, context: DraftContext, vocab_size: int, propose=None) -> Tree:
+    """The drafter's tree (`propose(context)`, by default its `propose`), every
+    invariant checked once before the target sees it."""
     name = type(drafter).__name__
     try:
-        tree = drafter.propose(context)
+        tree = (propose or drafter.propose)(context)
     except MalformedTreeError as error:  # raised while the drafter built its tree
         raise MalformedTreeError(f"drafter {name} proposed a malformed tree: {error}") from None
     if not isinstance(tree, Tree):

@@ -11,7 +11,10 @@ indexes; not weights), which benchmarks report beside the target's cache; and
 the engine keeps from prefill for them (`TargetView.prefill_hidden`); and
 ``runs_model = True`` when each proposal runs a neural network (a draft model), so
 that a controller composing drafters (`auto`) treats it as costly before it has
-measured it.
+measured it; and ``widen(context, nodes) -> Tree``, the tree of the last
+``propose`` grown toward ``nodes`` speculative nodes, which the batched engine asks
+for when another row's tree makes the shared forward verify that many nodes per row
+anyway (padding slots turned into speculation).
 """
 
 from __future__ import annotations

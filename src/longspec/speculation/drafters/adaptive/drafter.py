@@ -138,6 +138,7 @@ class ControllerTelemetry:
     rounds: int = 0
     speculation_off_rounds: int = 0  # root-only trees chosen
     nodes_chosen: int = 0
+    nodes_widened: int = 0  # nodes added to fill a batch forward's padding (`widen`)
     predicted_accepted: float = 0.0  # Σ over rounds of the chosen nodes' acceptance probabilities
     realised_accepted: int = 0
     calls: dict[str, int] = field(default_factory=dict)
@@ -148,7 +149,7 @@ class ControllerTelemetry:
         rounds = max(self.rounds, 1)
         return {
             "rounds": self.rounds, "speculation_off_rounds": self.speculation_off_rounds,
-            "mean_nodes": self.nodes_chosen / rounds,
+            "mean_nodes": self.nodes_chosen / rounds, "mean_nodes_widened": self.nodes_widened / rounds,
             "predicted_accepted_per_round": self.predicted_accepted / rounds,
             "realised_accepted_per_round": self.realised_accepted / rounds,
             "calls": dict(self.calls), "credited_tokens": dict(self.credited_tokens),
@@ -260,8 +261,23 @@ class AdaptiveDrafter:
         tree, kept = subtree(merged.tree, order[:k])
         self._round = {"start": start, "merged": merged, "agreement": agreement, "kept": kept, "called": called, "k": k,
                        "predicted": sum(expected[n] for n in order[:k]), "measured_forward_s": self.forward_cost.seconds_for(self._rows * (k + 1)),
-                       "drafted_s": drafted_s}
+                       "drafted_s": drafted_s, "order": order, "expected": expected, "tree": tree}
         return tree
+
+    def widen(self, context: DraftContext, nodes: int) -> Tree:
+        """This round's tree with the next best nodes added, up to `nodes` speculative
+        nodes (and the budget): the batched engine asks when another row's tree makes
+        the shared forward verify that many per row anyway. The policy keeps its choice
+        (`k`); the added nodes are verified, recorded and predicted like the others."""
+        round_ = self._round
+        if round_ is None:
+            raise RuntimeError("widen() follows propose() in the same round")
+        order = round_["order"]
+        count = min(int(nodes), int(context.max_nodes), len(order))
+        if count > len(round_["kept"]) - 1:
+            round_["tree"], round_["kept"] = subtree(round_["merged"].tree, order[:count])
+            round_["predicted"] = sum(round_["expected"][n] for n in order[:count])
+        return round_["tree"]
 
     def observe(self, committed: torch.Tensor) -> None:
         for component in self.components:
@@ -307,6 +323,7 @@ class AdaptiveDrafter:
         t.rounds += 1
         t.speculation_off_rounds += round_["k"] == 0
         t.nodes_chosen += round_["k"]
+        t.nodes_widened += len(kept) - 1 - round_["k"]
         t.predicted_accepted += round_["predicted"]
         t.realised_accepted += len(accepted_nodes)
 
