@@ -22,6 +22,7 @@ import longspec
 from common import machine, write_results
 from longspec.bench.tasks import PromptFilter, TaskSpec, build_prompts
 from longspec.speculation.drafters.mamba import PAPER_TREES
+from longspec.training.data import load_split, served_prefix
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 # Trees a CPU can verify cheaply (a 49-token verification costs ~5x a 1-token one at 4k:
@@ -50,7 +51,10 @@ def configurations(mamba: str | None, draft_model: str | None) -> dict[str, tupl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", nargs="+", default=["multi_news", "lcc"])
+    parser.add_argument("--tasks", nargs="*", default=["multi_news", "lcc"])
+    parser.add_argument("--heldout", type=Path, default=None,
+                        help="also a prompt from these token shards' held-out split (text from files the shipped "
+                             "drafters never trained on, in their training domain): BOS + the first tokens")
     parser.add_argument("--data-dir", type=Path, default=DATA)
     parser.add_argument("--prompt-tokens", type=int, default=4096)
     parser.add_argument("--new-tokens", type=int, default=256)
@@ -72,16 +76,21 @@ def main() -> None:
     if "ar" not in names:
         names = ["ar", *names]  # every ratio is over AR on the same prompt and setting
     model = longspec.load()
-    rows = []
+    prompts = {}
     for task in args.tasks:
         items = TaskSpec.parse(task, args.data_dir).load()
-        prompt = build_prompts(items, model.tokenizer, PromptFilter(buckets=(args.prompt_tokens,),
-                                                                    limit=args.item + 1))[args.item]
+        prompts[task] = build_prompts(items, model.tokenizer, PromptFilter(buckets=(args.prompt_tokens,),
+                                                                          limit=args.item + 1))[args.item].ids
+    if args.heldout is not None:
+        stream = load_split(args.heldout, "heldout")[: args.prompt_tokens - 1]
+        prompts["heldout"] = torch.cat([torch.tensor(served_prefix(model.tokenizer), dtype=torch.long), stream])
+    rows = []
+    for task, ids in prompts.items():
         for temperature in args.temperatures:
             ar_rate = None
             for name in names:
                 method, options = configs[name]
-                result = model.generate(prompt.ids, max_new_tokens=args.new_tokens, method=method,
+                result = model.generate(ids, max_new_tokens=args.new_tokens, method=method,
                                         method_options=options or None, temperature=temperature, seed=0,
                                         ignore_eos=True)
                 s = result.stats

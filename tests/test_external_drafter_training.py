@@ -226,3 +226,20 @@ def test_a_cut_vocabulary_keeps_the_drafters_function_on_the_kept_tokens(archite
         full = model(input_ids=vocab.to_draft(ids)).logits[..., vocab.to_draft(small.target_ids)]
         reduced = cut(input_ids=small.to_draft(ids)).logits[..., :20]
     torch.testing.assert_close(reduced, full)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["mamba", "draft-model"])
+def test_shipped_external_drafters_fit_the_embedded_gemma_and_stay_lossless(method):
+    from longspec.runtime.default_model import default_model_available
+
+    if not default_model_available():
+        pytest.skip("the embedded Gemma 3 270M package is not installed")
+    import longspec
+
+    model = longspec.load(None, dtype="float32")  # bf16 near-ties may legitimately differ
+    prompt = model.encode("def fibonacci(n):\n    if n < 2:\n        return n\n" * 4)
+    greedy = model.generate(prompt, max_new_tokens=24, ignore_eos=True)
+    drafted = model.generate(prompt, max_new_tokens=24, ignore_eos=True, method=method)
+    assert drafted.token_ids == greedy.token_ids
+    assert drafted.stats.tau > 1.0  # the shipped drafter's tokens were accepted at least once

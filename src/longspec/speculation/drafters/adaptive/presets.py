@@ -18,8 +18,8 @@ COMPONENTS: dict[str, Callable[[], Drafter]] = {
     "pld": PromptLookupDrafter,
     "ngram": NgramDrafter,
     "longspec": make_longspec,  # the shipped draft (beam trees); left out on targets it does not fit
-    # The shipped external drafters (opt-in): chains, which a CPU verifies cheaply.
-    "mamba": partial(MambaDrafter, widths=(1, 1, 1, 1)),
+    # The shipped external drafters (opt-in), as chains.
+    "mamba": MambaDrafter,
     "draft-model": partial(DraftModelDrafter, length=4),
 }
 POLICIES: dict[str, Callable[[], TreePolicy]] = {

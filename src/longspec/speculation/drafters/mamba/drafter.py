@@ -31,8 +31,12 @@ from longspec.speculation.drafters.mamba.state import MambaState, MambaStepper
 from longspec.speculation.drafters.vocab_map import VocabMap
 from longspec.speculation.tree import Tree
 
-# The paper's arms for its test-time search; the first is the default shape.
+# The paper's arms for its test-time search (its default shape is the first, for a GPU).
 PAPER_TREES = ((3, 3, 2, 1), (3, 2, 2, 1, 1), (2, 2, 2, 1, 1, 1))
+# Default shape: a chain. On a 2-core CPU the paper's 48-node tree ran at 0.17-0.22x AR
+# against 0.54-0.75x for this chain with the shipped drafter (BENCHMARKS.md): verifying
+# 49 tokens costs ~5x one token there, and its wide depths multiply the drafter's work.
+DEFAULT_WIDTHS = (1, 1, 1, 1)
 SHIPPED_DRAFTER = "mamba-gemma-3-270m"  # in longspec/weights, for the embedded target
 
 
@@ -59,7 +63,7 @@ def tree_nodes(widths: Sequence[int]) -> int:
 class MambaDrafter:
     runs_model = True  # each proposal runs the drafter network (see drafters.base)
 
-    def __init__(self, model=None, *, widths: Sequence[int] = PAPER_TREES[0], search: Sequence[Sequence[int]] | None = None,
+    def __init__(self, model=None, *, widths: Sequence[int] = DEFAULT_WIDTHS, search: Sequence[Sequence[int]] | None = None,
                  exploration: float = 1.0, vocab: VocabMap | None = None) -> None:
         """model: a `transformers` Mamba causal LM, or a checkpoint directory / local
         model id of one (with its reduced vocabulary, `longspec-vocab.json`, when it
