@@ -303,8 +303,8 @@ def test_generate_batch_equals_generate(tmp_path):
 
 
 def test_auto_fills_the_padding_of_a_batch_forward_and_stays_exact():
-    """Beside a row whose trees are wide, `auto` grows its own tree into the padding
-    slots the shared forward verifies anyway; every row still equals its B = 1 run."""
+    """With `fill_padding`, beside a row whose trees are wide, `auto` grows its own tree
+    into its padding slots; every row still equals its B = 1 run."""
     model, _ = diverse_model("llama")
     prompts = [torch.cat([random_ids(6, seed=4)[0].repeat(4), random_ids(3, seed=5)[0]]) % 24,
                random_ids(17, seed=6)[0] % 24]
@@ -312,7 +312,7 @@ def test_auto_fills_the_padding_of_a_batch_forward_and_stays_exact():
     auto = AdaptiveDrafter([("pld", PromptLookupDrafter(num_tokens=5)), ("ngram", NgramDrafter(k=3))],
                            forward_cost=ForwardCost({}, (1, 8, 64), (0.01, 0.03, 0.2)))  # wide trees cost
     wide = MambaDrafter(tiny_mamba(vocab_size=model.config.vocab_size), widths=(3, 2, 2))
-    engine = BatchEngine(model, OPTIONS, BatchOptions(max_rows=2, row_capacity=120))
+    engine = BatchEngine(model, OPTIONS, BatchOptions(max_rows=2, row_capacity=120, fill_padding=True))
     handles = [engine.submit(p, max_new_tokens=30, drafter=d) for p, d in zip(prompts, (auto, wide))]
     while engine.has_work:
         engine.step()

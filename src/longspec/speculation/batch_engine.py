@@ -58,6 +58,12 @@ class BatchOptions:
     # max_tree_nodes). On a CPU a forward past the compute knee costs in proportion to
     # its width, so B rows share one budget: each gets budget // B nodes.
     max_forward_nodes: int | None = None
+    # Rows whose drafter can grow its tree (`widen`, e.g. auto) fill the padding slots
+    # of the shared forward with real nodes. Off by default: on a CPU a padding slot is
+    # nearly free (it attends to itself only and gets no output-layer row) while a real
+    # node pays attention over the row's context and the 262k-vocabulary head, so
+    # filling measured 0.66-1.11x of not filling (BENCHMARKS.md).
+    fill_padding: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_rows", "row_capacity", "prefill_tokens_per_step"):
@@ -330,8 +336,8 @@ class BatchEngine:
 
     # -------------------------------------------------------------------- round
     def _widen(self, rows: list[_Row], trees: list[Tree], vocab: int) -> None:
-        """The forward verifies the widest row's node count in every row: a drafter that
-        can grow its tree (`widen`) fills its padding slots with its next best nodes."""
+        """Every row's tree is padded to the widest row's: a drafter that can grow its
+        tree (`widen`) fills its padding slots with its next best nodes."""
         width = max(tree.size for tree in trees) - 1
         for index, (row, tree) in enumerate(zip(rows, trees)):
             widen = getattr(row.drafter, "widen", None)
@@ -352,7 +358,8 @@ class BatchEngine:
             else:
                 trees.append(checked_proposal(row.drafter, self._context(row), vocab))
             row.stats.draft_s += time.perf_counter() - t0
-        self._widen(rows, trees, vocab)
+        if self.batch.fill_padding:
+            self._widen(rows, trees, vocab)
 
         t0 = time.perf_counter()
         view = self.cache.rows(0, len(rows))

@@ -13,8 +13,8 @@ the engine keeps from prefill for them (`TargetView.prefill_hidden`); and
 that a controller composing drafters (`auto`) treats it as costly before it has
 measured it; and ``widen(context, nodes) -> Tree``, the tree of the last
 ``propose`` grown toward ``nodes`` speculative nodes, which the batched engine asks
-for when another row's tree makes the shared forward verify that many nodes per row
-anyway (padding slots turned into speculation).
+for (with ``BatchOptions.fill_padding``) when another row's tree is wider (its padding
+slots turned into speculation).
 """
 
 from __future__ import annotations

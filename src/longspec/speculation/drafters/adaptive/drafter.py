@@ -266,9 +266,9 @@ class AdaptiveDrafter:
 
     def widen(self, context: DraftContext, nodes: int) -> Tree:
         """This round's tree with the next best nodes added, up to `nodes` speculative
-        nodes (and the budget): the batched engine asks when another row's tree makes
-        the shared forward verify that many per row anyway. The policy keeps its choice
-        (`k`); the added nodes are verified, recorded and predicted like the others."""
+        nodes (and the budget): the batched engine asks (with `fill_padding`) when
+        another row's tree is wider. The policy keeps its choice (`k`); the added nodes
+        are verified, recorded and predicted like the others."""
         round_ = self._round
         if round_ is None:
             raise RuntimeError("widen() follows propose() in the same round")
