@@ -25,8 +25,11 @@ TIMEOUT_S = 60
 
 
 def start_worker(root: Path, chunks: int = 40, delay: float = 0.05) -> subprocess.Popen:
+    # SIGINT back to its default in the worker: a shell starts background jobs (and so
+    # their children) with it ignored.
     return subprocess.Popen([sys.executable, str(WORKER), str(root), "entry", str(chunks), str(delay)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def wait_for_partial_weights(root: Path) -> None:

@@ -218,8 +218,14 @@ def test_train_tokenswift_names_the_extensions_it_reads(tmp_path, capsys):
 
 # --------------------------------------------------------------- process faults
 def _cli_process(*args: str, **kwargs) -> subprocess.Popen:
+    # A shell starts background jobs with SIGINT ignored, and children inherit that:
+    # restore the default so Ctrl-C reaches the CLI however the tests were started.
     return subprocess.Popen([sys.executable, "-m", "longspec.cli.main", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, **kwargs)
+                            stderr=subprocess.PIPE, preexec_fn=default_sigint, **kwargs)
+
+
+def default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def test_ctrl_c_exits_130_with_one_line(checkpoint):
