@@ -11,7 +11,9 @@
    decode tokens/s, speculation with an oracle drafter (a chain of the true next
    tokens, so every round accepts `--oracle-tokens`; what a perfect drafter buys),
    AR throughput of the continuous-batching engine at each of `--batch-sizes` rows,
-   and the cost of verifying k tree tokens relative to one decode forward.
+   and the cost of verifying k tree tokens relative to one decode forward. With
+   `--compile` (the default on a GPU), AR, the oracle chain and the largest tree again
+   through compiled static-shape steps (CUDA graphs there), beside the eager numbers.
 
 Writes a markdown table and the raw numbers (JSON) to --out.
 """
@@ -32,6 +34,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from longspec.runtime.device import HOST, device_name, resolve_device, synchronize  # noqa: E402
 from longspec.runtime.loading import decoder_from_state_dict  # noqa: E402
+from longspec.runtime.static_step import CompileOptions  # noqa: E402
 from longspec.speculation.batch_engine import BatchEngine, BatchOptions  # noqa: E402
 from longspec.speculation.cost_model import measure_forward_cost  # noqa: E402
 from longspec.speculation.drafters.base import DraftContext  # noqa: E402
@@ -39,7 +42,7 @@ from longspec.speculation.engine import EngineOptions, SpeculativeEngine  # noqa
 from longspec.speculation.metrics import GenerationStats  # noqa: E402
 from longspec.speculation.tree import Tree  # noqa: E402
 
-DEVICE_TESTS = ["tests/test_devices.py", "tests/test_triton_tree_attention.py", "tests/test_cache.py",
+DEVICE_TESTS = ["tests/test_devices.py", "tests/test_triton_tree_attention.py", "tests/test_cache.py", "tests/test_static_step.py",
                 "tests/test_runtime_equivalence.py"]
 
 
@@ -130,6 +133,7 @@ def measure_shape(name: str, config, args, device: torch.device) -> dict:
     tokens, spec = decode_rate(model, prompt, args.new_tokens, oracle)
     if tokens != reference:
         raise AssertionError(f"{name}: speculation with an oracle drafter changed the output")
+    compiled = compiled_rates(model, prompt, reference, args) if args.compile else None
     batch_throughput(model, prompt[:64], 4, max(args.batch_sizes))  # warm-up: batched shapes and masks
     batches = {rows: batch_throughput(model, prompt, args.new_tokens, rows) for rows in args.batch_sizes}
     costs = {}
@@ -141,8 +145,35 @@ def measure_shape(name: str, config, args, device: torch.device) -> dict:
         "shape": name, "device": device_name(device), "dtype": args.dtype, "build_s": built_s,
         "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
         "ar_tokens_per_s": ar.decode_tokens_per_s, "oracle_tokens_per_s": spec.decode_tokens_per_s,
-        "oracle_tau": spec.tau, "batch_tokens_per_s": batches, "forward_seconds": costs,
+        "oracle_tau": spec.tau, "batch_tokens_per_s": batches, "forward_seconds": costs, "compiled": compiled,
     }
+
+
+def compiled_rates(model, prompt: torch.Tensor, reference: list[int], args) -> dict:
+    """AR, the oracle chain and a forward of the largest tree through compiled static
+    steps, then the model back to eager. Equality with the eager tokens is reported,
+    not required: in bf16 two kernels may round a near-tie apart (the float32 tests
+    prove the compiled steps exact)."""
+    largest = max(args.ks)
+    buckets = tuple(sorted({1, args.oracle_tokens + 1, largest}))
+    model.compile_steps(CompileOptions.for_device(model.device, buckets=buckets))
+    started = time.perf_counter()
+    for bucket in buckets:  # compile every step before anything is timed
+        decode_rate(model, prompt, bucket, OracleDrafter(reference, args.prompt_tokens, bucket - 1))
+    compile_s = time.perf_counter() - started
+    context = min(args.contexts)
+    cost = measure_forward_cost(model, context=context, ks=(1, largest), repeats=args.repeats)
+    ar_tokens, ar = decode_rate(model, prompt, args.new_tokens)
+    oracle_tokens, spec = decode_rate(model, prompt, args.new_tokens,
+                                      OracleDrafter(reference, args.prompt_tokens, args.oracle_tokens))
+    result = {
+        "buckets": buckets, "compile_s": compile_s, "failure": model.static_steps.failure,
+        "ar_tokens_per_s": ar.decode_tokens_per_s, "oracle_tokens_per_s": spec.decode_tokens_per_s,
+        "equal_to_eager": ar_tokens == reference and oracle_tokens == reference,
+        "forward_seconds": {context: {k: cost.seconds_for(k) for k in cost.ks}},
+    }
+    model.compile_steps(False)
+    return result
 
 
 def markdown(rows: list[dict], ks: list[int]) -> str:
@@ -166,6 +197,18 @@ def markdown(rows: list[dict], ks: list[int]) -> str:
             one = seconds[1]
             cells = " | ".join(f"{seconds[k] * 1e3:.2f} ms ({seconds[k] / one:.2f}×)" for k in ks)
             lines.append(f"| {r['shape']} | {context} | {cells} |")
+    compiled = [r for r in rows if r.get("compiled")]
+    if compiled:
+        lines += ["", "| shape | compiled steps | compile s | AR tok/s (× eager) | oracle tok/s (× eager) | "
+                      "largest tree / decode forward | tokens = eager |", "|---|---|---|---|---|---|---|"]
+    for r in compiled:
+        c = r["compiled"]
+        seconds = next(iter(c["forward_seconds"].values()))
+        largest = max(seconds)
+        lines.append(f"| {r['shape']} | {c['buckets']} | {c['compile_s']:.0f} | "
+                     f"{c['ar_tokens_per_s']:.1f} ({c['ar_tokens_per_s'] / r['ar_tokens_per_s']:.2f}) | "
+                     f"{c['oracle_tokens_per_s']:.1f} ({c['oracle_tokens_per_s'] / r['oracle_tokens_per_s']:.2f}) | "
+                     f"k={largest}: {seconds[largest] / seconds[1]:.2f}× | {c['equal_to_eager']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -189,9 +232,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="also measure compiled static steps (default: on a GPU only)")
     parser.add_argument("--out", type=Path, default=Path("bench-out/gpu_check"))
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
+    if args.compile is None:
+        args.compile = device.type == "cuda"
     if 1 not in args.ks:
         args.ks = [1, *args.ks]
     failed = 0 if args.skip_tests else run_tests(device)

@@ -8,10 +8,11 @@ import json
 import pytest
 import torch
 
-from longspec.api import LongSpecModel
+from longspec.api import LongSpecModel, load
 from longspec.cli.main import main as cli_main
 from longspec.runtime.config import UnsupportedArchitectureError
 from longspec.runtime.loading import load_target
+from longspec.runtime.static_step import CompileOptions
 from longspec.speculation.metrics import distinct_n
 from tiny_models import random_ids, tiny_hf_model
 
@@ -122,3 +123,10 @@ def test_cli_info_without_model(capsys):
     assert cli_main(["info", "--no-model"]) == 0
     out = capsys.readouterr().out
     assert "longspec" in out and "methods:" in out
+
+
+def test_load_with_compile_turns_on_static_steps(checkpoint_dir):
+    directory, _ = checkpoint_dir
+    assert load(directory, dtype="float32").model.static_steps is None  # eager unless asked
+    compiled = load(directory, dtype="float32", compile=True)
+    assert compiled.model.static_steps.options == CompileOptions.for_device(torch.device("cpu"))

@@ -176,12 +176,18 @@ def load(
     dtype: str | torch.dtype = "bfloat16",
     engine: EngineOptions = EngineOptions(),
     device: str | torch.device | None = None,
+    compile: bool = False,
 ) -> "LongSpecModel":
     """Load a target: None for the embedded Gemma 3 270M, an HF checkpoint
     directory, a .gguf file, or a model id already in the local HF cache.
     device: "cpu" (default), "cuda" or "cuda:N"; the model, its caches, the drafters'
-    weights and state and the sampling streams all live there."""
-    return LongSpecModel(load_target(model, dtype=parse_dtype(dtype), device=device), engine)
+    weights and state and the sampling streams all live there.
+    compile: run single-sequence decode steps and verification trees through
+    compiled static-shape steps (CUDA graphs on a GPU; `runtime.static_step`)."""
+    target = load_target(model, dtype=parse_dtype(dtype), device=device)
+    if compile:
+        target.model.compile_steps()
+    return LongSpecModel(target, engine)
 
 
 class LongSpecModel:

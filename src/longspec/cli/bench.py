@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from longspec.cli.options import add_device_argument
+from longspec.cli.options import add_compile_argument, add_device_argument
 from longspec.cli.paths import check_output_directory
 
 DATA_ENV = "LONGSPEC_BENCH_DATA"
@@ -70,6 +70,7 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default=None, help="checkpoint dir, .gguf or cached HF id (default: Gemma 3 270M)")
     p.add_argument("--dtype", default="bfloat16")
     add_device_argument(p)
+    add_compile_argument(p)
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads for every method (default: torch's choice); 1 is steadier on a busy machine")
     p.add_argument("--data-dir", type=Path, default=None,
@@ -189,7 +190,7 @@ def run(args) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    model = longspec.load(args.model, dtype=args.dtype, device=args.device)
+    model = longspec.load(args.model, dtype=args.dtype, device=args.device, compile=args.compile)
     for spec in specs:
         check_prompt_ids(items[spec], model.config.vocab_size)
     prompts = []

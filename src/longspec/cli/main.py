@@ -10,7 +10,7 @@ from pathlib import Path
 
 from longspec.cli import bench, serve, train
 from longspec.cli.faults import run_reporting_faults
-from longspec.cli.options import add_device_argument
+from longspec.cli.options import add_compile_argument, add_device_argument
 from longspec.cli.paths import read_prompt_file
 from longspec.speculation.methods import METHODS
 
@@ -36,6 +36,7 @@ def _generate_parser(sub) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default, fastest on CPU) | float32 | float64")
     add_device_argument(p)
+    add_compile_argument(p)
     p.add_argument("--max-tree-nodes", type=int, default=None, help="speculative nodes per verification forward")
     p.add_argument("--draft-tokens", type=int, default=None, help="pld: tokens per lookup candidate")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
@@ -73,7 +74,7 @@ def _cmd_generate(args) -> int:
         raise ValueError(f"--seed must be in [0, 2^64 - 1] (an unsigned 64-bit integer), got {args.seed}")
     parse_dtype(args.dtype)
 
-    model = longspec.load(args.model, dtype=args.dtype, engine=engine, device=args.device)
+    model = longspec.load(args.model, dtype=args.dtype, engine=engine, device=args.device, compile=args.compile)
     stream = model.stream(
         prompt, max_new_tokens=args.max_new_tokens, method=args.method, method_options=options,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, eta=args.eta,

@@ -1,5 +1,5 @@
 """Options shared by several commands: `KEY=VALUE` drafter options (`generate --option`,
-`bench --option`) and `--device`."""
+`bench --option`), `--device` and `--compile`."""
 
 from __future__ import annotations
 
@@ -11,6 +11,12 @@ def add_device_argument(parser) -> None:
     parser.add_argument("--device", default=None,
                         help="where the model computes: cpu (default), cuda or cuda:N; refused before loading "
                              "weights when the device is missing or cannot compute in --dtype")
+
+
+def add_compile_argument(parser) -> None:
+    parser.add_argument("--compile", action="store_true",
+                        help="run decode steps and verification trees through compiled static-shape steps "
+                             "(CUDA graphs on a GPU); the first forward of each size compiles once")
 
 
 def training_process_device(device: str | None):

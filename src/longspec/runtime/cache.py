@@ -112,6 +112,17 @@ class KVCache:
             self.pending_ring_slots = slots
             self.ring_positions[slots] = positions
 
+    def shrink_pending(self, count: int) -> None:
+        """Keep only the first `count` pending tokens pending; forget the rest as if no
+        forward had written them (a static step pads its tokens to a bucket size). Their
+        ring slots hold nothing visible afterwards."""
+        if not 0 <= count <= self.pending:
+            raise ValueError(f"cannot shrink {self.pending} pending tokens to {count}")
+        if self.ring_size and count < self.pending:
+            self.ring_positions[self.pending_ring_slots[count:]] = EMPTY_SLOT
+            self.pending_ring_slots = self.pending_ring_slots[:count]
+        self.pending = count
+
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write this forward's K/V [B, Hkv, T, D] for one layer."""
         j = self.group_index[layer]

@@ -48,6 +48,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu" and not x.requires_grad:
             return self.native.rms_norm(x.contiguous(), self.scale if self.gemma else self.weight, self.eps, self.gemma)
+        return self.plain(x)
+
+    def plain(self, x: torch.Tensor) -> torch.Tensor:
+        """The norm in PyTorch operations only (what a compiler can trace)."""
         wide = x if x.dtype == torch.float64 else x.float()
         normed = F.rms_norm(wide, (x.shape[-1],), eps=self.eps)
         if self.gemma:
@@ -100,7 +104,7 @@ class DecoderLayer(nn.Module):
         qk = qkv[..., : self.qk_dim].view(B, T, c.num_heads + c.num_kv_heads, c.head_dim)
         if self.qk_norm is not None:
             qk = self.qk_norm(qk)
-        qk = _apply_rope(qk.transpose(1, 2), *rope)
+        qk = apply_rope(qk.transpose(1, 2), *rope)
         q, k = qk.split((c.num_heads, c.num_kv_heads), dim=1)
         v = qkv[..., self.qk_dim :].view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
         cache.store(self.index, k, v)
@@ -164,6 +168,7 @@ class Decoder(nn.Module):
         self.attention: AttentionBackend = fused_attention
         self.native_kernels = True  # whether prepare() chose the native CPU kernels where they apply
         self._packed_head: PackedWeight | None = None
+        self.static_steps = None  # compiled decode/verify steps (see `compile_steps`), off by default
 
     @property
     def dtype(self) -> torch.dtype:
@@ -229,6 +234,11 @@ class Decoder(nn.Module):
         if tree_mask is not None:
             tree_mask = tree_mask.to(device)
         positions = cache.next_positions(T) if positions is None else positions.to(device)
+        size = self._static_size(T, cache, positions, logits_rows, with_logits)
+        if size is not None:
+            out = self.static_steps.forward(input_ids, cache, tree_mask, positions, size)
+            if out is not None:
+                return ForwardOutput(logits=out[0], hidden=out[1])
         cache.begin_forward(positions)
         plan = self._plan(T, cache, tree_mask, positions)
         rope = {s: self._rope(plan.positions, s) for s in set(self.config.layer_is_sliding)}
@@ -259,10 +269,31 @@ class Decoder(nn.Module):
                 best_index = torch.where(better, index, best_index)
         return best_index
 
+    def compile_steps(self, options=None) -> "Decoder":
+        """Run decode steps and verification trees through compiled static-shape
+        steps (`runtime.static_step`; CUDA graphs on a GPU). options: a
+        `CompileOptions` (None: the device's default); False turns them off."""
+        from longspec.runtime.static_step import CompileOptions, StaticSteps
+
+        if options is False:
+            self.static_steps = None
+        else:
+            self.static_steps = StaticSteps(self, options or CompileOptions.for_device(self.device))
+        return self
+
+    def _static_size(self, T, cache, positions, logits_rows, with_logits) -> int | None:
+        """The static step's bucket for this forward, or None to run it eagerly."""
+        if self.static_steps is None or logits_rows is not None or not with_logits or positions.dim() != 1:
+            return None
+        return self.static_steps.bucket(T, cache)
+
     def place(self, device: torch.device) -> "Decoder":
         """Move the weights to `device` and derive its inference-time weights again
         (keeping the choice of native CPU kernels)."""
-        return self.to(device).prepare(self.native_kernels)
+        self.to(device).prepare(self.native_kernels)
+        if self.static_steps is not None:  # graphs compiled for the old device do not apply
+            self.compile_steps(self.static_steps.options)
+        return self
 
     def prepare(self, native_kernels: bool = True) -> "Decoder":
         """Derive inference-time weights (prepacked matrices on CPU, norm scales). Call
@@ -322,6 +353,6 @@ class Decoder(nn.Module):
         return cos, signed_sin
 
 
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     # x [B, H, T, D]; cos/signed_sin [T, D] or [B, 1, T, D]
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin

@@ -92,6 +92,7 @@ def cost_key(model: Decoder, context: int, machine: dict) -> dict:
         "model": hashlib.sha256(config.encode()).hexdigest()[:16], "dtype": str(model.dtype), "context": context,
         "kernels": (f"{kernels_identity()}/attention<={NATIVE_ATTENTION_MAX_QUERIES}q"
                     if model.native_kernels and model.device.type == "cpu" and model.dtype == torch.bfloat16 else "none"),
+        "steps": "eager" if model.static_steps is None else repr(model.static_steps.options),
     }
 
 
@@ -115,7 +116,7 @@ def measure_forward_cost(
                          f"{model.config.max_position_embeddings} positions")
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (context + ks[-1],), generator=generator, device=HOST)
-    cache = model.new_cache(context + ks[-1] + 1, max_forward_tokens=max(512, ks[-1]))
+    cache = model.new_cache(context + ks[-1] + 1, max_forward_tokens=max(512, ks[-1]))  # as the engine makes it
     with torch.inference_mode():
         for begin in range(0, context, 512):
             model(ids[begin : min(begin + 512, context)].unsqueeze(0), cache, logits_rows=slice(0, 0))

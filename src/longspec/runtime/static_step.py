@@ -1,0 +1,220 @@
+"""Decode and verify steps with static shapes, compiled once per size bucket.
+
+The eager forward (`Decoder.forward`) cuts K/V views to the committed length and
+picks an attention kernel per call: right for the CPU, but on a GPU a small target's
+step is then bound by kernel launches, and a compiler (`torch.compile`, CUDA graphs)
+needs shapes that do not change from one step to the next. A static step, as the
+minimal GPU engines build it:
+
+* pads the T new tokens to a bucket size (1, 4, 16, ...): a padding token sees only
+  itself, no real token sees it, and the cache forgets it right after the forward;
+* writes K/V at slot indices computed from the committed length (a tensor), never
+  at Python slices;
+* attends each layer's whole buffer (the full layers' capacity, the rings' slots)
+  under one visibility mask built inside the step from the committed length, the
+  tree mask and the ring's slot positions.
+
+So between two calls of a bucket only tensor *values* change: one compiled graph per
+bucket serves every length (the cache's capacity is marked dynamic, so requests of
+other lengths reuse it too). On a GPU, `mode="reduce-overhead"` replays the step as a
+CUDA graph. Everything here is plain PyTorch: the native CPU kernels and the Triton
+tree kernel stay on the eager path. A forward the buckets do not cover (prefill
+chunks, batched rows, a bucket that would overrun the cache) runs eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from longspec.runtime.cache import KVCache, layer_groups
+
+logger = logging.getLogger(__name__)
+
+# Decode steps (1) and trees up to the engine's default budget of 64 nodes + the root.
+DEFAULT_BUCKETS = (1, 4, 16, 65)
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """How static steps are compiled. backend=None runs them uncompiled (what the
+    tests of the static formulation use); mode="reduce-overhead" uses CUDA graphs."""
+
+    backend: object = "inductor"  # a torch.compile backend (name or callable)
+    mode: str | None = None
+    buckets: tuple[int, ...] = DEFAULT_BUCKETS
+
+    def __post_init__(self) -> None:
+        if not self.buckets or any(b < 1 for b in self.buckets) or list(self.buckets) != sorted(set(self.buckets)):
+            raise ValueError(f"buckets must be increasing sizes >= 1, got {self.buckets}")
+
+    @staticmethod
+    def for_device(device: torch.device, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> "CompileOptions":
+        """CUDA graphs on a GPU (launch overhead is what a small target's step is
+        bound by there); inductor's C++ code on the CPU."""
+        return CompileOptions(mode="reduce-overhead" if device.type == "cuda" else None, buckets=buckets)
+
+
+class StaticSteps:
+    """The compiled steps of one `Decoder`, one per bucket, built on first use."""
+
+    def __init__(self, decoder, options: CompileOptions) -> None:
+        self.decoder = decoder
+        self.options = options
+        self._steps: dict[int, object] = {}
+        self._failed: str | None = None  # why compiling failed: every later forward runs eagerly
+        self.calls = 0  # forwards served by a static step (tests and reports read it)
+
+    def bucket(self, tokens: int, cache) -> int | None:
+        """The smallest bucket that holds `tokens` new tokens and fits the cache, or
+        None when this forward must run eagerly."""
+        if self._failed is not None or type(cache) is not KVCache or cache.full_k.shape[1] != 1:
+            return None
+        room = min(cache.capacity - cache.length, cache.max_forward_tokens)
+        return next((b for b in self.options.buckets if tokens <= b <= room), None)
+
+    def forward(self, input_ids, cache: KVCache, tree_mask, positions, size: int):
+        """Logits and final hidden states [1, T, .] of T new tokens padded to `size`;
+        None when the step could not be compiled (the caller runs eagerly)."""
+        T = input_ids.shape[1]
+        device = self.decoder.device
+        pad = size - T
+        mask = torch.ones((size, size), dtype=torch.bool, device=device).tril_() if tree_mask is None else None
+        if tree_mask is not None:
+            mask = torch.eye(size, dtype=torch.bool, device=device)
+            mask[:T, :T] = tree_mask
+        mask[T:, :T] = False
+        mask[:T, T:] = False
+        # Padding tokens repeat the last real one at the root's position: harmless
+        # values, invisible to real tokens, forgotten after the step. (Copies even
+        # without padding: the compiled step then always sees tensors made here.)
+        input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(1, pad)], dim=1)
+        positions = torch.cat([positions, positions[:1].expand(pad)])
+        cache.begin_forward(positions)
+        length = torch.tensor(cache.length, dtype=torch.long, device=device)
+        buffers = (cache.full_k, cache.full_v, cache.ring_k, cache.ring_v, cache.ring_positions)
+        self._mark(buffers)
+        step = self._step(size)
+        try:
+            logits, hidden = step(input_ids, positions, mask, length, cache.pending_ring_slots, *buffers)
+        except Exception as error:  # a compiler or backend that cannot build this step
+            cache.drop_pending()  # its slots are past the committed length, or outside every window
+            self._failed = f"{type(error).__name__}: {error}"
+            logger.warning("compiled steps are off for this model (%s); decoding continues eagerly", self._failed)
+            return None
+        cache.shrink_pending(T)
+        self.calls += 1
+        # CUDA graphs reuse their output buffers at the next replay: hand out copies.
+        return logits[:, :T].clone(), hidden[:, :T].clone()
+
+    @property
+    def failure(self) -> str | None:
+        return self._failed
+
+    def _mark(self, buffers) -> None:
+        """Tell the compiler about the cache: its capacity varies between requests
+        (one graph serves all), and under CUDA graphs its buffers are updated in place
+        at fixed addresses rather than copied in and out at every replay."""
+        if self.options.backend is None:
+            return
+        full_k, full_v = buffers[:2]
+        torch._dynamo.maybe_mark_dynamic(full_k, 3)
+        torch._dynamo.maybe_mark_dynamic(full_v, 3)
+        if self.options.mode == "reduce-overhead":
+            for buffer in buffers:
+                torch._dynamo.mark_static_address(buffer, guard=False)
+
+    def _step(self, size: int):
+        if size not in self._steps:
+            step = _bind(self.decoder)
+            if self.options.backend is not None:
+                step = torch.compile(step, backend=self.options.backend, mode=self.options.mode,
+                                     fullgraph=True, dynamic=None)
+            self._steps[size] = step
+        return self._steps[size]
+
+
+def _bind(decoder):
+    def step(ids, positions, mask, length, ring_slots, full_k, full_v, ring_k, ring_v, ring_positions):
+        return static_forward(decoder, ids, positions, mask, length, ring_slots,
+                              full_k, full_v, ring_k, ring_v, ring_positions)
+
+    return step
+
+
+def static_forward(decoder, ids, positions, mask, length, ring_slots, full_k, full_v, ring_k, ring_v, ring_positions):
+    """One forward of S new tokens [1, S] (S fixed: a bucket) in PyTorch operations
+    only, writing their K/V into the cache's buffers in place.
+
+    mask [S, S]: visibility among the new tokens; length: committed tokens (0-d
+    tensor); ring_slots [S]: the rings' slots of the new tokens (set by
+    `KVCache.begin_forward`, which also recorded their positions in ring_positions).
+    Returns logits [1, S, V] and final hidden states [1, S, H]."""
+    config = decoder.config
+    S = ids.shape[1]
+    full_slots = length + torch.arange(S, device=ids.device)
+    full_visible = None
+    if full_k.shape[0]:
+        # Committed slots are visible to every query; this step's slots by the mask.
+        slot = torch.arange(full_k.shape[3], device=ids.device)
+        offset = slot - length
+        ours = (offset >= 0) & (offset < S)
+        full_visible = (slot < length).unsqueeze(0) | (ours.unsqueeze(0) & mask[:, offset.clamp(0, S - 1)])
+    ring_visible = None
+    if ring_k.shape[0]:
+        distance = positions.unsqueeze(1) - positions.unsqueeze(0)
+        committed = ring_positions < length
+        in_window = ring_positions.unsqueeze(0) > (positions.unsqueeze(1) - config.sliding_window)
+        ring_visible = committed.unsqueeze(0) & in_window
+        ring_visible = ring_visible.index_put((torch.arange(S, device=ids.device).unsqueeze(1), ring_slots.unsqueeze(0)),
+                                              mask & (distance < config.sliding_window))
+    rope = {s: decoder._rope(positions, s) for s in set(config.layer_is_sliding)}
+    group_index = layer_groups(config).index
+    x = decoder.embed(ids)
+    for layer in decoder.layers:
+        j = group_index[layer.index]
+        if layer.sliding:
+            buffers = ring_k[j], ring_v[j], ring_slots, ring_visible
+        else:
+            buffers = full_k[j], full_v[j], full_slots, full_visible
+        x = _layer(layer, x, rope[layer.sliding], *buffers)
+    hidden = decoder.final_norm.plain(x)
+    logits = F.linear(hidden, decoder.head_weight)
+    cap = config.final_logit_softcapping
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits, hidden
+
+
+def _layer(layer, x, rope, keys, values, slots, visible):
+    """`DecoderLayer.forward` over whole buffers: this step's K/V are written at
+    `slots` of keys/values [1, Hkv, slots, D], then every query attends the buffer
+    under `visible` [S, slots]."""
+    from longspec.runtime.model import apply_rope  # the model module builds static steps
+
+    c = layer.config
+    B, S, _ = x.shape
+    qkv = F.linear(layer.input_norm.plain(x), layer.qkv_weight, layer.qkv_bias)
+    qk = qkv[..., : layer.qk_dim].view(B, S, c.num_heads + c.num_kv_heads, c.head_dim)
+    if layer.qk_norm is not None:
+        qk = layer.qk_norm.plain(qk)
+    qk = apply_rope(qk.transpose(1, 2), *rope)
+    q, k = qk.split((c.num_heads, c.num_kv_heads), dim=1)
+    v = qkv[..., layer.qk_dim :].view(B, S, c.num_kv_heads, c.head_dim).transpose(1, 2)
+    keys.index_copy_(2, slots, k)
+    values.index_copy_(2, slots, v)
+    attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=c.attention_scale,
+                                          enable_gqa=c.num_heads != c.num_kv_heads)
+    out = F.linear(attn.transpose(1, 2).reshape(B, S, -1), layer.o_weight)
+    if layer.post_attn_norm is not None:
+        out = layer.post_attn_norm.plain(out)
+    x = x + out
+    gate, up = F.linear(layer.pre_mlp_norm.plain(x), layer.gate_up_weight).chunk(2, dim=-1)
+    act = F.gelu(gate, approximate="tanh") if c.activation == "gelu_tanh" else F.silu(gate)
+    out = F.linear(act * up, layer.down_weight)
+    if layer.post_mlp_norm is not None:
+        out = layer.post_mlp_norm.plain(out)
+    return x + out
