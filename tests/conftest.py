@@ -15,3 +15,12 @@ if not torch.cuda.is_available():
 torch.set_num_threads(1)
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+# The suite runs on every core up to MAX_TEST_WORKERS (pytest-xdist's `-n auto`, set in
+# pyproject.toml): each test pins one thread, so workers do not fight over cores, and
+# each worker loads its own models, so their number is capped by memory, not cores.
+MAX_TEST_WORKERS = 4
+
+
+def pytest_xdist_auto_num_workers(config):
+    return max(1, min(os.cpu_count() or 1, MAX_TEST_WORKERS))

@@ -18,7 +18,7 @@ def test_cli_runs_reports_and_resumes(tmp_path, capsys, monkeypatch):
     hf = tiny_hf_model("llama", dtype=torch.float32)
     hf.save_pretrained(checkpoint)  # the transformers peer loads from here
 
-    def load_tiny(model, dtype, device=None):  # the checkpoint has no tokenizer, which the real loader requires
+    def load_tiny(model, dtype, device=None, compile=False):  # the checkpoint has no tokenizer, which the real loader requires
         assert device is None  # --device was not given
         return LongSpecModel(LoadedTarget(decoder_from_hf(hf), None, hf.config, str(model)))
 
