@@ -20,7 +20,7 @@ import torch
 
 import longspec
 from common import machine, write_results
-from longspec.bench.floor import decode_bytes_per_forward, read_bandwidth_gbs
+from longspec.bench.floor import decode_bytes_per_forward, matmul_rate_gflops, matmul_weights, read_bandwidth_gbs
 from longspec.speculation.cost_model import binary_tree_parents, measure_forward_cost
 
 SHAPES = {
@@ -30,23 +30,11 @@ SHAPES = {
 }
 
 
-def matmul_rate_gflops(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
-    a = torch.randn(size, size).to(dtype)
-    b = torch.randn(size, size).to(dtype)
-    a @ b
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best / 1e9
-
-
 def forward_flops(model, k: int, context: int) -> float:
     """Matrix-product FLOPs of a forward of k tokens: 2 x (matmul weights) x k, the
     tied head included, plus the attention over the attended keys."""
     c = model.config
-    weights = sum(p.numel() for name, p in model.named_parameters() if p.ndim == 2 and "embed" not in name)
+    weights = matmul_weights(model)
     head = c.vocab_size * c.hidden_size
     attended = sum(min(context, c.sliding_window) if s else context for s in c.layer_is_sliding)
     attention = 4 * c.num_heads * c.head_dim * attended * k

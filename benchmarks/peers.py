@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 
 import longspec
-from longspec.bench.floor import ar_floor_tokens_per_s, read_bandwidth_gbs
+from longspec.bench.floor import ar_floor_tokens_per_s, matmul_rate_gflops, prefill_floor_tokens_per_s, read_bandwidth_gbs
 from common import machine, stdlib_source_text, write_results
 
 
@@ -63,13 +64,16 @@ def llama_bench(bin_dir: Path, model: Path, *, threads: int, prompt: int, genera
     return float(rows[0]["avg_ts"])
 
 
-def ours(model, ids: torch.Tensor, new_tokens: int, *, native_kernels: bool = True) -> tuple[float, float]:
+def ours(model, ids: torch.Tensor, new_tokens: int, *, repeats: int, native_kernels: bool = True) -> tuple[float, float]:
     """(decode tokens/s, prefill tokens/s) of our AR decoding after the prompt `ids`,
-    with the native CPU kernels or without them (PyTorch / oneDNN only)."""
+    with the native CPU kernels or without them (PyTorch / oneDNN only); the mean
+    of `repeats` runs, as llama-bench reports its own."""
     model.model.prepare(native_kernels=native_kernels)
     model.generate(ids[:64].tolist(), max_new_tokens=8, method="ar", ignore_eos=True)  # warm-up
-    stats = model.generate(ids.tolist(), max_new_tokens=new_tokens, method="ar", ignore_eos=True).stats
-    return stats.decode_tokens_per_s, (ids.numel() - 1) / stats.prefill_s
+    runs = [model.generate(ids.tolist(), max_new_tokens=new_tokens, method="ar", ignore_eos=True).stats
+            for _ in range(repeats)]
+    return (statistics.mean(s.decode_tokens_per_s for s in runs),
+            statistics.mean((ids.numel() - 1) / s.prefill_s for s in runs))
 
 
 def main() -> None:
@@ -89,16 +93,18 @@ def main() -> None:
     model = longspec.load()
     text_ids = model.tokenizer(stdlib_source_text(40 * max(args.contexts))).input_ids
     bandwidth = read_bandwidth_gbs()
+    matmul = matmul_rate_gflops(model.model.dtype)
     header = {"benchmark": "peers", "machine": machine(), "threads": args.threads, "time": time.ctime(),
-              "read_bandwidth_gbs": bandwidth}
+              "read_bandwidth_gbs": bandwidth, "matmul_gflops": matmul}
     rows = []
     for context in args.contexts:
         ids = torch.tensor(text_ids[:context])
-        pytorch_decode, _ = ours(model, ids, args.new_tokens, native_kernels=False)
-        decode, prefill = ours(model, ids, args.new_tokens)
+        pytorch_decode, _ = ours(model, ids, args.new_tokens, repeats=args.repeats, native_kernels=False)
+        decode, prefill = ours(model, ids, args.new_tokens, repeats=args.repeats)
         row = {"context": context, "ours_bf16_decode": decode, "ours_bf16_prefill": prefill,
                "ours_bf16_decode_without_native_kernels": pytorch_decode,
-               "bandwidth_floor_decode": ar_floor_tokens_per_s(model.model, context, bandwidth)}
+               "bandwidth_floor_decode": ar_floor_tokens_per_s(model.model, context, bandwidth),
+               "compute_floor_prefill": prefill_floor_tokens_per_s(model.model, context, matmul)}
         for name, path in (("llama_bf16", bf16), ("llama_q4_k_m", q4)):
             row[f"{name}_decode"] = llama_bench(args.llama_bin, path, threads=args.threads, prompt=0,
                                                 generate=args.new_tokens, depth=context, repeats=args.repeats)
@@ -107,15 +113,17 @@ def main() -> None:
         rows.append(row)
         print(row, flush=True)
         write_results(args.out, header, rows)
-    print(f"\nmachine: {header['machine']}, {args.threads} threads, read bandwidth {bandwidth:.1f} GB/s\n")
+    print(f"\nmachine: {header['machine']}, {args.threads} threads, read bandwidth {bandwidth:.1f} GB/s, "
+          f"{model.model.dtype} matmul {matmul:.0f} GFLOP/s\n")
     print("| context | ours bf16 decode | without native kernels | llama.cpp BF16 | Q4_K_M | ours / BF16 | floor | floor / ours "
-          "| ours prefill | llama.cpp BF16 prefill | ours / BF16 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| ours prefill | llama.cpp BF16 prefill | ours / BF16 | prefill floor | floor / llama.cpp BF16 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['context']} | {r['ours_bf16_decode']:.1f} | {r['ours_bf16_decode_without_native_kernels']:.1f} "
               f"| {r['llama_bf16_decode']:.1f} | {r['llama_q4_k_m_decode']:.1f} | {r['ours_bf16_decode'] / r['llama_bf16_decode']:.2f} "
               f"| {r['bandwidth_floor_decode']:.1f} | {r['bandwidth_floor_decode'] / r['ours_bf16_decode']:.2f} "
-              f"| {r['ours_bf16_prefill']:.0f} | {r['llama_bf16_prefill']:.0f} | {r['ours_bf16_prefill'] / r['llama_bf16_prefill']:.2f} |")
+              f"| {r['ours_bf16_prefill']:.0f} | {r['llama_bf16_prefill']:.0f} | {r['ours_bf16_prefill'] / r['llama_bf16_prefill']:.2f} "
+              f"| {r['compute_floor_prefill']:.0f} | {r['compute_floor_prefill'] / r['llama_bf16_prefill']:.2f} |")
 
 
 if __name__ == "__main__":

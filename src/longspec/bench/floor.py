@@ -1,6 +1,8 @@
-"""The physical floor of decoding on this machine: measured memory read
-bandwidth and the bytes one autoregressive decode forward must read. Their
-ratio is the AR speed no implementation can beat while memory-bound."""
+"""The physical floors on this machine: measured memory read bandwidth against the
+bytes one autoregressive decode forward must read (the AR speed no implementation
+can beat while memory-bound), and the measured matrix-product rate against the
+FLOPs a prompt costs (the prefill speed no implementation can beat while
+compute-bound)."""
 
 from __future__ import annotations
 
@@ -54,3 +56,38 @@ def decode_bytes_per_forward(model, context_tokens: int) -> int:
 
 def ar_floor_tokens_per_s(model, context_tokens: int, bandwidth_gbs: float) -> float:
     return bandwidth_gbs * 1e9 / decode_bytes_per_forward(model, context_tokens)
+
+
+def matmul_rate_gflops(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
+    """Best-of-N rate of a square matrix product in `dtype`, GFLOP/s."""
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e9
+
+
+def matmul_weights(model) -> int:
+    """Parameters of the layers' matrix products (the embedding and tied head excluded)."""
+    return sum(p.numel() for name, p in model.named_parameters() if p.ndim == 2 and "embed" not in name and "lm_head" not in name)
+
+
+def prefill_flops(model, context_tokens: int) -> float:
+    """Matrix-product FLOPs of prefilling `context_tokens` (no logits: the engine asks
+    for none during prefill): every layer's products per token, plus each token's
+    attention over the keys before it (sliding layers at most their window)."""
+    c = model.config
+    positions = torch.arange(1, context_tokens + 1, dtype=torch.float64)
+    attended = sum(
+        float(positions.clamp(max=c.sliding_window).sum()) if sliding else float(positions.sum())
+        for sliding in c.layer_is_sliding
+    )
+    return 2 * matmul_weights(model) * context_tokens + 4 * c.num_heads * c.head_dim * attended
+
+
+def prefill_floor_tokens_per_s(model, context_tokens: int, matmul_gflops: float) -> float:
+    return context_tokens / (prefill_flops(model, context_tokens) / (matmul_gflops * 1e9))

@@ -16,6 +16,7 @@ from torch import nn
 from longspec.runtime.attention import AttentionBackend, Mask, flash_attention, fused_attention
 from longspec.runtime.cache import KVCache
 from longspec.runtime.config import DecoderConfig
+from longspec.runtime.huge_pages import HUGE_PAGE_BYTES, move_to_huge_pages
 from longspec.runtime.linear import PackedWeight, packed_linear, prepack
 from longspec.runtime.native import native_ops
 
@@ -169,6 +170,7 @@ class Decoder(nn.Module):
         self.native_kernels = True  # whether prepare() chose the native CPU kernels where they apply
         self._packed_head: PackedWeight | None = None
         self.static_steps = None  # compiled decode/verify steps (see `compile_steps`), off by default
+        self.on_huge_pages = False  # whether prepare() moved the large CPU weights onto huge pages
 
     @property
     def dtype(self) -> torch.dtype:
@@ -290,6 +292,8 @@ class Decoder(nn.Module):
     def place(self, device: torch.device) -> "Decoder":
         """Move the weights to `device` and derive its inference-time weights again
         (keeping the choice of native CPU kernels)."""
+        if torch.device(device) != self.device:
+            self.on_huge_pages = False  # the copies made on the new device are ordinary memory
         self.to(device).prepare(self.native_kernels)
         if self.static_steps is not None:  # graphs compiled for the old device do not apply
             self.compile_steps(self.static_steps.options)
@@ -299,6 +303,10 @@ class Decoder(nn.Module):
         """Derive inference-time weights (prepacked matrices on CPU, norm scales). Call
         after loading, moving or changing weights; the loaders do. native_kernels=False
         keeps every linear layer on oneDNN / `F.linear` (see `runtime.linear`)."""
+        if native_kernels and self.device.type == "cpu" and self.dtype == torch.bfloat16 and not self.on_huge_pages:
+            # The native kernels stream these weights at every decode step.
+            large = [p for p in self.parameters() if p.numel() * p.element_size() >= HUGE_PAGE_BYTES]
+            self.on_huge_pages = move_to_huge_pages(large)
         for layer in self.layers:
             layer.prepare(native_kernels)
         self.final_norm.prepare(native_kernels)

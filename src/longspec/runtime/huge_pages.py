@@ -1,0 +1,64 @@
+"""Weights on transparent huge pages (Linux).
+
+A CPU decode step streams every weight matrix once, so its speed is the rate at which
+weights come from memory. With 4 KiB pages that stream crosses a page — a TLB miss
+and a page walk — every 4 KiB (about 130,000 times per token for Gemma 3 270M); with
+2 MiB pages, 512 times fewer. Linux backs an anonymous mapping with huge pages when
+the mapping is advised (`MADV_HUGEPAGE`) before its pages are first touched, which is
+the default "madvise" policy of most distributions. So the weights are copied once,
+at load, into one such mapping; where the kernel has no huge pages, or Python's
+`mmap` lacks `madvise`, nothing changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+HUGE_PAGE_BYTES = 2 << 20
+_THP_POLICY = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def huge_page_policy() -> str:
+    """The kernel's transparent-huge-page policy ("always", "madvise", "never"), or
+    "unavailable" off Linux or without THP."""
+    try:
+        text = _THP_POLICY.read_text()
+    except OSError:
+        return "unavailable"
+    chosen = text[text.find("[") + 1 : text.find("]")] if "[" in text else ""
+    return chosen or "unavailable"
+
+
+def move_to_huge_pages(parameters: list[torch.nn.Parameter]) -> bool:
+    """Copy CPU `parameters` into one anonymous mapping advised for huge pages and
+    point them at it. Returns whether they moved (False, with nothing changed, where
+    the machine offers no huge pages)."""
+    if huge_page_policy() not in ("always", "madvise") or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return False
+    todo = [p for p in parameters if p.device.type == "cpu"]
+    if not todo:
+        return True
+    offsets, total = [], 0
+    for p in todo:
+        offsets.append(total)
+        total += -(-p.numel() * p.element_size() // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES  # each on its own pages
+    try:
+        mapping = mmap.mmap(-1, total + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    except (OSError, ValueError) as error:
+        logger.info("weights stay on normal pages (%s)", error)
+        return False
+    arena = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive as long as any view
+    start = -arena.data_ptr() % HUGE_PAGE_BYTES  # huge pages need 2 MiB-aligned addresses
+    for p, offset in zip(todo, offsets):
+        nbytes = p.numel() * p.element_size()
+        moved = arena[start + offset : start + offset + nbytes].view(p.dtype).view(p.shape)
+        moved.copy_(p.data)
+        p.data = moved
+    return True
