@@ -210,3 +210,33 @@ def test_a_failed_build_falls_back_to_onednn_with_the_reason_logged(monkeypatch,
     assert packed is None or packed.matvec is None
     x = torch.randn(1, 8).bfloat16()
     assert torch.equal(packed_linear(x, weight, packed), F.linear(x, weight))
+
+
+def argmax_rows(seed: int):
+    """bf16 rows with ties, -inf stretches, NaNs, and lengths around the 16-lane step."""
+    generator = torch.Generator().manual_seed(seed)
+    for trial in range(120):
+        rows, width = int(torch.randint(1, 5, (1,), generator=generator)), int(torch.randint(1, 70, (1,), generator=generator))
+        x = torch.randint(-3, 3, (rows, width), generator=generator).float()  # few values: many ties
+        if trial % 4 == 0:
+            x[x < 0] = float("-inf")
+        if trial % 9 == 0:
+            x[-1, int(torch.randint(0, width, (1,), generator=generator))] = float("nan")
+        yield x.to(torch.bfloat16)
+    yield torch.full((2, 40), float("-inf"), dtype=torch.bfloat16)
+    yield torch.randn(3, 262144, generator=generator).to(torch.bfloat16)
+
+
+@needs_library
+def test_row_argmax_is_torch_argmax():
+    ops = native.native_ops()
+    for x in argmax_rows(0):
+        assert torch.equal(ops.row_argmax(x), x.float().argmax(dim=-1)), x
+
+
+def test_greedy_argmax_fallback_without_the_library(monkeypatch):
+    from longspec.speculation import processors
+
+    monkeypatch.setattr(processors, "native_ops", lambda: None)
+    for x in argmax_rows(1):
+        assert torch.equal(processors._argmax(x), x.float().argmax(dim=-1))
