@@ -65,13 +65,13 @@ class StaticSteps:
         self.decoder = decoder
         self.options = options
         self._steps: dict[int, object] = {}
-        self._failed: str | None = None  # why compiling failed: every later forward runs eagerly
+        self.failure: str | None = None  # why compiling failed: every later forward runs eagerly
         self.calls = 0  # forwards served by a static step (tests and reports read it)
 
     def bucket(self, tokens: int, cache) -> int | None:
         """The smallest bucket that holds `tokens` new tokens and fits the cache, or
         None when this forward must run eagerly."""
-        if self._failed is not None or type(cache) is not KVCache or cache.full_k.shape[1] != 1:
+        if self.failure is not None or type(cache) is not KVCache or cache.full_k.shape[1] != 1:
             return None
         room = min(cache.capacity - cache.length, cache.max_forward_tokens)
         return next((b for b in self.options.buckets if tokens <= b <= room), None)
@@ -82,12 +82,8 @@ class StaticSteps:
         T = input_ids.shape[1]
         device = self.decoder.device
         pad = size - T
-        mask = torch.ones((size, size), dtype=torch.bool, device=device).tril_() if tree_mask is None else None
-        if tree_mask is not None:
-            mask = torch.eye(size, dtype=torch.bool, device=device)
-            mask[:T, :T] = tree_mask
-        mask[T:, :T] = False
-        mask[:T, T:] = False
+        mask = torch.eye(size, dtype=torch.bool, device=device)  # padding tokens see only themselves
+        mask[:T, :T] = torch.ones((T, T), dtype=torch.bool, device=device).tril_() if tree_mask is None else tree_mask
         # Padding tokens repeat the last real one at the root's position: harmless
         # values, invisible to real tokens, forgotten after the step. (Copies even
         # without padding: the compiled step then always sees tensors made here.)
@@ -102,17 +98,13 @@ class StaticSteps:
             logits, hidden = step(input_ids, positions, mask, length, cache.pending_ring_slots, *buffers)
         except Exception as error:  # a compiler or backend that cannot build this step
             cache.drop_pending()  # its slots are past the committed length, or outside every window
-            self._failed = f"{type(error).__name__}: {error}"
-            logger.warning("compiled steps are off for this model (%s); decoding continues eagerly", self._failed)
+            self.failure = f"{type(error).__name__}: {error}"
+            logger.warning("compiled steps are off for this model (%s); decoding continues eagerly", self.failure)
             return None
         cache.shrink_pending(T)
         self.calls += 1
         # CUDA graphs reuse their output buffers at the next replay: hand out copies.
         return logits[:, :T].clone(), hidden[:, :T].clone()
-
-    @property
-    def failure(self) -> str | None:
-        return self._failed
 
     def _mark(self, buffers) -> None:
         """Tell the compiler about the cache: its capacity varies between requests
