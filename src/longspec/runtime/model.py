@@ -95,19 +95,46 @@ class DecoderLayer(nn.Module):
             if norm is not None:
                 norm.prepare(native_kernels)
 
-    def _linear(self, x, name: str, bias=None):
-        return packed_linear(x, getattr(self, name), self.packed.get(name), bias)
+    def _linear(self, x, name: str, bias=None, plain: bool = False):
+        weight = getattr(self, name)
+        return F.linear(x, weight, bias) if plain else packed_linear(x, weight, self.packed.get(name), bias)
 
-    def forward(self, x, rope, plan: "ForwardPlan", cache: KVCache, attention: AttentionBackend):
+    @staticmethod
+    def _norm(norm: RMSNorm, x, plain: bool):
+        return norm.plain(x) if plain else norm(x)
+
+    def project(self, x, rope, plain: bool = False):
+        """q [B, Hq, T, D] with RoPE, and this forward's k (with RoPE) and v [B, Hkv, T, D].
+        plain: PyTorch operations only (what a compiler traces), not the native kernels."""
         c = self.config
         B, T, _ = x.shape
-        qkv = self._linear(self.input_norm(x), "qkv_weight", self.qkv_bias)
+        qkv = self._linear(self._norm(self.input_norm, x, plain), "qkv_weight", self.qkv_bias, plain)
         qk = qkv[..., : self.qk_dim].view(B, T, c.num_heads + c.num_kv_heads, c.head_dim)
         if self.qk_norm is not None:
-            qk = self.qk_norm(qk)
+            qk = self._norm(self.qk_norm, qk, plain)
         qk = apply_rope(qk.transpose(1, 2), *rope)
         q, k = qk.split((c.num_heads, c.num_kv_heads), dim=1)
         v = qkv[..., self.qk_dim :].view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        return q, k, v
+
+    def finish(self, x, attn, plain: bool = False):
+        """The residual stream after this layer, from its attention output [B, Hq, T, D]."""
+        c = self.config
+        B, T, _ = x.shape
+        out = self._linear(attn.transpose(1, 2).reshape(B, T, -1), "o_weight", plain=plain)
+        if self.post_attn_norm is not None:
+            out = self._norm(self.post_attn_norm, out, plain)
+        x = x + out
+        gate, up = self._linear(self._norm(self.pre_mlp_norm, x, plain), "gate_up_weight", plain=plain).chunk(2, dim=-1)
+        act = F.gelu(gate, approximate="tanh") if c.activation == "gelu_tanh" else F.silu(gate)
+        out = self._linear(act * up, "down_weight", plain=plain)
+        if self.post_mlp_norm is not None:
+            out = self._norm(self.post_mlp_norm, out, plain)
+        return x + out
+
+    def forward(self, x, rope, plan: "ForwardPlan", cache: KVCache, attention: AttentionBackend):
+        c = self.config
+        q, k, v = self.project(x, rope)
         cache.store(self.index, k, v)
         if self.sliding:
             # The ring holds this forward's tokens too; one masked call covers the
@@ -126,16 +153,7 @@ class DecoderLayer(nn.Module):
         else:
             k_pre, v_pre = cache.prefix(self.index)
             attn = attention(q, k_pre, v_pre, None, k, v, plan.new_mask, c.attention_scale)
-        out = self._linear(attn.transpose(1, 2).reshape(B, T, -1), "o_weight")
-        if self.post_attn_norm is not None:
-            out = self.post_attn_norm(out)
-        x = x + out
-        gate, up = self._linear(self.pre_mlp_norm(x), "gate_up_weight").chunk(2, dim=-1)
-        act = F.gelu(gate, approximate="tanh") if c.activation == "gelu_tanh" else F.silu(gate)
-        out = self._linear(act * up, "down_weight")
-        if self.post_mlp_norm is not None:
-            out = self.post_mlp_norm(out)
-        return x + out
+        return self.finish(x, attn)
 
 
 @dataclass

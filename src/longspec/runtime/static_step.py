@@ -185,28 +185,10 @@ def _layer(layer, x, rope, keys, values, slots, visible):
     """`DecoderLayer.forward` over whole buffers: this step's K/V are written at
     `slots` of keys/values [1, Hkv, slots, D], then every query attends the buffer
     under `visible` [S, slots]."""
-    from longspec.runtime.model import apply_rope  # the model module builds static steps
-
     c = layer.config
-    B, S, _ = x.shape
-    qkv = F.linear(layer.input_norm.plain(x), layer.qkv_weight, layer.qkv_bias)
-    qk = qkv[..., : layer.qk_dim].view(B, S, c.num_heads + c.num_kv_heads, c.head_dim)
-    if layer.qk_norm is not None:
-        qk = layer.qk_norm.plain(qk)
-    qk = apply_rope(qk.transpose(1, 2), *rope)
-    q, k = qk.split((c.num_heads, c.num_kv_heads), dim=1)
-    v = qkv[..., layer.qk_dim :].view(B, S, c.num_kv_heads, c.head_dim).transpose(1, 2)
+    q, k, v = layer.project(x, rope, plain=True)
     keys.index_copy_(2, slots, k)
     values.index_copy_(2, slots, v)
     attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=c.attention_scale,
                                           enable_gqa=c.num_heads != c.num_kv_heads)
-    out = F.linear(attn.transpose(1, 2).reshape(B, S, -1), layer.o_weight)
-    if layer.post_attn_norm is not None:
-        out = layer.post_attn_norm.plain(out)
-    x = x + out
-    gate, up = F.linear(layer.pre_mlp_norm.plain(x), layer.gate_up_weight).chunk(2, dim=-1)
-    act = F.gelu(gate, approximate="tanh") if c.activation == "gelu_tanh" else F.silu(gate)
-    out = F.linear(act * up, layer.down_weight)
-    if layer.post_mlp_norm is not None:
-        out = layer.post_mlp_norm.plain(out)
-    return x + out
+    return layer.finish(x, attn, plain=True)
