@@ -19,6 +19,7 @@ from longspec.runtime.config import DecoderConfig
 from longspec.runtime.huge_pages import HUGE_PAGE_BYTES, move_to_huge_pages
 from longspec.runtime.linear import PackedWeight, packed_linear, prepack
 from longspec.runtime.native import native_ops
+from longspec.runtime.static_step import CompileOptions, StaticSteps
 
 
 @dataclass(frozen=True)
@@ -187,7 +188,7 @@ class Decoder(nn.Module):
         self.attention: AttentionBackend = fused_attention
         self.native_kernels = True  # whether prepare() chose the native CPU kernels where they apply
         self._packed_head: PackedWeight | None = None
-        self.static_steps = None  # compiled decode/verify steps (see `compile_steps`), off by default
+        self.static_steps: StaticSteps | None = None  # compiled decode/verify steps (`compile_steps`); off by default
         self.on_huge_pages = False  # whether prepare() moved the large CPU weights onto huge pages
 
     @property
@@ -293,8 +294,6 @@ class Decoder(nn.Module):
         """Run decode steps and verification trees through compiled static-shape
         steps (`runtime.static_step`; CUDA graphs on a GPU). options: a
         `CompileOptions` (None: the device's default); False turns them off."""
-        from longspec.runtime.static_step import CompileOptions, StaticSteps
-
         if options is False:
             self.static_steps = None
         else:
