@@ -12,7 +12,7 @@ from longspec.api import LongSpecModel, load
 from longspec.cli.main import main as cli_main
 from longspec.runtime.config import UnsupportedArchitectureError
 from longspec.runtime.loading import load_target
-from longspec.runtime.static_step import CompileOptions
+from longspec.runtime.static_step import DEFAULT_BUCKETS, CompileOptions
 from longspec.speculation.metrics import distinct_n
 from tiny_models import random_ids, tiny_hf_model
 
@@ -128,5 +128,11 @@ def test_cli_info_without_model(capsys):
 def test_load_with_compile_turns_on_static_steps(checkpoint_dir):
     directory, _ = checkpoint_dir
     assert load(directory, dtype="float32").model.static_steps is None  # eager unless asked
-    compiled = load(directory, dtype="float32", compile=True)
+    compiled = load(directory, dtype="float32", compile=True)  # compiles every bucket at load
     assert compiled.model.static_steps.options == CompileOptions.for_device(torch.device("cpu"))
+    assert compiled.model.static_steps.failure is None and compiled.model.static_steps.calls == len(DEFAULT_BUCKETS)
+    ids = random_ids(12, seed=1)[0].repeat(2)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    tokens = compiled.generate(ids, max_new_tokens=20, method="pld").token_ids
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # the request compiled nothing
+    assert tokens == load(directory, dtype="float32").generate(ids, max_new_tokens=20, method="pld").token_ids

@@ -186,7 +186,9 @@ def load(
     compiled static-shape steps (CUDA graphs on a GPU; `runtime.static_step`)."""
     target = load_target(model, dtype=parse_dtype(dtype), device=device)
     if compile:
-        target.model.compile_steps()
+        # Compiled now, against a cache shaped like the engine's (its rings hold the
+        # window plus the largest forward a request makes), not inside a request.
+        target.model.compile_steps().static_steps.warm_up(max(engine.prefill_chunk, engine.max_tree_nodes + 1))
     return LongSpecModel(target, engine)
 
 

@@ -16,7 +16,7 @@ def add_device_argument(parser) -> None:
 def add_compile_argument(parser) -> None:
     parser.add_argument("--compile", action="store_true",
                         help="run decode steps and verification trees through compiled static-shape steps "
-                             "(CUDA graphs on a GPU); the first forward of each size compiles once")
+                             "(CUDA graphs on a GPU), compiled once at load")
 
 
 def training_process_device(device: str | None):

@@ -106,15 +106,35 @@ class StaticSteps:
         # CUDA graphs reuse their output buffers at the next replay: hand out copies.
         return logits[:, :T].clone(), hidden[:, :T].clone()
 
-    def _mark(self, buffers) -> None:
-        """Tell the compiler about the cache: its capacity varies between requests
-        (one graph serves all), and under CUDA graphs its buffers are updated in place
-        at fixed addresses rather than copied in and out at every replay."""
+    def warm_up(self, max_forward_tokens: int) -> None:
+        """Compile every bucket now, on a scratch cache shaped like the engine's
+        (`max_forward_tokens` sets the rings' size), so that no request pays for it."""
         if self.options.backend is None:
             return
-        full_k, full_v = buffers[:2]
-        torch._dynamo.maybe_mark_dynamic(full_k, 3)
-        torch._dynamo.maybe_mark_dynamic(full_v, 3)
+        largest = self.options.buckets[-1]
+        window = self.decoder.config.sliding_window or 0
+        cache = self.decoder.new_cache(window + max_forward_tokens + largest + 1,
+                                       max_forward_tokens=max(max_forward_tokens, largest))
+        logger.info("compiling static steps for %s new tokens (once; PyTorch caches the result on disk)",
+                    ", ".join(map(str, self.options.buckets)))
+        for size in self.options.buckets:
+            ids = torch.zeros((1, size), dtype=torch.long, device=self.decoder.device)
+            self.decoder(ids, cache)
+            cache.drop_pending()
+            if self.failure is not None:
+                return
+
+    def _mark(self, buffers) -> None:
+        """Tell the compiler about the cache: its capacity, and with it the rings' size
+        for short requests, varies between requests (one graph serves all), and under
+        CUDA graphs its buffers are updated in place at fixed addresses rather than
+        copied in and out at every replay."""
+        if self.options.backend is None:
+            return
+        full_k, full_v, ring_k, ring_v, ring_positions = buffers
+        for slots in (full_k, full_v, ring_k, ring_v):
+            torch._dynamo.maybe_mark_dynamic(slots, 3)
+        torch._dynamo.maybe_mark_dynamic(ring_positions, 0)
         if self.options.mode == "reduce-overhead":
             for buffer in buffers:
                 torch._dynamo.mark_static_address(buffer, guard=False)
