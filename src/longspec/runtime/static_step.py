@@ -24,6 +24,7 @@ chunks, batched rows, a bucket that would overrun the cache) runs eagerly.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -59,12 +60,15 @@ class CompileOptions:
 
 
 class StaticSteps:
-    """The compiled steps of one `Decoder`, one per bucket, built on first use."""
+    """The compiled step of one `Decoder`. One function serves every bucket: the
+    compiler keeps a graph per shape it meets."""
 
     def __init__(self, decoder, options: CompileOptions) -> None:
         self.decoder = decoder
         self.options = options
-        self._steps: dict[int, object] = {}
+        step = functools.partial(static_forward, decoder)
+        self._step = step if options.backend is None else torch.compile(
+            step, backend=options.backend, mode=options.mode, fullgraph=True, dynamic=None)
         self.failure: str | None = None  # why compiling failed: every later forward runs eagerly
         self.calls = 0  # forwards served by a static step (tests and reports read it)
 
@@ -93,9 +97,8 @@ class StaticSteps:
         length = torch.tensor(cache.length, dtype=torch.long, device=device)
         buffers = (cache.full_k, cache.full_v, cache.ring_k, cache.ring_v, cache.ring_positions)
         self._mark(buffers)
-        step = self._step(size)
         try:
-            logits, hidden = step(input_ids, positions, mask, length, cache.pending_ring_slots, *buffers)
+            logits, hidden = self._step(input_ids, positions, mask, length, cache.pending_ring_slots, *buffers)
         except Exception as error:  # a compiler or backend that cannot build this step
             cache.drop_pending()  # its slots are past the committed length, or outside every window
             self.failure = f"{type(error).__name__}: {error}"
@@ -138,23 +141,6 @@ class StaticSteps:
         if self.options.mode == "reduce-overhead":
             for buffer in buffers:
                 torch._dynamo.mark_static_address(buffer, guard=False)
-
-    def _step(self, size: int):
-        if size not in self._steps:
-            step = _bind(self.decoder)
-            if self.options.backend is not None:
-                step = torch.compile(step, backend=self.options.backend, mode=self.options.mode,
-                                     fullgraph=True, dynamic=None)
-            self._steps[size] = step
-        return self._steps[size]
-
-
-def _bind(decoder):
-    def step(ids, positions, mask, length, ring_slots, full_k, full_v, ring_k, ring_v, ring_positions):
-        return static_forward(decoder, ids, positions, mask, length, ring_slots,
-                              full_k, full_v, ring_k, ring_v, ring_positions)
-
-    return step
 
 
 def static_forward(decoder, ids, positions, mask, length, ring_slots, full_k, full_v, ring_k, ring_v, ring_positions):
