@@ -1,5 +1,6 @@
-"""The native CPU kernels (runtime/kernels/): the bf16 few-row product is correctly
-rounded and gives a row the same bits however many rows share the call; few-query
+"""The native CPU kernels (runtime/kernels/): the bf16 few-row product and the tiled
+product over a packed weight are correctly rounded and give a row the same bits however
+many rows share the call; few-query
 attention is within one bf16 ulp of the exact result on ragged shapes and masks; the
 one-pass RMSNorm computes what the PyTorch path computes; bf16 decoders are as
 accurate with them as without; a logged fallback where they cannot be had."""
@@ -66,15 +67,61 @@ def test_a_row_gets_the_same_bits_alone_or_with_others():
 
 
 @needs_kernel
-def test_packed_linear_sends_few_rows_to_the_kernel_and_many_to_onednn(monkeypatch):
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 16, 17, 40])
+@pytest.mark.parametrize("inner", [40, 63, 640, 2048])  # 63: an odd inner size, padded by the packing
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_tiled_products_are_within_one_ulp_of_the_exact_result(rows, inner, with_bias):
+    generator = torch.Generator().manual_seed(rows * 1000 + inner + with_bias)
+    x = torch.randn(rows, inner, generator=generator).bfloat16()
+    weight = torch.randn(301, inner, generator=generator).bfloat16()  # 301: not a whole number of 16-column blocks
+    bias = torch.randn(301, generator=generator).bfloat16() if with_bias else None
+    packed = prepack(weight)
+    assert packed.tiles is not None and packed.onednn is None  # the tiled copy replaces oneDNN's
+    exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    ours = native.avx512_bf16_ops().bf16_packed_linear(x, packed.tiles, weight.shape[0], bias)
+    assert ours.dtype == torch.bfloat16 and ours.shape == (rows, 301)
+    assert ((ours.double() - exact).abs() <= bf16_ulp(exact)).all()
+
+
+@needs_kernel
+def test_a_row_gets_the_same_bits_from_the_tiled_kernel_alone_or_with_others():
+    """Each output is one float32 sum in the same order whatever the tile: a batch row's
+    products are bit-identical to that row's alone."""
+    generator = torch.Generator().manual_seed(8)
+    x = torch.randn(19, 640, generator=generator).bfloat16()
+    weight = torch.randn(1000, 640, generator=generator).bfloat16()
+    tiles, ops = prepack(weight).tiles, native.avx512_bf16_ops()
+    together = ops.bf16_packed_linear(x, tiles, 1000, None)
+    for rows in (slice(0, 1), slice(3, 7), slice(5, 13), slice(2, 19)):
+        assert torch.equal(ops.bf16_packed_linear(x[rows].contiguous(), tiles, 1000, None), together[rows])
+
+
+@needs_kernel
+def test_packed_linear_sends_few_rows_to_the_matvec_and_more_to_the_tiled_kernel(monkeypatch):
     weight = torch.randn(64, 32).bfloat16()
     packed = prepack(weight)
     assert packed.matvec is KERNEL and prepack(weight, native_kernels=False).matvec is None
+    assert prepack(weight, native_kernels=False).tiles is None
     calls = []
     monkeypatch.setattr(matvec.Bf16Matvec, "__call__", lambda self, x, w, b: calls.append(x.shape) or F.linear(x, w, b))
-    for rows in (1, KERNEL.max_rows, KERNEL.max_rows + 1):
-        packed_linear(torch.randn(1, rows, 32).bfloat16(), weight, packed)
+    for rows in (0, 1, KERNEL.max_rows, KERNEL.max_rows + 1, 300):
+        x = torch.randn(1, rows, 32).bfloat16()
+        out = packed_linear(x, weight, packed)
+        assert out.shape == (1, rows, 64)
+        exact = F.linear(x.double(), weight.double())
+        assert ((out.double() - exact).abs() <= bf16_ulp(exact)).all()
     assert calls == [(1, 1, 32), (1, KERNEL.max_rows, 32)]
+
+
+def test_without_avx512_bf16_many_rows_go_to_onednn(monkeypatch):
+    monkeypatch.setattr("longspec.runtime.linear.avx512_bf16_ops", lambda: None)
+    monkeypatch.setattr("longspec.runtime.linear.bf16_matvec", lambda: None)
+    weight = torch.randn(64, 32).bfloat16()
+    packed = prepack(weight)
+    assert packed is None or (packed.tiles is None and packed.matvec is None)
+    x = torch.randn(5, 32).bfloat16()
+    exact = F.linear(x.double(), weight.double())
+    assert ((packed_linear(x, weight, packed).double() - exact).abs() <= bf16_ulp(exact)).all()
 
 
 @needs_kernel
@@ -205,9 +252,10 @@ def test_a_failed_build_falls_back_to_onednn_with_the_reason_logged(monkeypatch,
     monkeypatch.setattr(native, "native_ops", native.native_ops.__wrapped__)
     monkeypatch.setattr(matvec, "avx512_bf16_ops", native.avx512_bf16_ops.__wrapped__)
     monkeypatch.setattr("longspec.runtime.linear.bf16_matvec", matvec.bf16_matvec.__wrapped__)
+    monkeypatch.setattr("longspec.runtime.linear.avx512_bf16_ops", native.avx512_bf16_ops.__wrapped__)
     weight = torch.randn(16, 8).bfloat16()
     packed = prepack(weight)
-    assert packed is None or packed.matvec is None
+    assert packed is None or (packed.matvec is None and packed.tiles is None)
     x = torch.randn(1, 8).bfloat16()
     assert torch.equal(packed_linear(x, weight, packed), F.linear(x, weight))
 

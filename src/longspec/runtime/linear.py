@@ -3,10 +3,14 @@ forward asks of it.
 
 - Few rows (a decode step, a small tree): the native bf16 kernel streams the weight
   once at the core's read bandwidth (`bf16_matvec`).
-- More rows: oneDNN with the weight prepacked into its blocked layout, about
-  1.3-1.6x faster than PyTorch's default bf16 product on CPUs with AVX-512 BF16/AMX.
-- Anything neither handles (other dtypes, other devices, builds without them) keeps
-  the plain `F.linear`.
+- More rows, on CPUs with AVX-512 BF16: the native kernel over a copy of the weight
+  packed for its dot products (`kernels/bf16_packed_linear.cpp`); 1.1-1.7x oneDNN's
+  blocked product at 4-16 rows (a batch of decode steps, a verified chain), level with it
+  at hundreds (prefill).
+- Elsewhere: oneDNN with the weight prepacked into its blocked layout, about 1.3-1.6x
+  faster than PyTorch's default bf16 product.
+- Anything none handles (other dtypes, other devices, builds without them) keeps the
+  plain `F.linear`.
 """
 
 from __future__ import annotations
@@ -17,19 +21,25 @@ import torch
 import torch.nn.functional as F
 
 from longspec.runtime.bf16_matvec import Bf16Matvec, bf16_matvec
+from longspec.runtime.native import avx512_bf16_ops
 
 
 @dataclass(frozen=True)
 class PackedWeight:
     onednn: torch.Tensor | None  # oneDNN's blocked copy, for products of many rows
     matvec: Bf16Matvec | None  # the native kernel, for products of few rows
+    tiles: torch.Tensor | None = None  # the native tiled kernel's packed copy (replaces oneDNN's)
 
 
 def prepack(weight: torch.Tensor, *, native_kernels: bool = True) -> PackedWeight | None:
     """The prepared forms of a [out, in] bf16 CPU weight, or None where none applies."""
     if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
         return None
-    matvec = bf16_matvec() if native_kernels and weight.is_contiguous() else None
+    native = native_kernels and weight.is_contiguous()
+    matvec = bf16_matvec() if native else None
+    ops = avx512_bf16_ops() if native else None
+    if ops is not None:
+        return PackedWeight(onednn=None, matvec=matvec, tiles=ops.bf16_pack_weight(weight.detach()))
     packed = PackedWeight(onednn=_onednn_prepack(weight), matvec=matvec)
     return packed if packed.onednn is not None or packed.matvec is not None else None
 
@@ -40,6 +50,10 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | 
         return F.linear(x, weight, bias)
     if packed.matvec is not None and packed.matvec.accepts(x):
         return packed.matvec(x, weight, bias)
+    if packed.tiles is not None:
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        out = avx512_bf16_ops().bf16_packed_linear(flat, packed.tiles, weight.shape[0], bias)
+        return out.view(*x.shape[:-1], weight.shape[0])
     if packed.onednn is not None:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed.onednn, bias, "none", [], "")
     return F.linear(x, weight, bias)

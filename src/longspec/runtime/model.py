@@ -320,7 +320,8 @@ class Decoder(nn.Module):
         """Derive inference-time weights (prepacked matrices on CPU, norm scales). Call
         after loading, moving or changing weights; the loaders do. native_kernels=False
         keeps every linear layer on oneDNN / `F.linear` (see `runtime.linear`)."""
-        if native_kernels and self.device.type == "cpu" and self.dtype == torch.bfloat16 and not self.on_huge_pages:
+        huge_pages = native_kernels and self.device.type == "cpu" and self.dtype == torch.bfloat16
+        if huge_pages and not self.on_huge_pages:
             # The native kernels stream these weights at every decode step.
             large = [p for p in self.parameters() if p.numel() * p.element_size() >= HUGE_PAGE_BYTES]
             self.on_huge_pages = move_to_huge_pages(large)
@@ -329,10 +330,16 @@ class Decoder(nn.Module):
         self.final_norm.prepare(native_kernels)
         self.native_kernels = native_kernels
         self._packed_head = prepack(self.head_weight, native_kernels=native_kernels)
+        if huge_pages:  # and so are the packed copies, made anew by every prepare
+            move_to_huge_pages([packed.tiles for packed in self._packed_weights() if packed.tiles is not None])
         if self.attention in (fused_attention, flash_attention):
             cpu_without_native = self.device.type == "cpu" and not native_kernels
             self.attention = flash_attention if cpu_without_native else fused_attention
         return self
+
+    def _packed_weights(self) -> list[PackedWeight]:
+        packed = [p for layer in self.layers for p in layer.packed.values()] + [self._packed_head]
+        return [p for p in packed if p is not None]
 
     def _plan(self, T, cache, tree_mask, positions) -> ForwardPlan:
         if positions.dim() == 2:

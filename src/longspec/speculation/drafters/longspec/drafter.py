@@ -111,7 +111,7 @@ class LongSpecDrafter:
         if self._target is not view.model or self.state is None or self.state.ring_k.dtype != dtype:
             self.draft.to(device=device, dtype=dtype)
             self._head_rows = self.draft.head_rows(view.head)  # the shared head itself, or its V_d rows once
-            # oneDNN-packed head for bf16 matrix-vector speed: the target's own packed
+            # The prepared head (runtime.linear) for bf16 speed: the target's own prepared
             # head when scoring the full vocabulary (no copy), else one of the V_d rows.
             own = getattr(view.model, "_packed_head", None)
             native = view.model.native_kernels

@@ -39,7 +39,7 @@ Projection = Callable[[nn.Linear, torch.Tensor], torch.Tensor]
 
 class PackedProjection:
     """Applies a frozen model's linear layers through the prepared forms of their
-    bf16 weights (native few-row kernel, oneDNN-prepacked copy; see
+    bf16 weights (native kernels, or a oneDNN-prepacked copy; see
     runtime/linear.py). Built from the weights as they are now: rebuild it after
     the weights or their dtype change."""
 
