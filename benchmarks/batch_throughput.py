@@ -38,13 +38,15 @@ from longspec.speculation.processors import SamplingParams
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
-def batched_run(model, prompts, method, new_tokens, params, options, seed, forward_nodes=None, fill_padding=False):
+def batched_run(model, prompts, method, new_tokens, params, options, seed, forward_nodes=None, fill_padding=False,
+                joint_budget=False):
     """Throughput of one batch: all rows prefilled first, then decoded to the end."""
     B = len(prompts)
     budget = options.max_tree_nodes if method != "ar" else 0
     capacity = max(p.numel() for p in prompts) + new_tokens + budget + 1
     engine = BatchEngine(model.model, options, BatchOptions(max_rows=B, row_capacity=capacity,
-                                                            max_forward_nodes=forward_nodes, fill_padding=fill_padding))
+                                                            max_forward_nodes=forward_nodes, fill_padding=fill_padding,
+                                                            joint_budget=joint_budget))
     drafters = [make_drafter(method) for _ in prompts]
     handles = [engine.submit(p, params=params, max_new_tokens=new_tokens, drafter=d,
                              generator=torch.Generator().manual_seed(seed + i), stats=GenerationStats(method=method))
@@ -88,6 +90,8 @@ def main() -> None:
                         help="speculative nodes per forward shared by all rows (default: no shared budget)")
     parser.add_argument("--fill-padding", action="store_true",
                         help="rows whose drafter can widen its tree fill the batch's padding (BatchOptions.fill_padding)")
+    parser.add_argument("--joint-budget", action="store_true",
+                        help="cut the rows' trees jointly from measured acceptance and cost (BatchOptions.joint_budget)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=Path("bench-out/batch_throughput.jsonl"))
@@ -104,12 +108,18 @@ def main() -> None:
     header = {"benchmark": "batch_throughput", "machine": machine(), "model": model.target.source, "time": time.ctime(),
               "dtype": args.dtype, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
               "temperature": args.temperature, "threads": torch.get_num_threads(),
-              "max_forward_nodes": args.max_forward_nodes, "fill_padding": args.fill_padding}
+              "max_forward_nodes": args.max_forward_nodes, "fill_padding": args.fill_padding,
+              "joint_budget": args.joint_budget}
     print(header, flush=True)
     # Warm-up: first calls of each kernel shape and the drafters' loading.
     warm = torch.arange(300) % 1000 + 100
     for method in args.methods:
         batched_run(model, [warm, warm], method, 8, params, options, args.seed)
+    # The joint budget's forward cost at these rows' lengths: measured (or read) before any clock starts.
+    warm_engine = BatchEngine(model.model, options, BatchOptions(max_rows=most, row_capacity=64))
+    for rows in range(1, most + 1) if args.joint_budget else ():
+        for length in (args.prompt_tokens, args.prompt_tokens + args.new_tokens):
+            warm_engine.forward_cost(rows, length)
     rows = []
     for task in args.tasks:
         items = TaskSpec.parse(task, args.data_dir).load()
@@ -123,7 +133,8 @@ def main() -> None:
         for B in args.batch_sizes:
             for method in args.methods:
                 tps, handles, steps, memory = batched_run(model, prompts[:B], method, args.new_tokens, params, options,
-                                                          args.seed, args.max_forward_nodes, args.fill_padding)
+                                                          args.seed, args.max_forward_nodes, args.fill_padding,
+                                                          args.joint_budget)
                 if method == "ar":
                     ar_at[B] = tps
                 row = {

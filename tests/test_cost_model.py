@@ -70,3 +70,36 @@ def test_cache_is_reused_under_the_same_key_and_remeasured_under_another(tmp_pat
         path.write_text("{broken")
     cached_forward_cost(model, context=128, directory=tmp_path, ks=(1, 4), repeats=1, machine=MACHINE)
     assert calls[-1] == 128  # an unreadable entry is measured again
+
+
+def test_a_batched_forward_is_timed_over_copied_rows_and_cached_per_row_count(tmp_path, monkeypatch):
+    model = tiny_decoder("gemma3", dtype=torch.float32, max_position_embeddings=512)
+    ticks = itertools.count()
+    cost = cost_model.measure_batch_forward_cost(model, rows=3, context=40, widths=(2, 4), repeats=2, machine=MACHINE,
+                                                 clock=lambda: next(ticks))
+    assert cost.ks == (1, 2, 4) and cost.seconds == (1, 1, 1) and cost.key["rows"] == 3 and cost.key["context"] == 40
+    calls = []
+    real = cost_model.measure_batch_forward_cost
+    monkeypatch.setattr(cost_model, "measure_batch_forward_cost", lambda *a, **k: calls.append(k["rows"]) or real(*a, **k))
+    options = dict(directory=tmp_path, widths=(1, 2), repeats=1, machine=MACHINE)
+    first = cost_model.cached_batch_forward_cost(model, rows=2, context=40, **options)
+    assert cost_model.cached_batch_forward_cost(model, rows=2, context=40, **options) == first
+    cost_model.cached_batch_forward_cost(model, rows=4, context=40, **options)
+    assert calls == [2, 4]
+
+
+def test_a_copied_cache_row_holds_the_same_keys_and_values():
+    from longspec.runtime.batch_cache import BatchKVCache
+
+    model = tiny_decoder("gemma3", dtype=torch.float64, max_position_embeddings=512)
+    cache = BatchKVCache(model.config, 64, 2, max_forward_tokens=32, dtype=torch.float64)
+    a, b = cache.acquire(), cache.acquire()
+    view = a.view()
+    model(torch.arange(20).unsqueeze(0) % 7, view, positions=view.next_positions(20), with_logits=False)
+    view.commit()
+    cache.copy_row(a, b)
+    assert b.length == a.length == 20
+    tokens = torch.tensor([[3, 4], [3, 4]])
+    both = cache.rows(0, 2)
+    out = model(tokens, both, positions=both.next_positions(2))
+    torch.testing.assert_close(out.logits[0], out.logits[1], rtol=0, atol=0)

@@ -162,6 +162,11 @@ class BatchKVCache:
         """Bytes of the rows now held by sequences (a free row costs nothing to reuse)."""
         return self.occupied * self.bytes_per_row()
 
+    def copy_row(self, source: CacheRow, target: CacheRow) -> None:
+        """Give `target` the committed K/V of `source` (rows of one context, e.g. to
+        time a batch without prefilling every row)."""
+        self._move(source.slot, target.slot)
+
     # ------------------------------------------------------------- internals
     def _clear(self, slot: int) -> None:
         self.lengths[slot] = 0

@@ -30,6 +30,7 @@ import torch
 from longspec.runtime.batch_cache import BatchKVCache, CacheRow
 from longspec.runtime.device import HOST
 from longspec.runtime.model import Decoder
+from longspec.speculation.cost_model import ForwardCost, batch_forward_cost_at
 from longspec.speculation.drafters.base import DraftContext, Drafter, TargetView
 from longspec.speculation.engine import (
     EngineOptions,
@@ -39,6 +40,7 @@ from longspec.speculation.engine import (
     node_histories,
     truncate_at_stop,
 )
+from longspec.speculation.joint_budget import ReachHistory, cut_to_depth, joint_depths
 from longspec.speculation.metrics import GenerationStats
 from longspec.speculation.processors import SamplingParams
 from longspec.speculation.seeding import drafter_generator
@@ -64,6 +66,13 @@ class BatchOptions:
     # node pays attention over the row's context and the 262k-vocabulary head, so
     # filling measured 0.66-1.11x of not filling (BENCHMARKS.md).
     fill_padding: bool = False
+    # With two rows or more, cut the rows' trees to the depths that maximise expected
+    # accepted tokens per second of the shared forward: levels ranked across rows by
+    # their measured acceptance, the batched forward's cost measured on this machine
+    # (`speculation/joint_budget.py`). Off by default: with PLD on 4k-token prompts it
+    # measured 0.76-0.98x of uncut trees in 5 of 6 cells at B = 2-8, 1.30x in one
+    # (BENCHMARKS.md); its acceptance estimates come out low for long chains.
+    joint_budget: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_rows", "row_capacity", "prefill_tokens_per_step"):
@@ -136,6 +145,7 @@ class _Row:
     produced: int = 0
     draft_generator: torch.Generator | None = None
     prefill_hidden: list[torch.Tensor] = field(default_factory=list)
+    reach: ReachHistory = field(default_factory=ReachHistory)  # acceptance by depth, for the joint budget
 
     @property
     def stats(self) -> GenerationStats:
@@ -168,6 +178,7 @@ class BatchEngine:
         # padding over packing).
         self.forward_nodes = 0
         self.padding_nodes = 0
+        self._reach_by_drafter: dict[type, ReachHistory] = {}
 
     @staticmethod
     def prefill_chunk(options: EngineOptions, batch: BatchOptions) -> int:
@@ -347,6 +358,31 @@ class BatchEngine:
             trees[index] = checked_proposal(row.drafter, self._context(row), vocab, lambda c: widen(c, width))
             row.stats.draft_s += time.perf_counter() - t0
 
+    def forward_cost(self, rows: int, length: int) -> ForwardCost:
+        """The measured cost of a verification forward over `rows` rows (rounded up to
+        a power of two, at most `max_rows`) of about `length` committed tokens, by
+        tokens per row. Cached per machine: the first call at a new row count or
+        context bucket measures it (seconds), which a benchmark does before its clock."""
+        measured = min(1 << max(rows - 1, 0).bit_length(), self.batch.max_rows)
+        return batch_forward_cost_at(self.model, measured, length)
+
+    def _drafter_reach(self, row: _Row) -> ReachHistory:
+        """The acceptance history of every row (and request) drafted by this kind of drafter."""
+        return self._reach_by_drafter.setdefault(type(row.drafter), ReachHistory())
+
+    def _cut_jointly(self, rows: list[_Row], trees: list[Tree]) -> list[Tree]:
+        cost = self.forward_cost(len(rows), max(row.length for row in rows))
+        measured_rows = int(cost.key.get("rows", len(rows)))
+
+        def seconds(tokens: float) -> float:  # the same tokens spread over the measured rows
+            return cost.seconds_for(max(1.0, tokens / measured_rows))
+
+        reach = [row.reach.reach(tree.max_depth, self._drafter_reach(row).conditionals(tree.max_depth))
+                 for row, tree in zip(rows, trees)]
+        whole = [bool(getattr(row.drafter, "sizes_tree_from_cost", False)) for row in rows]
+        depths = joint_depths(trees, reach, seconds, whole)
+        return [cut_to_depth(tree, depth) for tree, depth in zip(trees, depths)]
+
     def _round(self) -> None:
         rows = self._decoding
         vocab = self.model.config.vocab_size
@@ -358,6 +394,10 @@ class BatchEngine:
             else:
                 trees.append(checked_proposal(row.drafter, self._context(row), vocab))
             row.stats.draft_s += time.perf_counter() - t0
+        proposed = trees
+        # A row alone keeps its drafter's tree, as the single-sequence engine does.
+        if self.batch.joint_budget and len(rows) > 1 and any(tree.size > 1 for tree in trees):
+            trees = self._cut_jointly(rows, trees)
         if self.batch.fill_padding:
             self._widen(rows, trees, vocab)
 
@@ -390,9 +430,11 @@ class BatchEngine:
         commit_s = (time.perf_counter() - t1) / len(rows)
 
         finished = []
-        for row, tree, verdict in zip(rows, trees, paths):
+        for row, tree, whole, verdict in zip(rows, trees, proposed, paths):
             t2 = time.perf_counter()
             new = torch.cat([tree.tokens[verdict.path[1:]], torch.tensor([verdict.bonus], device=HOST)])
+            if self.batch.joint_budget:
+                self._drafter_reach(row).add(row.reach.record(whole, tree.max_depth, new.tolist()))
             new, stop_reason = truncate_at_stop(new, row.eos, row.max_new_tokens - row.produced)
             row.tokens[row.length : row.length + new.numel()] = new
             row.length += new.numel()

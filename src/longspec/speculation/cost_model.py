@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from longspec.runtime.attention import NATIVE_ATTENTION_MAX_QUERIES
+from longspec.runtime.batch_cache import BatchKVCache
 from longspec.runtime.device import HOST, device_name, synchronize
 from longspec.runtime.machine import machine_identity
 from longspec.runtime.model import Decoder
@@ -30,6 +31,8 @@ from longspec.runtime.native import kernels_identity
 from longspec.speculation.tree import Tree
 
 DEFAULT_KS = (1, 2, 4, 8, 16, 32, 64)
+BATCH_WIDTHS = (1, 2, 4, 8, 16, 32)  # tokens per row of a batched verification forward
+CONTEXT_BUCKETS = (512, 1024, 2048, 4096, 8192, 16384, 32768)  # contexts measured for a sequence's length
 CACHE_SUBDIR = "cost-model"
 FORMAT = "longspec-forward-cost/1"
 
@@ -139,25 +142,110 @@ def measure_forward_cost(
     return ForwardCost(cost_key(model, context, machine or machine_identity()), ks, tuple(seconds))
 
 
+def measure_batch_forward_cost(
+    model: Decoder,
+    *,
+    rows: int,
+    context: int,
+    widths: Sequence[int] = BATCH_WIDTHS,
+    repeats: int = 3,
+    machine: dict | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> ForwardCost:
+    """Time one batched verification forward: `rows` rows of `context` committed
+    tokens each, every row a chain of w new tokens, all through the output layer (as
+    the batched engine verifies them). `ks` of the result are the widths w; best of
+    `repeats` after one warm-up. One row is prefilled and copied into the others."""
+    widths = tuple(sorted(set(int(w) for w in widths) | {1}))
+    if rows < 1 or context < 1 or context + widths[-1] > model.config.max_position_embeddings:
+        raise ValueError(f"need rows >= 1 and context {context} + {widths[-1]} tokens within the model's "
+                         f"{model.config.max_position_embeddings} positions")
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (context + widths[-1],), generator=generator, device=HOST)
+    chunk = 256  # the batched engine's prefill chunk, which also sizes its rings
+    cache = BatchKVCache(model.config, context + widths[-1] + 1, rows, max_forward_tokens=max(chunk, widths[-1]),
+                         dtype=model.dtype, device=model.device)
+    slots = [cache.acquire() for _ in range(rows)]
+    with torch.inference_mode():
+        view = slots[0].view()
+        for begin in range(0, context, chunk):
+            piece = ids[begin : min(begin + chunk, context)]
+            model(piece.unsqueeze(0), view, positions=view.next_positions(piece.numel()), logits_rows=slice(0, 0),
+                  with_logits=False)
+            view.commit()
+        for slot in slots[1:]:
+            cache.copy_row(slots[0], slot)
+        batch = cache.rows(0, rows)
+        seconds = []
+        for w in widths:
+            tokens = ids[context : context + w].expand(rows, w)
+            best = float("inf")
+            for attempt in range(repeats + 1):
+                start = clock()
+                out = model(tokens, batch, positions=batch.next_positions(w), with_logits=False)
+                model.logits(out.hidden.reshape(-1, out.hidden.shape[-1]))
+                synchronize(model.device)
+                elapsed = clock() - start
+                batch.drop_pending()
+                if attempt:
+                    best = min(best, elapsed)
+            seconds.append(best)
+    key = {**cost_key(model, context, machine or machine_identity()), "rows": rows}
+    return ForwardCost(key, widths, tuple(seconds))
+
+
+def cached_batch_forward_cost(model: Decoder, *, rows: int, context: int, directory: Path | None = None,
+                              **measure_options) -> ForwardCost:
+    """`measure_batch_forward_cost`, cached like `cached_forward_cost` (the row count
+    in the key)."""
+    machine = measure_options.pop("machine", None) or machine_identity()
+    key = {**cost_key(model, context, machine), "rows": rows}
+    return _cached(key, directory, measure_options.get("widths"),
+                   lambda: measure_batch_forward_cost(model, rows=rows, context=context, machine=machine, **measure_options))
+
+
+def batch_forward_cost_at(model: Decoder, rows: int, length: int, widths: Sequence[int] = BATCH_WIDTHS) -> ForwardCost:
+    """The cached batched measurement for `rows` rows of about `length` committed
+    tokens, at the smallest context bucket that holds them."""
+    return cached_batch_forward_cost(model, rows=rows, context=_bucket(model, length, max(widths)), widths=widths)
+
+
 def cached_forward_cost(model: Decoder, *, context: int, directory: Path | None = None, **measure_options) -> ForwardCost:
     """The measurement for this machine/model/dtype/context/threads, from the cache
     when one was made under the same key, else measured now and stored."""
-    from longspec.runtime.default_model import cache_root
-
     machine = measure_options.pop("machine", None) or machine_identity()
     key = cost_key(model, context, machine)
+    return _cached(key, directory, measure_options.get("ks"),
+                   lambda: measure_forward_cost(model, context=context, machine=machine, **measure_options))
+
+
+def _cached(key: dict, directory: Path | None, ks: Sequence[int] | None, measure: Callable[[], ForwardCost]) -> ForwardCost:
+    from longspec.runtime.default_model import cache_root
+
     directory = directory or cache_root() / CACHE_SUBDIR
     path = directory / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24] + ".json")
     if path.is_file():
         try:
             cost = ForwardCost.from_json(path.read_text())
-            if cost.key == key and (not measure_options.get("ks") or set(measure_options["ks"]) <= set(cost.ks)):
+            if cost.key == key and (not ks or set(ks) <= set(cost.ks)):
                 return cost
         except (ValueError, KeyError, TypeError):
             pass  # unreadable or foreign: measure again and replace it
-    cost = measure_forward_cost(model, context=context, machine=machine, **measure_options)
+    cost = measure()
     directory.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     temporary.write_text(cost.to_json())
     temporary.replace(path)
     return cost
+
+
+def forward_cost_at(model: Decoder, length: int, ks: Sequence[int] = DEFAULT_KS) -> ForwardCost:
+    """The cached measurement for a sequence of `length` committed tokens: at the
+    smallest context bucket that holds it (within the model's positions)."""
+    return cached_forward_cost(model, context=_bucket(model, length, max(ks)), ks=ks)
+
+
+def _bucket(model: Decoder, length: int, widest: int) -> int:
+    room = model.config.max_position_embeddings - widest - 1
+    bucket = next((c for c in CONTEXT_BUCKETS if c >= length), CONTEXT_BUCKETS[-1])
+    return max(1, min(bucket, room))

@@ -14,7 +14,9 @@ that a controller composing drafters (`auto`) treats it as costly before it has
 measured it; and ``widen(context, nodes) -> Tree``, the tree of the last
 ``propose`` grown toward ``nodes`` speculative nodes, which the batched engine asks
 for (with ``BatchOptions.fill_padding``) when another row's tree is wider (its padding
-slots turned into speculation).
+slots turned into speculation); and ``sizes_tree_from_cost = True`` when it sizes its
+trees from the measured forward cost at the batch's width itself (`auto`), so that the
+batched engine's joint budget leaves its trees whole.
 """
 
 from __future__ import annotations

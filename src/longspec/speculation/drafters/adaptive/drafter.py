@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from longspec.runtime.device import HOST
-from longspec.speculation.cost_model import ForwardCost, cached_forward_cost
+from longspec.speculation.cost_model import ForwardCost, forward_cost_at
 from longspec.speculation.drafters.adaptive.merge import MergedTree, Source, merge_trees, subtree
 from longspec.speculation.drafters.adaptive.policies import ThroughputPolicy, TreePolicy
 from longspec.speculation.drafters.adaptive.unverified import UnverifiedNodes
@@ -53,7 +53,6 @@ _EMA = 0.2  # weight of the newest round in moving averages
 # it alone contributes pays for its time. Lookups cost 1-5% of a round here (their
 # timing noise must not flip them), a draft network's proposal 100% or more.
 _CHEAP_SHARE = 0.2
-_COST_CONTEXTS = (512, 1024, 2048, 4096, 8192, 16384, 32768)  # cost-model buckets
 # Probes of a costly drafter that do not pay double the wait before the next one, up
 # to this many times `probe_every` rounds: such a probe is a loss whenever it shows
 # nothing new.
@@ -158,6 +157,10 @@ class ControllerTelemetry:
 
 
 class AdaptiveDrafter:
+    # Sizes its tree from the measured forward cost at the batch's width itself: a
+    # batched engine's joint budget leaves its trees whole.
+    sizes_tree_from_cost = True
+
     def __init__(
         self,
         components: Sequence[tuple[str, Drafter]],
@@ -356,11 +359,7 @@ class AdaptiveDrafter:
         self._unverified = [entry for entry in self._unverified if entry[0].pending]
 
     def _measured_cost(self, context: DraftContext) -> ForwardCost:
-        model = context.target.model
-        length = int(context.tokens.numel())
-        room = model.config.max_position_embeddings - 65
-        bucket = next((c for c in _COST_CONTEXTS if c >= length), _COST_CONTEXTS[-1])
-        return cached_forward_cost(model, context=max(1, min(bucket, room)))
+        return forward_cost_at(context.target.model, int(context.tokens.numel()))
 
     def _measured_seconds(self, k: int) -> float:
         """This row's share of a forward in which every row verifies k + 1 tokens
