@@ -330,8 +330,9 @@ class Decoder(nn.Module):
         self.final_norm.prepare(native_kernels)
         self.native_kernels = native_kernels
         self._packed_head = prepack(self.head_weight, native_kernels=native_kernels)
-        if huge_pages:  # and so are the packed copies, made anew by every prepare
-            move_to_huge_pages([packed.tiles for packed in self._packed_weights() if packed.tiles is not None])
+        if huge_pages:  # and so are the large packed copies, made anew by every prepare
+            tiles = [packed.tiles for packed in self._packed_weights() if packed.tiles is not None]
+            move_to_huge_pages([t for t in tiles if t.numel() * t.element_size() >= HUGE_PAGE_BYTES])
         if self.attention in (fused_attention, flash_attention):
             cpu_without_native = self.device.type == "cpu" and not native_kernels
             self.attention = flash_attention if cpu_without_native else fused_attention
