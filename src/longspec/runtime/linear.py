@@ -1,12 +1,11 @@
 """Linear layers for inference: the weight prepared once per load for the products a
 forward asks of it.
 
-- Few rows (a decode step, a small tree): the native bf16 kernel streams the weight
-  once at the core's read bandwidth (`bf16_matvec`).
-- More rows, on CPUs with AVX-512 BF16: the native kernel over a copy of the weight
-  packed for its dot products (`kernels/bf16_packed_linear.cpp`); 1.1-1.7x oneDNN's
-  blocked product at 4-16 rows (a batch of decode steps, a verified chain), level with it
-  at hundreds (prefill).
+- On CPUs with AVX-512 BF16: the native kernel over a copy of the weight packed for its
+  dot products (`kernels/bf16_packed_linear.cpp`), for any number of rows. One row (a
+  decode step) streams the weight at the core's read bandwidth, about twice oneDNN's rate;
+  4-16 rows (a batch of decode steps, a verified chain) run 1.1-1.8x oneDNN's blocked
+  product, hundreds (prefill) level with it.
 - Elsewhere: oneDNN with the weight prepacked into its blocked layout, about 1.3-1.6x
   faster than PyTorch's default bf16 product.
 - Anything none handles (other dtypes, other devices, builds without them) keeps the
@@ -20,36 +19,30 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from longspec.runtime.bf16_matvec import Bf16Matvec, bf16_matvec
 from longspec.runtime.native import avx512_bf16_ops
 
 
 @dataclass(frozen=True)
 class PackedWeight:
-    onednn: torch.Tensor | None  # oneDNN's blocked copy, for products of many rows
-    matvec: Bf16Matvec | None  # the native kernel, for products of few rows
-    tiles: torch.Tensor | None = None  # the native tiled kernel's packed copy (replaces oneDNN's)
+    onednn: torch.Tensor | None  # oneDNN's blocked copy, where the native kernel cannot run
+    tiles: torch.Tensor | None = None  # the native kernel's packed copy
 
 
 def prepack(weight: torch.Tensor, *, native_kernels: bool = True) -> PackedWeight | None:
     """The prepared forms of a [out, in] bf16 CPU weight, or None where none applies."""
     if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
         return None
-    native = native_kernels and weight.is_contiguous()
-    matvec = bf16_matvec() if native else None
-    ops = avx512_bf16_ops() if native else None
+    ops = avx512_bf16_ops() if native_kernels and weight.is_contiguous() else None
     if ops is not None:
-        return PackedWeight(onednn=None, matvec=matvec, tiles=ops.bf16_pack_weight(weight.detach()))
-    packed = PackedWeight(onednn=_onednn_prepack(weight), matvec=matvec)
-    return packed if packed.onednn is not None or packed.matvec is not None else None
+        return PackedWeight(onednn=None, tiles=ops.bf16_pack_weight(weight.detach()))
+    onednn = _onednn_prepack(weight)
+    return None if onednn is None else PackedWeight(onednn=onednn)
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None, bias=None) -> torch.Tensor:
     # The prepared forms have no backward: a product that needs gradients stays on F.linear.
     if packed is None or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         return F.linear(x, weight, bias)
-    if packed.matvec is not None and packed.matvec.accepts(x):
-        return packed.matvec(x, weight, bias)
     if packed.tiles is not None:
         flat = x.reshape(-1, x.shape[-1]).contiguous()
         out = avx512_bf16_ops().bf16_packed_linear(flat, packed.tiles, weight.shape[0], bias)

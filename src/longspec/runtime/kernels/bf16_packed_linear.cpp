@@ -1,16 +1,17 @@
 // bf16 matrix products through a weight packed for AVX-512 BF16 dot products:
 // y[m, n] = x[m, :] . w[n, :] (+ bias[n]), accumulated in float32 and rounded to bf16 once,
-// as a bf16 linear layer does. The runtime sends it every product of more than the
-// matvec's few rows (`bf16_matvec.cpp`): a batch of decode steps, a verified tree, prefill.
+// as a bf16 linear layer does. The runtime sends it every bf16 product on the CPU: a decode
+// step (one row), a batch of decode steps, a verified tree, prefill.
 //
-// Why: at 4-16 rows (a batch, a chain) the weight still streams once per product but every
-// weight value now feeds several rows. The matvec's row-dot-product form needs one
-// horizontal reduction per output and one load of x per product; here the packed layout puts
-// 16 output columns in the lanes of one register, so a register tile of rows x column blocks
-// is built from broadcast pairs of x and never reduced across lanes. Measured against
-// oneDNN's blocked product of the same weights: 1.1-1.7x at 4-16 rows, level at hundreds
-// (BENCHMARKS.md). Every output is one float32 sum over k in the same order whatever the
-// tile, so a row gets the same bits alone or in a batch.
+// Why: a decode step streams every weight once, and at 4-16 rows (a batch, a chain) the
+// weight still streams once per product but every weight value feeds several rows. The
+// packed layout puts 16 output columns in the lanes of one register, so a register tile of
+// rows x column blocks is built from broadcast pairs of x and never reduced across lanes.
+// Measured (BENCHMARKS.md): one row at the rate of a row-streaming matvec (which it
+// replaced), 1.1-1.8x oneDNN's blocked product at 4-16 rows, level with it at hundreds. Only
+// the kernels are compiled for AVX-512; the rest of the library is baseline x86-64, so
+// `avx512_bf16_supported()` can be asked on any CPU. Every output is one float32 sum over k
+// in the same order whatever the tile, so a row gets the same bits alone or in a batch.
 //
 // Packed layout: [ceil(N / 16), ceil(K / 2), 16, 2]. Block j, pair p holds, in lane i, the
 // weight pair (w[16 j + i, 2 p], w[16 j + i, 2 p + 1]), zero past N or K: one 64-byte load
@@ -171,9 +172,16 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, cons
   return y;
 }
 
+bool supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(longspec_native, m) {
+  m.def("avx512_bf16_supported() -> bool", &supported);
   m.def("bf16_pack_weight(Tensor weight) -> Tensor");
   m.impl("bf16_pack_weight", c10::DispatchKey::CPU, TORCH_FN(pack));
   m.def("bf16_packed_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
