@@ -116,10 +116,11 @@ def main() -> None:
     for method in args.methods:
         batched_run(model, [warm, warm], method, 8, params, options, args.seed)
     # The joint budget's forward cost at these rows' lengths: measured (or read) before any clock starts.
-    warm_engine = BatchEngine(model.model, options, BatchOptions(max_rows=most, row_capacity=64))
-    for rows in range(1, most + 1) if args.joint_budget else ():
-        for length in (args.prompt_tokens, args.prompt_tokens + args.new_tokens):
-            warm_engine.forward_cost(rows, length)
+    if args.joint_budget:
+        warm_engine = BatchEngine(model.model, options, BatchOptions(max_rows=most, row_capacity=64))
+        for rows in range(1, most + 1):
+            for length in (args.prompt_tokens, args.prompt_tokens + args.new_tokens):
+                warm_engine.forward_cost(rows, length)
     rows = []
     for task in args.tasks:
         items = TaskSpec.parse(task, args.data_dir).load()

@@ -322,7 +322,7 @@ class Decoder(nn.Module):
         keeps every linear layer on oneDNN / `F.linear` (see `runtime.linear`)."""
         huge_pages = native_kernels and self.device.type == "cpu" and self.dtype == torch.bfloat16
         if huge_pages and not self.on_huge_pages:
-            # The native kernels stream these weights at every decode step.
+            # The embedding and the F.linear / oneDNN paths read these; the products stream the packed copies below.
             large = [p for p in self.parameters() if p.numel() * p.element_size() >= HUGE_PAGE_BYTES]
             self.on_huge_pages = move_to_huge_pages(large)
         for layer in self.layers:

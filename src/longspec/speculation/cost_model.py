@@ -129,17 +129,25 @@ def measure_forward_cost(
             tree = Tree.from_parents(ids[context : context + k], parents_for(k - 1))
             mask = None if tree.is_chain() else tree.ancestor_mask()
             positions = cache.length + tree.depths
-            best = float("inf")
-            for attempt in range(repeats + 1):
-                start = clock()
-                model(tree.tokens.unsqueeze(0), cache, tree_mask=mask, positions=positions)
-                synchronize(model.device)
-                elapsed = clock() - start
-                cache.drop_pending()
-                if attempt:  # the first run warms kernels and allocations
-                    best = min(best, elapsed)
-            seconds.append(best)
+            seconds.append(_best_time(lambda: model(tree.tokens.unsqueeze(0), cache, tree_mask=mask, positions=positions),
+                                      cache.drop_pending, model.device, repeats, clock))
     return ForwardCost(cost_key(model, context, machine or machine_identity()), ks, tuple(seconds))
+
+
+def _best_time(forward: Callable[[], object], reset: Callable[[], None], device, repeats: int,
+               clock: Callable[[], float]) -> float:
+    """Best wall time of `repeats` forwards after one warm-up (kernels, allocations),
+    the cache reset after each."""
+    best = float("inf")
+    for attempt in range(repeats + 1):
+        start = clock()
+        forward()
+        synchronize(device)
+        elapsed = clock() - start
+        reset()
+        if attempt:
+            best = min(best, elapsed)
+    return best
 
 
 def measure_batch_forward_cost(
@@ -179,17 +187,12 @@ def measure_batch_forward_cost(
         seconds = []
         for w in widths:
             tokens = ids[context : context + w].expand(rows, w)
-            best = float("inf")
-            for attempt in range(repeats + 1):
-                start = clock()
+
+            def verify(tokens=tokens, w=w):  # every node through the output layer, as the engine verifies
                 out = model(tokens, batch, positions=batch.next_positions(w), with_logits=False)
                 model.logits(out.hidden.reshape(-1, out.hidden.shape[-1]))
-                synchronize(model.device)
-                elapsed = clock() - start
-                batch.drop_pending()
-                if attempt:
-                    best = min(best, elapsed)
-            seconds.append(best)
+
+            seconds.append(_best_time(verify, batch.drop_pending, model.device, repeats, clock))
     key = {**cost_key(model, context, machine or machine_identity()), "rows": rows}
     return ForwardCost(key, widths, tuple(seconds))
 
