@@ -119,6 +119,51 @@ def test_pld_multi_candidate_tree():
     assert tree.size == 5
 
 
+def test_pld_trees_carry_the_copied_run_of_each_node():
+    """A node's copied run: the tokens up to its parent, root included, that equal the
+    tokens before its source; the longest run among the chains through a shared node."""
+    tokens = [5, 1, 2, 3, 4, 9, 9, 1, 2, 3, 7, 8, 0, 2, 3]
+    tree = proposed(PromptLookupDrafter(num_tokens=5, max_candidates=3), tokens)
+    # "2 3" ends at 9 (then 7 8 0 2 3) and at 3 (then 4 9 9 1 2); both agree with the
+    # sequence for 2 tokens back from the root (then 1 != 0).
+    assert tree.tokens.tolist() == [3, 7, 8, 0, 2, 3, 4, 9, 9, 1, 2]
+    assert tree.copied_runs.tolist() == [0, 2, 3, 4, 5, 6, 2, 3, 4, 5, 6]
+    # Shared prefixes keep the longest run: "7" follows both "0 2 3" (run 2, most recent)
+    # and "1 2 3" (run 3: the sequence ends in "1 2 3" too).
+    tokens = [1, 2, 3, 7, 8, 0, 2, 3, 7, 9, 1, 2, 3]
+    tree = proposed(PromptLookupDrafter(num_tokens=2, max_ngram=1, max_candidates=2), tokens)
+    assert tree.tokens.tolist() == [3, 7, 9, 8] and tree.copied_runs.tolist() == [0, 3, 3, 4]
+    assert proposed(PromptLookupDrafter(), [1, 2, 3]).copied_runs is None  # no match: root only
+
+
+def brute_force_run(seq: list[int], min_ngram: int, max_ngram: int) -> int | None:
+    """The copied run of the most recent match of the longest matching suffix (None: no match)."""
+    length = len(seq)
+    for n in range(max_ngram, min_ngram - 1, -1):
+        ends = [e for e in range(n - 1, length - 1) if seq[e - n + 1 : e + 1] == seq[length - n :]]
+        if ends:
+            end = ends[-1]
+            run = 0
+            while run <= end and seq[end - run] == seq[length - 1 - run]:
+                run += 1
+            return min(run, PromptLookupDrafter.max_run)
+    return None
+
+
+def test_pld_copied_runs_match_brute_force():
+    rng = random.Random(3)
+    for _ in range(300):
+        seq = [rng.randrange(rng.choice([2, 3, 5])) for _ in range(rng.randint(2, 120))]
+        min_ngram = rng.randint(1, 2)
+        max_ngram = min_ngram + rng.randint(0, 2)
+        tree = proposed(PromptLookupDrafter(num_tokens=4, min_ngram=min_ngram, max_ngram=max_ngram), seq)
+        run = brute_force_run(seq, min_ngram, max_ngram)
+        if run is None:
+            assert tree.size == 1
+            continue
+        assert tree.copied_runs.tolist() == [0] + [run + d for d in range(tree.size - 1)], seq
+
+
 def test_pld_multi_candidate_skips_identical_continuations():
     tokens = [5, 1, 5, 1, 5, 2, 5]
     tree = proposed(PromptLookupDrafter(num_tokens=1, max_ngram=1, max_candidates=3), tokens)

@@ -75,3 +75,7 @@ def test_invalid_trees_are_refused():
     sampled = Tree.chain(1, [2], draft_probs=torch.full((2, 4), 0.25), children_sampled=True)
     with pytest.raises(ValueError, match="sampled"):
         sampled.with_chains([torch.tensor([3])])
+    with pytest.raises(ValueError, match="copied_runs"):
+        Tree.chain(1, [2, 3], copied_runs=torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="copied_runs"):
+        Tree.chain(1, [2], copied_runs=torch.tensor([0.0, 1.0]))

@@ -37,6 +37,11 @@ class Tree:
     # True when children were *sampled* from draft_probs (multi-draft rejection
     # applies); False when they are deterministic candidates (top-k, beams, n-grams).
     children_sampled: bool = False
+    # Optional, for drafters that copy earlier text (prompt lookup): per node, the length
+    # of the copied run it extends — the tokens up to and including its parent that equal
+    # the tokens before its source. Long runs keep matching, so a controller (`auto`)
+    # reads it as evidence of acceptance. None when the drafter does not copy.
+    copied_runs: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         problem = self.structure_problem()
@@ -69,6 +74,10 @@ class Tree:
                     f"{int(depths[parents[i]])} (a node's depth is its parent's + 1)")
         if self.children_sampled and self.draft_probs is None:
             return "a tree with sampled children must carry draft_probs"
+        runs = self.copied_runs
+        if runs is not None and (not isinstance(runs, torch.Tensor) or runs.dtype != torch.long
+                                 or runs.shape != tokens.shape or runs.device != HOST):
+            return f"copied_runs must be a host int64 tensor of one value per node ({n}), got {runs!r}"
         return None
 
     def problem(self, vocab_size: int) -> str | None:

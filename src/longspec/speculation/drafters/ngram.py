@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -65,16 +66,33 @@ def trim_chains(chains: Sequence[Sequence[int]], budget: int) -> list[list[int]]
     return out
 
 
-def chains_tree(root: int, chains: Sequence[Sequence[int]], max_nodes: int) -> Tree:
+def chains_tree(root: int, chains: Sequence[Sequence[int]], max_nodes: int,
+                runs: Sequence[int] | None = None) -> Tree:
     """A tree of ``chains`` merged below ``root`` (no duplicate siblings), with at
-    most ``max_nodes`` speculative nodes; root-only when nothing is left."""
+    most ``max_nodes`` speculative nodes; root-only when nothing is left. ``runs``
+    (copying drafters): per chain, the copied run its first token extends; the tree's
+    `copied_runs` then give each node the longest run among the chains through it."""
+    if runs is not None:
+        if len(runs) != len(chains):
+            raise ValueError(f"one run per chain: {len(runs)} runs for {len(chains)} chains")
+        runs = [run for chain, run in zip(chains, runs) if len(chain)]  # trimming drops empty chains
     trimmed = trim_chains(chains, max(int(max_nodes), 0))
-    tree = Tree.chain(root, [])
     if not trimmed:
-        return tree
+        return Tree.chain(root, [])
     if len(trimmed) == 1:
-        return Tree.chain(root, trimmed[0])
-    return tree.with_chains([torch.tensor(c, dtype=torch.long, device=HOST) for c in trimmed])
+        tree = Tree.chain(root, trimmed[0])
+    else:
+        tree = Tree.chain(root, []).with_chains([torch.tensor(c, dtype=torch.long, device=HOST) for c in trimmed])
+    if runs is None:
+        return tree
+    node_runs = [0] * tree.size
+    child_of = {(p, t): i for i, (p, t) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist())) if i}
+    for chain, run in zip(trimmed, runs):  # trimming keeps the chains' order and drops only a tail
+        node = 0
+        for depth, token in enumerate(chain):
+            node = child_of[(node, token)]
+            node_runs[node] = max(node_runs[node], int(run) + depth)
+    return replace(tree, copied_runs=torch.tensor(node_runs, dtype=torch.long, device=HOST))
 
 
 class NgramTable:

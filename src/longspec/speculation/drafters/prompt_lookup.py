@@ -51,6 +51,9 @@ class PromptLookupDrafter:
     """
 
     scan_factor = 8
+    # Copied runs are measured up to this length (`Tree.copied_runs`): a controller's
+    # acceptance no longer changes with the run length long before it.
+    max_run = 64
 
     def __init__(
         self,
@@ -124,15 +127,20 @@ class PromptLookupDrafter:
         limit = min(self.num_tokens, int(context.max_nodes))
         if limit <= 0:
             return Tree.chain(root, [])
-        chains = self.lookup(limit)
-        return chains_tree(root, chains, context.max_nodes)
+        matches = self._matches(limit)
+        return chains_tree(root, [chain for _, chain in matches], context.max_nodes,
+                           runs=[self._run_length(end) for end, _ in matches])
 
     # ----------------------------------------------------------------- lookup
     def lookup(self, limit: int | None = None) -> list[list[int]]:
         """Continuations (each at most ``limit`` tokens, default ``num_tokens``) of
         the most recent earlier occurrences of the longest matching suffix, most
         recent first, at most ``max_candidates`` distinct ones; ``[]`` if none."""
-        limit = self.num_tokens if limit is None else limit
+        return [chain for _, chain in self._matches(self.num_tokens if limit is None else limit)]
+
+    def _matches(self, limit: int) -> list[tuple[int, list[int]]]:
+        """(end, continuation) of each occurrence `lookup` returns, `end` being the
+        position where the matched earlier n-gram ends."""
         toks = self._tokens
         length = len(toks)
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
@@ -143,8 +151,8 @@ class PromptLookupDrafter:
                 continue
             if self.max_candidates == 1:
                 end = ends[-1]
-                return [toks[end + 1 : end + 1 + limit]]
-            chains: list[list[int]] = []
+                return [(end, toks[end + 1 : end + 1 + limit])]
+            matches: list[tuple[int, list[int]]] = []
             seen: set[tuple[int, ...]] = set()
             scan = self.scan_factor * self.max_candidates
             for i in range(len(ends) - 1, max(len(ends) - 1 - scan, -1), -1):
@@ -152,8 +160,18 @@ class PromptLookupDrafter:
                 cont = tuple(toks[end + 1 : end + 1 + limit])
                 if cont not in seen:
                     seen.add(cont)
-                    chains.append(list(cont))
-                    if len(chains) == self.max_candidates:
+                    matches.append((end, list(cont)))
+                    if len(matches) == self.max_candidates:
                         break
-            return chains
+            return matches
         return []
+
+    def _run_length(self, end: int) -> int:
+        """How many tokens, back from the root, equal those back from `end` (the
+        copied run the continuation after `end` extends), at most `max_run`."""
+        toks = self._tokens
+        last = len(toks) - 1
+        run = 0
+        while run < self.max_run and run <= end and toks[end - run] == toks[last - run]:
+            run += 1
+        return run

@@ -11,9 +11,10 @@ Each round:
    the wait (up to `_MAX_BACKOFF` times), so a drafter that does not fit the text
    costs ever less.
 2. It merges the trees (equal paths become one node) and estimates each node's
-   probability of acceptance as a path product of per-(drafter, depth, sibling
-   rank) acceptance rates learned online (Beta(1, 1) prior; siblings' conditional
-   probabilities normalised to sum at most 1, since one child at most is accepted).
+   probability of acceptance as a path product of per-(drafter, depth or copied
+   run, sibling rank) acceptance rates learned online (Beta(1, 1) prior; siblings'
+   conditional probabilities normalised to sum at most 1, since one child at most
+   is accepted).
 3. The policy picks k, the number of best-ranked nodes to verify: the expected
    tokens per second against the measured cost of a forward of k + 1 tokens
    (`ThroughputPolicy`, the default) or UCB over node budgets (`UCBPolicy`).
@@ -60,15 +61,20 @@ _MAX_BACKOFF = 8
 
 
 class AcceptanceTable:
-    """P(node accepted | parent accepted) per (drafter, depth, rank, whether another
-    drafter proposed the same node — agreement is strong evidence). Each depth's cell
-    is shrunk toward the depth above it, and depth 1 toward the drafter's rate pooled
-    over depths (Beta(1, 1)-smoothed): along a chain that keeps matching, acceptance
-    stays high, so a depth that was rarely reached starts from the deepest measured
-    rate above it — not from 1/2, and not from the pooled rate, which depth 1 (the
-    hardest token, right after a bonus) dominates. That is what lets the deep nodes of
-    a good drafter be proposed, and so measured. Depths and ranks beyond the table
-    share its last cell.
+    """P(node accepted | parent accepted) per (drafter, level, rank, whether another
+    drafter proposed the same node — agreement is strong evidence). A node's level is
+    its depth or, for a node copied from earlier text (prompt lookup), the length of
+    the copied run it extends (`Tree.copied_runs`): a copy that has matched for 30
+    tokens keeps matching far more often than one that matched for 3, whatever the
+    depth (replayed on held-out continuations: 3% more tokens per second than by depth
+    alone). Each level's cell is shrunk toward the previous level's rate (one token
+    shallower, or a run one token shorter), and level 1 toward the drafter's rate
+    pooled over levels (Beta(1, 1)-smoothed): along a chain that keeps matching,
+    acceptance stays high, so a level that was rarely reached starts from the highest
+    measured level before it — not from 1/2, and not from the pooled rate, which level
+    1 (the hardest token, right after a bonus) dominates. That is what lets the deep
+    nodes of a good drafter be proposed, and so measured. Levels and ranks beyond the
+    table share its last cell.
 
     Trees are chosen with optimistic rates — the posterior mean plus `OPTIMISM`
     posterior standard deviations — so that a cell that a few unlucky rounds pushed
@@ -85,24 +91,24 @@ class AcceptanceTable:
     PRIOR_WEIGHT = 2.0  # pseudo-observations of the prior rate in every cell
     OPTIMISM = 1.0  # posterior standard deviations added when choosing trees
 
-    def __init__(self, drafters: int, max_depth: int = 8, max_rank: int = 4) -> None:
-        self.accepted = np.zeros((drafters, max_depth, max_rank, 2), dtype=np.float64)
+    def __init__(self, drafters: int, max_level: int = 32, max_rank: int = 4) -> None:
+        self.accepted = np.zeros((drafters, max_level, max_rank, 2), dtype=np.float64)
         self.proposed = np.zeros_like(self.accepted)
         self._rates: tuple[np.ndarray, np.ndarray] | None = None  # (mean, optimistic); None once a count changed
 
     def cell(self, source: Source, agreed: bool) -> tuple[int, int, int, int]:
         """Index of a proposed node's cell in the count and rate arrays."""
         D, R = self.accepted.shape[1:3]
-        return source.drafter, min(source.depth, D) - 1, min(source.rank, R - 1), int(agreed)
+        return source.drafter, min(source.run or source.depth, D) - 1, min(source.rank, R - 1), int(agreed)
 
     def rates(self, optimistic: bool = False) -> np.ndarray:
-        """[drafters, depth, rank, agreed] shrunk acceptance rates (posterior means),
+        """[drafters, level, rank, agreed] shrunk acceptance rates (posterior means),
         or the optimistic rates trees are chosen with."""
         if self._rates is None:
             m = self.PRIOR_WEIGHT
-            rate = (self.accepted.sum(axis=1) + 1.0) / (self.proposed.sum(axis=1) + 2.0)  # pooled over depths
+            rate = (self.accepted.sum(axis=1) + 1.0) / (self.proposed.sum(axis=1) + 2.0)  # pooled over levels
             mean = np.empty_like(self.accepted)
-            for d in range(self.accepted.shape[1]):  # each depth shrunk toward the one above it
+            for d in range(self.accepted.shape[1]):  # each level shrunk toward the previous one
                 rate = (self.accepted[:, d] + m * rate) / (self.proposed[:, d] + m)
                 mean[:, d] = rate
             # The cell's Beta posterior has proposed + m observations (prior included).

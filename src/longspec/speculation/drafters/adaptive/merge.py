@@ -1,6 +1,7 @@
 """Union of several drafters' trees rooted at the same token: a trie over their
 root-to-node paths, each merged node remembering which drafters proposed it, at
-which depth and as which sibling (its rank among its parent's children)."""
+which depth, as which sibling (its rank among its parent's children) and, for
+copying drafters, the copied run it extends."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ class Source:
     drafter: int  # index of the proposing drafter
     depth: int  # 1 = a child of the root
     rank: int  # 0 = the drafter's first candidate under that parent
+    run: int = 0  # the copied run the node extends (`Tree.copied_runs`); 0: the drafter does not copy
 
 
 @dataclass
@@ -39,6 +41,7 @@ def merge_trees(root: int, trees: Sequence[tuple[int, Tree]]) -> MergedTree:
         mapped = [0] * tree.size
         seen_children: dict[int, int] = {}
         tree_tokens, tree_parents = tree.tokens.tolist(), tree.parents.tolist()
+        runs = tree.copied_runs.tolist() if tree.copied_runs is not None else [0] * tree.size
         for node in range(1, tree.size):
             parent = mapped[tree_parents[node]]
             rank = seen_children.get(tree_parents[node], 0)
@@ -52,7 +55,7 @@ def merge_trees(root: int, trees: Sequence[tuple[int, Tree]]) -> MergedTree:
                 parents.append(parent)
                 depths.append(depths[parent] + 1)
                 sources.append([])
-            sources[merged].append(Source(drafter, depths[merged], rank))
+            sources[merged].append(Source(drafter, depths[merged], rank, runs[node]))
             mapped[node] = merged
     tree = Tree(torch.tensor(tokens, dtype=torch.long, device=HOST), torch.tensor(parents, dtype=torch.long, device=HOST),
                 torch.tensor(depths, dtype=torch.long, device=HOST))

@@ -26,7 +26,13 @@ POLICIES: dict[str, Callable[[], TreePolicy]] = {
     "throughput": ThroughputPolicy,  # expected tokens per second from the measured cost model (default)
     "ucb": UCBPolicy,  # UCB over node budgets (the Mamba-drafter paper's test-time search)
 }
-DEFAULT_COMPONENTS = ("pld", "ngram", "longspec")
+# Prompt lookup alone by default, by measurement on this CPU (BENCHMARKS.md, "Copied
+# runs"): beside it, n-gram reuse cost 2% of auto's speed on replayed Multi-News and LCC
+# continuations (its nodes displace better lookup nodes; its bookkeeping doubles auto's
+# own time), and the LongSpec draft's probes took 4-8% of the decode time in 13 of the
+# full preset's 18 rows while adding almost no accepted token. Both stay one
+# `components=` away.
+DEFAULT_COMPONENTS = ("pld",)
 
 
 def make_auto(

@@ -1,0 +1,191 @@
+"""`auto`'s controller against fixed prompt lookup on recorded continuations: the same
+tokens for every variant, so the comparison is free of the sampling lottery and of
+bf16 near-ties that make the methods' own runs diverge.
+
+    python benchmarks/adaptive_replay.py --record      # once: continuations to bench-out/replay/
+    python benchmarks/adaptive_replay.py               # replay every variant over them
+
+Recording runs the target (prompt lookup, greedy and sampled) on Multi-News and LCC
+prompts and keeps prompt and output ids. Replaying needs no target: each round, a
+variant's drafter proposes a tree over the committed tokens, the recorded continuation
+decides how much of it is accepted (greedy: exactly what verification accepts; sampled:
+the verification rule for deterministic candidates accepts the path the sample takes),
+and the round costs the measured forward of that many tokens (`cost_model`, this
+machine, the sequence's context bucket) plus the drafter's own measured time (propose
+and observe) plus a fixed engine overhead per round. Tokens per second are therefore a
+model of a run, built from measured parts, not a wall-clock run; `longspec bench`
+gives those.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+import longspec
+from common import machine, write_results
+from longspec.bench.tasks import PromptFilter, TaskSpec, build_prompts
+from longspec.speculation.cost_model import ForwardCost, forward_cost_at
+from longspec.speculation.drafters.adaptive.presets import make_auto
+from longspec.speculation.drafters.base import DraftContext
+from longspec.speculation.drafters.prompt_lookup import PromptLookupDrafter
+from longspec.speculation.tree import Tree
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+RECORDED = Path("bench-out/replay/continuations.jsonl")
+ROUND_OVERHEAD_S = 1e-3  # engine work per round outside the forward and the drafter (measured 0.5-1.5 ms)
+
+
+class WithoutCopiedRuns:
+    """A drafter whose trees do not carry `copied_runs`: `auto` then ranks its nodes by
+    depth alone (the controller before copied runs)."""
+
+    def __init__(self, drafter) -> None:
+        self.drafter = drafter
+
+    def begin(self, context: DraftContext) -> None:
+        self.drafter.begin(context)
+
+    def observe(self, committed: torch.Tensor) -> None:
+        self.drafter.observe(committed)
+
+    def propose(self, context: DraftContext) -> Tree:
+        return replace(self.drafter.propose(context), copied_runs=None)
+
+
+def auto_over(components: str, *, depth_only: bool = False) -> Callable[[], object]:
+    def make():
+        drafter = make_auto(components=components)
+        if depth_only:
+            for component in drafter.components:
+                component.drafter = WithoutCopiedRuns(component.drafter)
+        return drafter
+    return make
+
+
+VARIANTS: dict[str, Callable[[], object]] = {
+    "pld": PromptLookupDrafter,  # the fixed method: a 10-token chain every round
+    "auto-pld-by-depth": auto_over("pld", depth_only=True),
+    "auto-pld": auto_over("pld"),
+    "auto-pld-ngram": auto_over("pld,ngram"),
+}
+
+
+def record(args) -> None:
+    model = longspec.load()
+    args.recorded.parent.mkdir(parents=True, exist_ok=True)
+    with args.recorded.open("w") as out:
+        for task in args.tasks:
+            items = TaskSpec.parse(task, args.data_dir).load()
+            for prompt in build_prompts(items, model.tokenizer, PromptFilter(buckets=tuple(args.buckets), limit=args.limit)):
+                for temperature in args.temperatures:
+                    sampling = dict(temperature=temperature, top_p=0.95, min_p=0.05) if temperature else {}
+                    result = model.generate(prompt.ids, max_new_tokens=args.new_tokens, method="pld", seed=0,
+                                            ignore_eos=True, **sampling)
+                    row = {"task": task, "bucket": prompt.bucket, "item": prompt.item_id, "temperature": temperature,
+                           "prompt": prompt.ids.tolist(), "output": result.token_ids}
+                    out.write(json.dumps(row) + "\n")
+                    print(task, prompt.bucket, prompt.item_id[:8], temperature, flush=True)
+
+
+def accepted_length(tree: Tree, continuation: list[int]) -> int:
+    """How deep the tree follows the continuation from its root."""
+    children: dict[int, dict[int, int]] = {}
+    for node, (parent, token) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist())):
+        if node:
+            children.setdefault(parent, {}).setdefault(token, node)
+    node, accepted = 0, 0
+    for token in continuation:
+        node = children.get(node, {}).get(token)
+        if node is None:
+            break
+        accepted += 1
+    return accepted
+
+
+def replay(row: dict, make: Callable[[], object], cost_of: Callable[[int], ForwardCost], count_drafting: bool) -> dict:
+    tokens = torch.tensor(row["prompt"] + row["output"])
+    committed = len(row["prompt"])
+    cost = cost_of(committed)
+    drafter = make()
+    if hasattr(drafter, "forward_cost"):
+        drafter.forward_cost = cost
+    drafter.begin(DraftContext(tokens=tokens[:committed]))
+    seconds, rounds, drafting = 0.0, 0, 0.0
+    while committed < tokens.numel():
+        context = DraftContext(tokens=tokens[:committed])
+        start = time.perf_counter()
+        tree = drafter.propose(context)
+        step = tokens[committed: committed + accepted_length(tree, tokens[committed:].tolist()) + 1]
+        drafter.observe(step)
+        spent = time.perf_counter() - start
+        drafting += spent
+        seconds += cost.seconds_for(tree.size) + ROUND_OVERHEAD_S + (spent if count_drafting else 0.0)
+        rounds += 1
+        committed += step.numel()
+    new = len(row["output"])
+    return {"tokens_per_s": new / seconds, "tau": new / rounds, "drafting_ms_per_round": 1000 * drafting / rounds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--record", action="store_true", help="run the target and record continuations, then stop")
+    parser.add_argument("--recorded", type=Path, default=RECORDED)
+    parser.add_argument("--tasks", nargs="+", default=["multi_news", "lcc"])
+    parser.add_argument("--buckets", type=int, nargs="+", default=[1024, 4096, 8192])
+    parser.add_argument("--limit", type=int, default=3, help="items per task and bucket")
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--data-dir", type=Path, default=DATA)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--without-drafting-time", action="store_true",
+                        help="leave the drafters' own time out (the acceptance model alone)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of the forward-cost measurement")
+    parser.add_argument("--out", type=Path, default=Path("bench-out/adaptive_replay.jsonl"))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.record:
+        record(args)
+        return
+    rows = [json.loads(line) for line in args.recorded.open()]
+    model = longspec.load().model
+    costs: dict[int, ForwardCost] = {}
+
+    def cost_of(length: int) -> ForwardCost:  # what `auto` itself uses for this length
+        cost = forward_cost_at(model, length)
+        return costs.setdefault(cost.key["context"], cost)
+
+    results = []
+    for row in rows:
+        line = f"{row['task'][:10]:10s} {row['bucket']:6d} {row['item'][:8]} T={row['temperature']:g}"
+        for name in args.variants:
+            measured = replay(row, VARIANTS[name], cost_of, not args.without_drafting_time)
+            results.append({"task": row["task"], "bucket": row["bucket"], "item": row["item"],
+                            "temperature": row["temperature"], "variant": name, **measured})
+            line += f" | {name} {measured['tokens_per_s']:6.1f}"
+        print(line, flush=True)
+    baseline = {(r["task"], r["bucket"], r["item"], r["temperature"]): r["tokens_per_s"]
+                for r in results if r["variant"] == "pld"}
+    print(f"\n| variant | geometric mean x pld | min x pld | drafting ms per round |\n|---|---|---|---|")
+    for name in args.variants:
+        mine = [r for r in results if r["variant"] == name]
+        ratios = [r["tokens_per_s"] / baseline[(r["task"], r["bucket"], r["item"], r["temperature"])] for r in mine]
+        geo = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+        drafting = sum(r["drafting_ms_per_round"] for r in mine) / len(mine)
+        print(f"| {name} | {geo:.3f} | {min(ratios):.2f} | {drafting:.2f} |")
+    header = {"benchmark": "adaptive_replay", "machine": machine(), "rows": len(rows), "threads": args.threads,
+              "drafting_time_counted": not args.without_drafting_time, "round_overhead_s": ROUND_OVERHEAD_S,
+              "forward_cost_ms": {str(c): [round(1000 * s, 2) for s in cost.seconds] for c, cost in costs.items()},
+              "time": time.ctime()}
+    write_results(args.out, header, results)
+
+
+if __name__ == "__main__":
+    main()
