@@ -17,6 +17,8 @@ import pytest
 import torch
 
 from longspec.runtime.batch_cache import BatchKVCache
+from longspec.runtime.native import avx512_bf16_ops
+from longspec.speculation import batch_engine
 from longspec.speculation.cost_model import ForwardCost
 from longspec.speculation.drafters.draft_model import DraftModelDrafter
 from longspec.speculation.drafters.mamba import MambaDrafter
@@ -62,8 +64,11 @@ def random_tree(size: int, generator: torch.Generator, vocab: int) -> Tree:
     return Tree.from_parents(torch.randint(0, vocab, (size,), generator=generator), torch.tensor(parents))
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_batched_tree_forward_matches_single_rows(family):
+def test_batched_tree_forward_matches_single_rows(family, packed):
+    """Rows of different lengths and trees, padded to the widest; `packed` skips the
+    padding's per-token work (`real_tokens`)."""
     model = tiny_decoder(family, dtype=torch.float64)
     vocab = model.config.vocab_size
     lengths = [5, 13, 9]
@@ -86,11 +91,13 @@ def test_batched_tree_forward_matches_single_rows(family):
         ids = torch.zeros(len(trees), width, dtype=torch.long)
         positions = view.lengths.unsqueeze(1).repeat(1, width)
         masks = torch.eye(width, dtype=torch.bool).repeat(len(trees), 1, 1)
+        real = torch.zeros(len(trees), width, dtype=torch.bool)
         for b, tree in enumerate(trees):
             ids[b, : tree.size] = tree.tokens
             positions[b, : tree.size] += tree.depths
             masks[b, : tree.size, : tree.size] = tree.ancestor_mask()
-        out = model(ids, view, tree_mask=masks, positions=positions)
+            real[b, : tree.size] = True
+        out = model(ids, view, tree_mask=masks, positions=positions, real_tokens=real if packed else None)
         kept = []
         for b, (tree, single) in enumerate(zip(trees, singles)):
             expected = model(tree.tokens.unsqueeze(0), single, tree_mask=tree.ancestor_mask(),
@@ -101,6 +108,27 @@ def test_batched_tree_forward_matches_single_rows(family):
             kept.append(path)
         view.commit(kept)
         assert batch.lengths[: len(lengths)].tolist() == [s.length for s in singles]
+
+
+@pytest.mark.skipif(avx512_bf16_ops() is None, reason="the native bf16 kernels need AVX-512 BF16")
+def test_packed_rows_are_the_same_bits_as_padded_rows():
+    """In bf16 through the native kernels a row's products do not depend on how many
+    rows share them, so skipping the padding changes no bit of the real tokens."""
+    model = tiny_decoder("gemma3", dtype=torch.bfloat16)
+    batch = BatchKVCache(model.config, 96, 3, max_forward_tokens=16, dtype=torch.bfloat16)
+    for i, length in enumerate([5, 13, 9]):
+        view = batch.acquire().view()
+        model(random_ids(length, seed=i), view, positions=view.next_positions(length))
+        view.commit()
+    generator = torch.Generator().manual_seed(1)
+    trees = [random_tree(size, generator, model.config.vocab_size) for size in (2, 7, 4)]
+    view = batch.rows()
+    ids, positions, masks, real = batch_engine._pad_trees(trees, view.lengths)
+    padded = model(ids, view, tree_mask=masks, positions=positions)
+    view.drop_pending()
+    packed = model(ids, view, tree_mask=masks, positions=positions, real_tokens=real)
+    assert torch.equal(packed.logits[real], padded.logits[real])
+    assert not packed.hidden[~real].any()  # the padding comes back as zeros
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -5,6 +5,8 @@ budget cuts hard."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -14,7 +16,15 @@ from longspec.speculation.cost_model import ForwardCost
 from longspec.speculation.drafters import NgramDrafter, PromptLookupDrafter
 from longspec.speculation.drafters.adaptive import AdaptiveDrafter
 from longspec.speculation.engine import EngineOptions
-from longspec.speculation.joint_budget import ReachHistory, ReachPrior, cut_to_depth, joint_depths, level_sizes, walk_down
+from longspec.speculation.joint_budget import (
+    ReachHistory,
+    ReachPrior,
+    cut_to_depth,
+    joint_depths,
+    level_sizes,
+    tree_levels,
+    walk_down,
+)
 from longspec.speculation.tree import Tree
 from test_batch_engine import single_run
 from test_engine_exact import diverse_model
@@ -67,7 +77,7 @@ def test_rows_that_size_their_own_trees_are_kept_whole_and_counted():
 def test_reach_is_learned_from_verified_and_cut_levels():
     history = ReachHistory(ReachPrior(accepted=2, rounds=3))
     tree = chain(4)  # tokens 1, 2, 3, 4 below the root
-    assert history.reach(2) == pytest.approx([2 / 3, 4 / 9])  # the prior alone
+    assert history.reach([1, 2]) == pytest.approx([2 / 3, 4 / 9])  # the prior alone
     assert history.record(tree, verified_depth=4, committed=[1, 2, 9]) == [(0, True), (1, True), (2, False)]
     # Cut at depth 1; the bonus is the cut child's token: depth 3 is judged by the next round's tokens.
     assert history.record(tree, verified_depth=1, committed=[1, 2]) == [(0, True), (1, True)]
@@ -80,10 +90,30 @@ def test_reach_is_learned_from_verified_and_cut_levels():
     pooled.add([(0, True), (4, False)])
     assert pooled.tried == [1, 0, 0, 0, 1] and pooled.accepted == [1, 0, 0, 0, 0]
     prior = [0.5, 0.5, 0.5, 0.5, 0.5]
-    assert pooled.conditionals(2, prior) == pytest.approx([(1 + 1.5) / 4, 0.5])
+    assert pooled.conditionals([1, 2], prior) == pytest.approx([(1 + 1.5) / 4, 0.5])
     assert walk_down(Tree.from_parents([0, 5, 6, 7], [-1, 0, 0, 2]), 0, [6, 7, 1]) == (2, 3)
     with pytest.raises(ValueError):
         ReachPrior(accepted=3, rounds=2)
+
+
+def test_copied_trees_are_judged_by_the_run_they_extend():
+    """A prompt-lookup chain's levels are its copied runs: a row learns that copies
+    which matched for 20 tokens keep matching and copies of 1 token do not, where by
+    depth the two would share one estimate."""
+    assert tree_levels(chain(3)) == [1, 2, 3]
+    two_chains = Tree.from_parents([0, 1, 2, 3, 4], [-1, 0, 0, 1, 2], copied_runs=torch.tensor([0, 2, 5, 3, 6]))
+    assert tree_levels(two_chains) == [5, 6]  # the longest run at each depth
+    assert tree_levels(dataclasses.replace(chain(2), copied_runs=torch.tensor([0, 40, 41]))) == [32, 32]
+    history = ReachHistory()
+    long_copy = dataclasses.replace(chain(4), copied_runs=torch.tensor([0, 20, 21, 22, 23]))
+    short_copy = dataclasses.replace(chain(4), copied_runs=torch.tensor([0, 1, 2, 3, 4]))
+    for _ in range(20):
+        history.record(long_copy, verified_depth=4, committed=[1, 2, 3, 4, 9])
+        history.record(short_copy, verified_depth=4, committed=[9])
+    assert min(history.conditionals(tree_levels(long_copy))) > 0.9
+    assert max(history.reach(tree_levels(short_copy))) < 0.1
+    cut = cut_to_depth(long_copy, 2)
+    assert cut.copied_runs.tolist() == [0, 20, 21]
 
 
 def test_cut_to_depth_keeps_a_valid_subtree_with_its_draft_probabilities():

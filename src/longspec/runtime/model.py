@@ -7,7 +7,7 @@ projections are fused into one matrix each at load time (fewer, larger matmuls).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -104,12 +104,16 @@ class DecoderLayer(nn.Module):
     def _norm(norm: RMSNorm, x, plain: bool):
         return norm.plain(x) if plain else norm(x)
 
-    def project(self, x, rope, plain: bool = False):
+    def project(self, x, rope, plain: bool = False, packing: "Packing | None" = None):
         """q [B, Hq, T, D] with RoPE, and this forward's k (with RoPE) and v [B, Hkv, T, D].
-        plain: PyTorch operations only (what a compiler traces), not the native kernels."""
+        plain: PyTorch operations only (what a compiler traces), not the native kernels.
+        packing: x holds only the real tokens of a padded batch ([N, H]); the padding
+        gets zero q, k and v."""
         c = self.config
-        B, T, _ = x.shape
         qkv = self._linear(self._norm(self.input_norm, x, plain), "qkv_weight", self.qkv_bias, plain)
+        if packing is not None:
+            qkv = packing.unpack(qkv)
+        B, T, _ = qkv.shape
         qk = qkv[..., : self.qk_dim].view(B, T, c.num_heads + c.num_kv_heads, c.head_dim)
         if self.qk_norm is not None:
             qk = self._norm(self.qk_norm, qk, plain)
@@ -118,11 +122,15 @@ class DecoderLayer(nn.Module):
         v = qkv[..., self.qk_dim :].view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
         return q, k, v
 
-    def finish(self, x, attn, plain: bool = False):
-        """The residual stream after this layer, from its attention output [B, Hq, T, D]."""
+    def finish(self, x, attn, plain: bool = False, packing: "Packing | None" = None):
+        """The residual stream after this layer, from its attention output [B, Hq, T, D]
+        (with `packing`, x and the result hold the real tokens only)."""
         c = self.config
-        B, T, _ = x.shape
-        out = self._linear(attn.transpose(1, 2).reshape(B, T, -1), "o_weight", plain=plain)
+        B, T = attn.shape[0], attn.shape[2]
+        out = attn.transpose(1, 2).reshape(B, T, -1)
+        if packing is not None:
+            out = packing.pack(out)
+        out = self._linear(out, "o_weight", plain=plain)
         if self.post_attn_norm is not None:
             out = self._norm(self.post_attn_norm, out, plain)
         x = x + out
@@ -135,7 +143,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, rope, plan: "ForwardPlan", cache: KVCache, attention: AttentionBackend):
         c = self.config
-        q, k, v = self.project(x, rope)
+        q, k, v = self.project(x, rope, packing=plan.packing)
         cache.store(self.index, k, v)
         if self.sliding:
             # The ring holds this forward's tokens too; one masked call covers the
@@ -154,7 +162,31 @@ class DecoderLayer(nn.Module):
         else:
             k_pre, v_pre = cache.prefix(self.index)
             attn = attention(q, k_pre, v_pre, None, k, v, plan.new_mask, c.attention_scale)
-        return self.finish(x, attn)
+        return self.finish(x, attn, packing=plan.packing)
+
+
+@dataclass(frozen=True)
+class Packing:
+    """The real tokens of a padded [B, T] forward (rows of a batch whose trees differ
+    in size): norms, products and activations run on these N tokens only, and
+    attention, which needs each row's layout, sees them scattered back to [B, T] with
+    zeros in the padding (masked out: no real token sees a padding key). A row's
+    products are the same bits however many rows share them (`runtime.linear`), so
+    the real tokens come out exactly as in the padded forward."""
+
+    index: torch.Tensor  # [N] flat indices of the real tokens in B * T
+    batch: int
+    tokens: int
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, ...] -> [N, ...]"""
+        return x.reshape(self.batch * self.tokens, *x.shape[2:]).index_select(0, self.index)
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, ...] -> [B, T, ...], zeros at the padding."""
+        out = x.new_zeros((self.batch * self.tokens, *x.shape[1:]))
+        out.index_copy_(0, self.index, x)
+        return out.view(self.batch, self.tokens, *x.shape[1:])
 
 
 @dataclass
@@ -168,6 +200,7 @@ class ForwardPlan:
     # Rows of a batch only: [B, T, S] visible full-layer slots, each row's committed
     # prefix and its own pending tokens.
     full_mask: Mask | None = None
+    packing: Packing | None = None  # padded rows of a batch: per-token work on the real tokens only
 
 
 class Decoder(nn.Module):
@@ -237,6 +270,7 @@ class Decoder(nn.Module):
         positions: torch.Tensor | None = None,
         logits_rows: torch.Tensor | slice | None = None,
         with_logits: bool = True,
+        real_tokens: torch.Tensor | None = None,
     ) -> ForwardOutput:
         """Run T new tokens [B, T] after the cache's committed prefix.
 
@@ -246,6 +280,8 @@ class Decoder(nn.Module):
             for the rows of a batch, each after its own prefix.
         logits_rows: which of the T rows get logits (None: all).
         with_logits: False returns only those rows' hidden states (see `greedy_tokens`).
+        real_tokens: [B, T] bool, False at a batch's padding: per-token work skips it
+            (`Packing`) and its hidden states come back as zeros.
         The new tokens are left *pending* in the cache: call cache.commit(...).
         """
         B, T = input_ids.shape
@@ -262,13 +298,20 @@ class Decoder(nn.Module):
                 return ForwardOutput(logits=out[0], hidden=out[1])
         cache.begin_forward(positions)
         plan = self._plan(T, cache, tree_mask, positions)
+        if real_tokens is not None and not bool(real_tokens.all()):
+            index = torch.nonzero(real_tokens.reshape(-1)).flatten().to(device)
+            plan = replace(plan, packing=Packing(index, B, T))
         rope = {s: self._rope(plan.positions, s) for s in set(self.config.layer_is_sliding)}
         x = self.embed(input_ids)
+        if plan.packing is not None:
+            x = plan.packing.pack(x)
         for layer in self.layers:
             x = layer(x, rope[layer.sliding], plan, cache, self.attention)
-        if logits_rows is not None:
-            x = x[:, logits_rows]
-        hidden = self.final_norm(x)
+        if plan.packing is not None:
+            hidden = plan.packing.unpack(self.final_norm(x))
+            hidden = hidden if logits_rows is None else hidden[:, logits_rows]
+        else:
+            hidden = self.final_norm(x if logits_rows is None else x[:, logits_rows])
         return ForwardOutput(logits=self.logits(hidden) if with_logits else None, hidden=hidden)
 
     @torch.inference_mode()

@@ -40,7 +40,7 @@ from longspec.speculation.engine import (
     node_histories,
     truncate_at_stop,
 )
-from longspec.speculation.joint_budget import ReachHistory, cut_to_depth, joint_depths
+from longspec.speculation.joint_budget import ReachHistory, cut_to_depth, joint_depths, tree_levels
 from longspec.speculation.metrics import GenerationStats
 from longspec.speculation.processors import SamplingParams
 from longspec.speculation.seeding import drafter_generator
@@ -145,7 +145,7 @@ class _Row:
     produced: int = 0
     draft_generator: torch.Generator | None = None
     prefill_hidden: list[torch.Tensor] = field(default_factory=list)
-    reach: ReachHistory = field(default_factory=ReachHistory)  # acceptance by depth, for the joint budget
+    reach: ReachHistory = field(default_factory=ReachHistory)  # acceptance by level, for the joint budget
 
     @property
     def stats(self) -> GenerationStats:
@@ -377,8 +377,9 @@ class BatchEngine:
         def seconds(tokens: float) -> float:  # the same tokens spread over the measured rows
             return cost.seconds_for(max(1.0, tokens / measured_rows))
 
-        reach = [row.reach.reach(tree.max_depth, self._drafter_reach(row).conditionals(tree.max_depth))
-                 for row, tree in zip(rows, trees)]
+        levels = [tree_levels(tree) for tree in trees]
+        reach = [row.reach.reach(level, self._drafter_reach(row).conditionals(level))
+                 for row, level in zip(rows, levels)]
         whole = [bool(getattr(row.drafter, "sizes_tree_from_cost", False)) for row in rows]
         depths = joint_depths(trees, reach, seconds, whole)
         return [cut_to_depth(tree, depth) for tree, depth in zip(trees, depths)]
@@ -403,10 +404,10 @@ class BatchEngine:
 
         t0 = time.perf_counter()
         view = self.cache.rows(0, len(rows))
-        ids, positions, masks = _pad_trees(trees, view.lengths)
+        ids, positions, masks, real = _pad_trees(trees, view.lengths)
         self.forward_nodes += ids.numel()
         self.padding_nodes += ids.numel() - sum(tree.size for tree in trees)
-        out = self.model(ids, view, tree_mask=masks, positions=positions, with_logits=False)
+        out = self.model(ids, view, tree_mask=masks, positions=positions, with_logits=False, real_tokens=real)
         width = ids.shape[1]
         real = torch.cat([b * width + torch.arange(tree.size, device=HOST) for b, tree in enumerate(trees)])
         real = real.to(out.hidden.device)
@@ -477,17 +478,20 @@ class BatchEngine:
 
 
 def _pad_trees(trees: Sequence[Tree], lengths: torch.Tensor):
-    """Token ids [B, W], positions [B, W] and tree masks [B, W, W] of trees padded to
-    the widest. A padding node sees only itself (no row of a mask is empty) and is
-    never kept; its position is the root's. Built on the host (trees live there);
-    the forward moves ids and masks to the device in one copy each."""
+    """Token ids [B, W], positions [B, W], tree masks [B, W, W] and which tokens are
+    real [B, W] of trees padded to the widest. A padding node sees only itself (no row
+    of a mask is empty) and is never kept; its position is the root's; the forward
+    skips its per-token work (`Packing`). Built on the host (trees live there); the
+    forward moves ids and masks to the device in one copy each."""
     B, width = len(trees), max(tree.size for tree in trees)
     ids = torch.zeros((B, width), dtype=torch.long, device=HOST)
     depths = torch.zeros((B, width), dtype=torch.long, device=HOST)
     masks = torch.eye(width, dtype=torch.bool, device=HOST).repeat(B, 1, 1)
+    real = torch.zeros((B, width), dtype=torch.bool, device=HOST)
     for b, tree in enumerate(trees):
         n = tree.size
         ids[b, :n] = tree.tokens
         depths[b, :n] = tree.depths
         masks[b, :n, :n] = tree.ancestor_mask()
-    return ids, lengths.unsqueeze(1) + depths.to(lengths.device), masks
+        real[b, :n] = True
+    return ids, lengths.unsqueeze(1) + depths.to(lengths.device), masks, real

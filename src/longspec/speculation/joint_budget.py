@@ -10,7 +10,10 @@ that maximises expected tokens per second of the forward (the measured `ForwardC
 of that many tokens).
 
 A level's expected tokens come from the row's own history (`ReachHistory`), including
-what the committed tokens say of the levels that were cut. Cutting a tree below a depth
+what the committed tokens say of the levels that were cut. Its acceptance is kept by
+depth or, for a tree copied from earlier text (prompt lookup), by the copied run its
+nodes extend (`Tree.copied_runs`, `tree_levels`): a copy that has matched for 30 tokens
+keeps matching, one that matched for 2 rarely does, whatever the depth. Cutting a tree below a depth
 is lossless — the verifiers check whatever tree they are given — and the accepted path
 stays inside the tree the drafter proposed.
 """
@@ -41,11 +44,27 @@ class ReachPrior:
             raise ValueError(f"need 0 <= accepted <= rounds and rounds > 0, got {self.accepted}, {self.rounds}")
 
 
-class ReachHistory:
-    """A row's acceptance by depth, including the levels a joint budget cut.
+# Copied runs longer than this share the last level (acceptance no longer changes with the run).
+MAX_LEVEL = 32
 
-    Kept as conditional counts: of the rounds whose tree reached depth d - 1 and held
-    a depth-d node, how many accepted depth d. A level that was cut is judged by the
+
+def tree_levels(tree: Tree) -> list[int]:
+    """The level of each of the tree's depths 1..max_depth: the depth itself or, when the
+    drafter copied the tree (`copied_runs`), the longest copied run among its nodes at
+    that depth (at most `MAX_LEVEL`)."""
+    if tree.max_depth == 0:
+        return []
+    if tree.copied_runs is None:
+        return list(range(1, tree.max_depth + 1))
+    runs = torch.zeros(tree.max_depth + 1, dtype=torch.long).scatter_reduce(0, tree.depths, tree.copied_runs, "amax")
+    return runs[1:].clamp(1, MAX_LEVEL).tolist()
+
+
+class ReachHistory:
+    """A row's acceptance by level (`tree_levels`), including the levels a joint budget cut.
+
+    Kept as conditional counts: of the rounds whose tree reached the depth before a
+    level's and held a node at that level, how many accepted it. A level that was cut is judged by the
     committed tokens: when every verified level was accepted, the bonus token is what
     the target chose below them (under greedy exactly what verifying the cut child
     would have accepted; under sampling a draw from p, as the tree verifier's), and the
@@ -56,24 +75,25 @@ class ReachHistory:
 
     def __init__(self, prior: ReachPrior = ReachPrior()) -> None:
         self.prior = prior
-        self.tried: list[int] = []  # [d - 1]: rounds in which depth d's outcome was seen
+        self.tried: list[int] = []  # [level - 1]: rounds in which the level's outcome was seen
         self.accepted: list[int] = []
-        # A cut tree still matching the committed tokens: (tree, node reached, its depth).
-        self._walk: tuple[Tree, int, int] | None = None
+        # A cut tree still matching the committed tokens: (tree, its levels, node reached, its depth).
+        self._walk: tuple[Tree, list[int], int, int] | None = None
 
     def record(self, proposed: Tree, verified_depth: int, committed: Sequence[int]) -> list[tuple[int, bool]]:
         """One round: the drafter's whole tree, the depth verified after cutting, and
         the tokens committed (accepted nodes, then the bonus). Returns the outcomes
-        learned, (depth - 1, accepted) each, for a pooled history to `add`."""
+        learned, (level - 1, accepted) each, for a pooled history to `add`."""
         outcomes = self._follow(committed)
         depth = proposed.max_depth
         if depth:
+            levels = tree_levels(proposed)
             reached, node = walk_down(proposed, 0, committed)
             if reached <= verified_depth:  # every level's outcome is known
-                outcomes += [(d, d < reached) for d in range(min(depth, reached + 1))]
+                outcomes += [(levels[d] - 1, d < reached) for d in range(min(depth, reached + 1))]
             else:  # the committed tokens walked below the cut: follow the rest next round
-                outcomes += [(d, True) for d in range(reached)]
-                self._walk = (proposed, node, reached)
+                outcomes += [(levels[d] - 1, True) for d in range(reached)]
+                self._walk = (proposed, levels, node, reached)
         self.add(outcomes)
         return outcomes
 
@@ -89,34 +109,34 @@ class ReachHistory:
         """Judge the cut levels of an earlier tree by the tokens committed since."""
         if self._walk is None:
             return []
-        tree, node, depth = self._walk
+        tree, levels, node, depth = self._walk
         self._walk = None
         below, child = walk_down(tree, node, committed)
-        outcomes = [(depth + d, True) for d in range(below)]
+        outcomes = [(levels[depth + d] - 1, True) for d in range(below)]
         if below < len(committed) and bool((tree.parents == child).any()):
-            outcomes.append((depth + below, False))  # the next token left the tree
+            outcomes.append((levels[depth + below] - 1, False))  # the next token left the tree
         elif below == len(committed) and bool((tree.parents == child).any()):
-            self._walk = (tree, child, depth + below)  # still inside: keep following
+            self._walk = (tree, levels, child, depth + below)  # still inside: keep following
         return outcomes
 
-    def conditionals(self, depth: int, prior: Sequence[float] | None = None) -> list[float]:
-        """P(depth d accepted | depth d - 1 accepted) for d = 1..depth: posterior means,
-        the prior's mean at depth d being `prior[d - 1]` (e.g. what every row of the
-        same drafter measured) or, without one, `self.prior`'s, weighing
-        `self.prior.rounds` rounds."""
+    def conditionals(self, levels: Sequence[int], prior: Sequence[float] | None = None) -> list[float]:
+        """P(accepted | the depth above accepted) for each of a tree's `levels`
+        (`tree_levels`): posterior means, the prior's mean for levels[i] being
+        `prior[i]` (e.g. what every row of the same drafter measured) or, without one,
+        `self.prior`'s, weighing `self.prior.rounds` rounds."""
         out = []
-        for d in range(depth):
-            tried = self.tried[d] if d < len(self.tried) else 0
-            hits = self.accepted[d] if d < len(self.accepted) else 0
-            mean = prior[d] if prior is not None else self.prior.accepted / self.prior.rounds
+        for i, level in enumerate(levels):
+            tried = self.tried[level - 1] if level <= len(self.tried) else 0
+            hits = self.accepted[level - 1] if level <= len(self.accepted) else 0
+            mean = prior[i] if prior is not None else self.prior.accepted / self.prior.rounds
             out.append((hits + mean * self.prior.rounds) / (tried + self.prior.rounds))
         return out
 
-    def reach(self, depth: int, prior: Sequence[float] | None = None) -> list[float]:
-        """P(depth d is accepted) for d = 1..depth: products of the conditionals
-        (non-increasing in d)."""
+    def reach(self, levels: Sequence[int], prior: Sequence[float] | None = None) -> list[float]:
+        """P(each depth is accepted) for a tree's `levels`: products of the conditionals
+        (non-increasing with depth)."""
         out, product = [], 1.0
-        for conditional in self.conditionals(depth, prior):
+        for conditional in self.conditionals(levels, prior):
             product *= conditional
             out.append(product)
         return out
@@ -180,4 +200,6 @@ def cut_to_depth(tree: Tree, depth: int) -> Tree:
     parents = tree.parents[keep]
     parents = torch.where(parents >= 0, new_index[parents.clamp(min=0)], parents)
     draft_probs = None if tree.draft_probs is None else tree.draft_probs[keep]
-    return Tree(tree.tokens[keep], parents, tree.depths[keep], draft_probs=draft_probs, children_sampled=tree.children_sampled)
+    copied_runs = None if tree.copied_runs is None else tree.copied_runs[keep]
+    return Tree(tree.tokens[keep], parents, tree.depths[keep], draft_probs=draft_probs,
+                children_sampled=tree.children_sampled, copied_runs=copied_runs)
