@@ -70,8 +70,9 @@ class BatchOptions:
     # accepted tokens per second of the shared forward: levels ranked across rows by
     # their measured acceptance, the batched forward's cost measured on this machine
     # (`speculation/joint_budget.py`). Off by default: with PLD on 4k-token prompts it
-    # measured 0.76-0.98x of uncut trees in 5 of 6 cells at B = 2-8, 1.30x in one
-    # (BENCHMARKS.md); its acceptance estimates come out low for long chains.
+    # measured 1.05-1.36x of uncut trees on LCC but 0.92-0.96x on Multi-News at B = 2-8
+    # (BENCHMARKS.md), and the first round at each new row count measures the batched
+    # forward's cost (seconds).
     joint_budget: bool = False
 
     def __post_init__(self) -> None:
