@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -225,7 +226,9 @@ def test_optimistic_rates_keep_an_unlucky_depth_in_play_and_fade_with_evidence()
     for _ in range(3):
         table.record(Source(0, 6, 0), accepted=False)
     mean, optimistic = table.rates()[0, :, 0, 0], table.rates(optimistic=True)[0, :, 0, 0]
-    assert mean[5] < 0.5 and optimistic[5] > mean[5] + 0.15
+    thin = np.sqrt(mean[5] * (1 - mean[5]) / (3 + AcceptanceTable.PRIOR_WEIGHT + 1))  # 3 observations + the prior's
+    assert mean[5] < 0.6 and optimistic[5] == pytest.approx(mean[5] + AcceptanceTable.OPTIMISM * thin)
+    assert optimistic[5] > mean[5] + 0.05
     assert (optimistic <= 1.0).all() and (optimistic >= mean).all()
     for _ in range(400):  # much evidence: the bonus fades
         table.record(Source(0, 6, 0), accepted=False)

@@ -88,8 +88,8 @@ class AcceptanceTable:
     when a count changed, so a round's lookups cost microseconds, not a tensor
     operation per node and depth."""
 
-    PRIOR_WEIGHT = 2.0  # pseudo-observations of the prior rate in every cell
-    OPTIMISM = 1.0  # posterior standard deviations added when choosing trees
+    PRIOR_WEIGHT = 4.0  # pseudo-observations of the prior rate in every cell
+    OPTIMISM = 0.5  # posterior standard deviations added when choosing trees
 
     def __init__(self, drafters: int, max_level: int = 32, max_rank: int = 4) -> None:
         self.accepted = np.zeros((drafters, max_level, max_rank, 2), dtype=np.float64)
