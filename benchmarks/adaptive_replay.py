@@ -36,6 +36,7 @@ from longspec.speculation.cost_model import ForwardCost, forward_cost_at
 from longspec.speculation.drafters.adaptive.presets import make_auto
 from longspec.speculation.drafters.base import DraftContext
 from longspec.speculation.drafters.prompt_lookup import PromptLookupDrafter
+from longspec.speculation.joint_budget import walk_down
 from longspec.speculation.tree import Tree
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -95,21 +96,6 @@ def record(args) -> None:
                     print(task, prompt.bucket, prompt.item_id[:8], temperature, flush=True)
 
 
-def accepted_length(tree: Tree, continuation: list[int]) -> int:
-    """How deep the tree follows the continuation from its root."""
-    children: dict[int, dict[int, int]] = {}
-    for node, (parent, token) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist())):
-        if node:
-            children.setdefault(parent, {}).setdefault(token, node)
-    node, accepted = 0, 0
-    for token in continuation:
-        node = children.get(node, {}).get(token)
-        if node is None:
-            break
-        accepted += 1
-    return accepted
-
-
 def replay(row: dict, make: Callable[[], object], cost_of: Callable[[int], ForwardCost], count_drafting: bool) -> dict:
     tokens = torch.tensor(row["prompt"] + row["output"])
     committed = len(row["prompt"])
@@ -123,9 +109,13 @@ def replay(row: dict, make: Callable[[], object], cost_of: Callable[[int], Forwa
         context = DraftContext(tokens=tokens[:committed])
         start = time.perf_counter()
         tree = drafter.propose(context)
-        step = tokens[committed: committed + accepted_length(tree, tokens[committed:].tolist()) + 1]
-        drafter.observe(step)
         spent = time.perf_counter() - start
+        # What verification accepts: how deep the tree follows the continuation (not timed).
+        accepted, _ = walk_down(tree, 0, tokens[committed:].tolist())
+        step = tokens[committed: committed + accepted + 1]
+        start = time.perf_counter()
+        drafter.observe(step)
+        spent += time.perf_counter() - start
         drafting += spent
         seconds += cost.seconds_for(tree.size) + ROUND_OVERHEAD_S + (spent if count_drafting else 0.0)
         rounds += 1

@@ -302,9 +302,7 @@ class Decoder(nn.Module):
             index = torch.nonzero(real_tokens.reshape(-1)).flatten().to(device)
             plan = replace(plan, packing=Packing(index, B, T))
         rope = {s: self._rope(plan.positions, s) for s in set(self.config.layer_is_sliding)}
-        x = self.embed(input_ids)
-        if plan.packing is not None:
-            x = plan.packing.pack(x)
+        x = self.embed(input_ids if plan.packing is None else plan.packing.pack(input_ids))
         for layer in self.layers:
             x = layer(x, rope[layer.sliding], plan, cache, self.attention)
         if plan.packing is not None:
