@@ -1,6 +1,9 @@
 """Few-query attention per call: the native kernel against PyTorch's flash kernel
 (the CPU backend's two routes), over Gemma 3 270M's head shape (4 query heads on 1
-K/V head of dim 256), rows B, keys S and new tokens per row T, in one run.
+K/V head of dim 256), rows B, keys S and new tokens per row T, in one run. "native"
+reads the slots in order; "ordered" is the call a target forward makes (keys listed by
+position: a committed prefix seen by all, then T pending tokens under a causal mask,
+chunks of 128 positions up to 1024 keys and 512 beyond, as for sliding / full layers).
 
     python benchmarks/few_query_attention.py --threads 2
     python benchmarks/few_query_attention.py --baseline-source OLD.cpp   # also time another kernel source
@@ -25,6 +28,7 @@ import torch.nn.functional as F
 
 from common import machine, write_results
 from longspec.runtime.native import avx512_bf16_ops
+from longspec.runtime.ordered_keys import FULL_CHUNK_POSITIONS, RING_CHUNK_POSITIONS, prefix_then_pending
 
 BASELINE_LIBRARY = "longspec_baseline_attention"
 
@@ -74,8 +78,9 @@ def main() -> None:
     group = args.query_heads // args.kv_heads
     scale = args.head_dim**-0.5
     rows = []
-    print("| rows | keys | tokens | native ms | flash ms | flash / native |" + (" baseline ms | baseline / native |" if baseline else ""))
-    print("|---|---|---|---|---|---|" + ("---|---|" if baseline else ""))
+    print("| rows | keys | tokens | native ms | ordered ms | flash ms | flash / native | ordered / native |"
+          + (" baseline ms | baseline / native |" if baseline else ""))
+    print("|---|---|---|---|---|---|---|---|" + ("---|---|" if baseline else ""))
     for shape in args.shapes:
         B, S = (int(x) for x in shape.split("x"))
         k = torch.randn(B, args.kv_heads, S, args.head_dim).bfloat16()
@@ -85,8 +90,16 @@ def main() -> None:
             stacked = q.reshape(B, args.kv_heads, group * T, args.head_dim)  # how the flash route calls it
             native = median_ms(lambda: ops.few_query_attention(q, k, v, None, scale), args.repeats)
             flash = median_ms(lambda: F.scaled_dot_product_attention(stacked, k, v, scale=scale), args.repeats)
-            row = {"rows": B, "keys": S, "tokens": T, "native_ms": native, "flash_ms": flash}
-            line = f"| {B} | {S} | {T} | {native:.3f} | {flash:.3f} | {flash / native:.2f} |"
+            chunk = RING_CHUNK_POSITIONS if S <= 1024 else FULL_CHUNK_POSITIONS
+            causal = torch.ones(T, T, dtype=torch.bool).tril_()
+            one = prefix_then_pending(S - T, torch.arange(S - T, S), causal, chunk)
+            keys = [t.expand(B, *t.shape[1:]).contiguous() for t in (one.slots, one.positions, one.visible)]
+            counts, shared = one.counts.expand(B).contiguous(), one.shared.expand(B).contiguous()
+            ordered = median_ms(lambda: ops.ordered_attention(q, k, v, keys[0], keys[1], counts, shared, keys[2],
+                                                              chunk, scale), args.repeats)
+            row = {"rows": B, "keys": S, "tokens": T, "native_ms": native, "ordered_ms": ordered, "flash_ms": flash}
+            line = (f"| {B} | {S} | {T} | {native:.3f} | {ordered:.3f} | {flash:.3f} | {flash / native:.2f} |"
+                    f" {ordered / native:.2f} |")
             if baseline is not None:
                 row["baseline_ms"] = median_ms(lambda: baseline(q, k, v, None, scale), args.repeats)
                 line += f" {row['baseline_ms']:.3f} | {row['baseline_ms'] / native:.2f} |"

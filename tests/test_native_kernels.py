@@ -254,3 +254,63 @@ def test_greedy_argmax_fallback_without_the_library(monkeypatch):
     monkeypatch.setattr(processors, "native_ops", lambda: None)
     for x in argmax_rows(1):
         assert torch.equal(processors._argmax(x), x.float().argmax(dim=-1))
+
+
+def ordered_call(q, k, v, slots, positions, visible, chunk, shared=0):
+    """The native `ordered_attention` of one row (slots/positions [N], visible [T, N - shared] or None)."""
+    count = torch.tensor([slots.numel()])
+    return OPS.ordered_attention(q, k, v, slots.unsqueeze(0), positions.unsqueeze(0), count, torch.tensor([shared]),
+                                 None if visible is None else visible.unsqueeze(0).contiguous(), chunk, 0.125)
+
+
+@needs_kernel
+@pytest.mark.parametrize("chunk", [64, 128, 512])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_ordered_attention_gives_a_query_the_same_bits_whatever_else_the_call_holds(chunk, threads):
+    """A query at position p over keys 0..p: alone with the keys in slot order, against
+    the same query inside a tree call (shuffled slots, siblings it does not see at the
+    same positions, other queries, more threads)."""
+    generator = torch.Generator().manual_seed(chunk + threads)
+    P = 700  # committed positions 0..P-1, then a tree of 9 nodes at positions P..P+3
+    depths = torch.tensor([0, 1, 1, 2, 2, 2, 3, 3, 1])
+    parents = [-1, 0, 0, 1, 1, 2, 3, 5, 0]
+    tree = torch.zeros(9, 9, dtype=torch.bool)
+    for node, parent in enumerate(parents):
+        tree[node] = tree[parent] if parent >= 0 else tree[node]
+        tree[node, node] = True
+    keys = torch.randn(1, 1, P + 9, 64, generator=generator).bfloat16()
+    values = torch.randn(1, 1, P + 9, 64, generator=generator).bfloat16()
+    queries = torch.randn(1, 4, 9, 64, generator=generator).bfloat16()
+    layout = torch.randperm(P + 9, generator=generator)  # entry i lives in slot layout[i]
+    k, v = torch.empty_like(keys), torch.empty_like(values)
+    k[:, :, layout], v[:, :, layout] = keys, values
+    positions = torch.cat([torch.arange(P), P + depths])
+    order = torch.argsort(positions, stable=True)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        together, together_lse = ordered_call(queries, k, v, layout[order], positions[order], tree[:, order[P:] - P], chunk, shared=P)
+    finally:
+        torch.set_num_threads(previous)
+    for node in range(9):
+        path = [P + i for i in range(9) if tree[node, i]]  # the node's ancestors, one per depth
+        seen = torch.tensor(list(range(P)) + sorted(path, key=lambda i: int(positions[i])))
+        alone, alone_lse = ordered_call(queries[:, :, node : node + 1].contiguous(), keys[:, :, seen].contiguous(),
+                                        values[:, :, seen].contiguous(), torch.arange(seen.numel()),
+                                        positions[seen], None, chunk, shared=seen.numel())
+        assert torch.equal(together[:, :, node], alone[:, :, 0]), node
+        assert torch.equal(together_lse[:, :, node], alone_lse[:, :, 0]), node
+        exact = reference_attention(queries[:, :, node : node + 1].double(), keys[:, :, seen].double(),
+                                    values[:, :, seen].double(), None, None, None, None, 0.125)
+        assert ((alone.double() - exact).abs() <= bf16_ulp(exact) + 1e-5).all()
+
+
+@needs_kernel
+def test_ordered_attention_refuses_unsorted_positions_and_slots_out_of_range():
+    q, k = torch.randn(1, 2, 1, 32).bfloat16(), torch.randn(1, 1, 8, 32).bfloat16()
+    with pytest.raises(RuntimeError, match="sorted"):
+        ordered_call(q, k, k, torch.arange(3), torch.tensor([0, 2, 1]), None, 64, shared=3)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        ordered_call(q, k, k, torch.tensor([0, 8]), torch.tensor([0, 1]), None, 64, shared=2)
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        ordered_call(q, k, k, torch.arange(3), torch.arange(3), None, 100, shared=3)

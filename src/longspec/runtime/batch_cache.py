@@ -268,6 +268,11 @@ class RowsView:
         end = int(self.lengths.max()) + (self.pending if include_pending else 0)
         return c.full_k[j, rows, :, :end], c.full_v[j, rows, :, :end]
 
+    @property
+    def ring_positions(self) -> torch.Tensor:
+        """[B, R] the position each ring slot of these rows holds (EMPTY_SLOT: none)."""
+        return self.cache.ring_positions[self.begin : self.end]
+
     def full_mask(self, tree_mask: torch.Tensor) -> torch.Tensor:
         """[B, T, S] visibility of full-layer slots 0..S-1 (S = longest row + T):
         a row's committed prefix, then its own pending tokens under its tree mask."""

@@ -19,6 +19,15 @@ from longspec.runtime.config import DecoderConfig
 from longspec.runtime.huge_pages import HUGE_PAGE_BYTES, move_to_huge_pages
 from longspec.runtime.linear import PackedWeight, packed_linear, prepack
 from longspec.runtime.native import native_ops
+from longspec.runtime.ordered_keys import (
+    FULL_CHUNK_POSITIONS,
+    RING_CHUNK_POSITIONS,
+    OrderedKeys,
+    ordered_attention,
+    ordered_attention_fits,
+    prefix_then_pending,
+    sorted_by_position,
+)
 from longspec.runtime.static_step import CompileOptions, StaticSteps
 
 
@@ -145,7 +154,11 @@ class DecoderLayer(nn.Module):
         c = self.config
         q, k, v = self.project(x, rope, packing=plan.packing)
         cache.store(self.index, k, v)
-        if self.sliding:
+        if plan.ordered is not None:
+            # Every key this forward reads, committed and pending, in position order.
+            k_all, v_all = cache.prefix(self.index, include_pending=True)
+            attn = ordered_attention(q, k_all, v_all, plan.ordered[self.sliding], c.attention_scale)
+        elif self.sliding:
             # The ring holds this forward's tokens too; one masked call covers the
             # window of committed keys and the tree visibility among new tokens.
             k_ring, v_ring = cache.prefix(self.index)
@@ -201,6 +214,9 @@ class ForwardPlan:
     # prefix and its own pending tokens.
     full_mask: Mask | None = None
     packing: Packing | None = None  # padded rows of a batch: per-token work on the real tokens only
+    # The native kernel's keys in position order, per kind of layer (sliding: True), where
+    # it serves this forward: a token's attention is then the same bits in any forward.
+    ordered: dict[bool, OrderedKeys] | None = None
 
 
 class Decoder(nn.Module):
@@ -397,7 +413,16 @@ class Decoder(nn.Module):
             ring_mask = cache.ring_prefix_mask(positions)
             ring_mask[:, cache.pending_ring_slots] = new_mask & (distance < window)
             ring_mask = Mask(ring_mask)
-        return ForwardPlan(positions, Mask(new_mask), ring_mask, single_token=T == 1)
+        ordered = None
+        if self._orders_keys(T):
+            ordered = {}
+            if not all(self.config.layer_is_sliding):
+                ordered[False] = prefix_then_pending(cache.length, positions, new_mask, FULL_CHUNK_POSITIONS)
+            if ring_mask is not None:
+                ordered[True] = sorted_by_position(
+                    cache.ring_positions.unsqueeze(0), ring_mask.visible.unsqueeze(0), RING_CHUNK_POSITIONS
+                )
+        return ForwardPlan(positions, Mask(new_mask), ring_mask, single_token=T == 1, ordered=ordered)
 
     def _rows_plan(self, T, cache, tree_mask, positions) -> ForwardPlan:
         """Masks of a forward over the rows of a batch: every row has its own
@@ -409,7 +434,25 @@ class Decoder(nn.Module):
         sliding = self.config.layer_is_sliding
         full_mask = Mask(cache.full_mask(tree_mask)) if not all(sliding) else None
         ring_mask = Mask(cache.ring_mask(positions, tree_mask)) if any(sliding) else None
-        return ForwardPlan(positions, None, ring_mask, single_token=False, full_mask=full_mask)
+        ordered = None
+        if self._orders_keys(T):
+            ordered = {}
+            if full_mask is not None:
+                S = full_mask.visible.shape[-1]
+                slot_positions = torch.arange(S, device=positions.device).repeat(B, 1)
+                slot_positions.scatter_(1, cache.pending_slots, positions)
+                ordered[False] = sorted_by_position(slot_positions, full_mask.visible, FULL_CHUNK_POSITIONS)
+            if ring_mask is not None:
+                ordered[True] = sorted_by_position(cache.ring_positions, ring_mask.visible, RING_CHUNK_POSITIONS)
+        return ForwardPlan(positions, None, ring_mask, single_token=False, full_mask=full_mask, ordered=ordered)
+
+    def _orders_keys(self, T: int) -> bool:
+        """Whether this forward's attention goes through the native kernel over keys in
+        position order (`runtime.ordered_keys`); another backend set on the model, a
+        prompt chunk or a device without the kernel keep the paths below."""
+        return self.attention is fused_attention and ordered_attention_fits(
+            self.dtype, self.device, T, self.config.head_dim
+        )
 
     def _rope(self, positions: torch.Tensor, sliding: bool):
         """cos and a sign-folded sin [T, D] in the activation dtype, computed in

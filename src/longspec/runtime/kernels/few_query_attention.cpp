@@ -5,20 +5,31 @@
 //   lse[b, h, t] = log sum_s exp(scale * q[b, h, t] . k[b, g, s])                over visible s
 //
 // g = h / (Hq / Hkv): grouped-query heads read their K/V head once, never repeated. The
-// log-sum-exp lets a caller merge this with attention over other keys (the prefix and
-// tree parts of Hybrid Tree Attention); a query that sees no key gets out 0, lse -inf.
+// log-sum-exp lets a caller merge this with attention over other keys; a query that sees
+// no key gets out 0, lse -inf.
 //
-// Why: for a few queries per head, PyTorch's CPU flash kernel spends several times the
-// K/V read in setup (BENCHMARKS.md, "Decode at the bandwidth floor", "Few-query attention
-// at long context"). Here every query of a K/V head (its group of heads x T tokens) is
-// served by ONE pass over that head's keys: each key row is loaded once per block of
-// queries for the scores, each value row converted to float32 once per block of queries
-// and accumulated into accumulators held in registers. Keys are split into chunks processed
-// in parallel (so a single K/V head still uses every thread), each chunk keeps its own
-// running max and sum per query (online softmax over blocks of keys), and the chunks are
-// merged exactly at the end. A block's value rows are prefetched while it is scored (its
-// value pass walks them 16 values at a time across rows, which met them cold: a batch's
-// attention read K/V at half the bandwidth before; BENCHMARKS.md).
+// Two entry points share one kernel:
+// - `few_query_attention(q, k, v, visible)`: the keys are the slots 0..S-1 in order.
+// - `ordered_attention(q, k, v, slots, positions, ...)`: the keys are listed in the order
+//   of their sequence positions, whatever slots they occupy (a ring, a tree's pending
+//   tokens). Every step of the arithmetic is then fixed by the positions a query sees,
+//   not by the slots, the number of queries, the other rows or the threads: blocks of
+//   64 positions (a key's lane in its block is its position mod 64), chunks of a fixed
+//   number of positions chosen by the caller, chunks merged in position order. So a
+//   token verified inside a tree gets the same bits as the same token decoded alone,
+//   and speculative decoding in bf16 returns exactly plain decoding's tokens.
+//
+// Why a kernel of our own: for a few queries per head, PyTorch's CPU flash kernel spends
+// several times the K/V read in setup (BENCHMARKS.md, "Decode at the bandwidth floor",
+// "Few-query attention at long context"). Here every query of a K/V head (its group of
+// heads x T tokens) is served by ONE pass over that head's keys: each key row is loaded
+// once per block of queries for the scores, each value row converted to float32 once per
+// block of queries and accumulated into accumulators held in registers. Keys are split
+// into chunks processed in parallel (so a single K/V head still uses every thread), each
+// chunk keeps its own running max and sum per query (online softmax over blocks of
+// keys), and the chunks are merged exactly at the end. A block's value rows are
+// prefetched while it is scored (its value pass walks them 16 values at a time across
+// rows, which met them cold: a batch's attention read K/V at half the bandwidth before).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -39,8 +50,8 @@ namespace {
 
 constexpr int64_t kLanes = 32;          // bf16 values per 512-bit register
 constexpr int64_t kFloats = 16;         // float32 values per 512-bit register
-constexpr int64_t kBlock = 64;          // keys per softmax block: 64 keys of head dim 256 are 32 KB, one L1
-constexpr int64_t kMinChunk = kBlock;   // keys per parallel task, at least
+constexpr int64_t kBlock = 64;          // positions per softmax block: 64 keys of head dim 256 are 32 KB, one L1
+constexpr int64_t kMinChunk = kBlock;   // positions per parallel task, at least
 constexpr int64_t kTasksPerThread = 4;  // parallel tasks per thread, for load balance
 constexpr int kScoreQueries = 4;        // queries sharing one load of a key row (independent dot chains)
 constexpr int kValueQueries = 16;       // queries sharing one conversion of a value row (accumulators in registers)
@@ -77,27 +88,43 @@ LONGSPEC_AVX512_BF16 inline __m512 bf16_to_float(const uint16_t* values) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
-// The queries of one K/V head (its `group` heads x T tokens, query = h * T + t) over its keys.
+// One row's keys in position order: entry e is slot `slot(e)` at position `position(e)`.
+struct RowKeys {
+  const int64_t* slots;      // nullptr: entry e is slot e
+  const int64_t* positions;  // nullptr: entry e is at position e
+  int64_t count;             // entries
+  int64_t shared;            // entries [0, shared) are seen by every query (no mask read)
+  const bool* visible;       // [T, columns], column = entry - shared; nullptr: every entry seen
+  int64_t columns;
+  int64_t slot(int64_t e) const { return slots ? slots[e] : e; }
+  int64_t position(int64_t e) const { return positions ? positions[e] : e; }
+  bool seen(int64_t t, int64_t e) const { return e < shared || visible == nullptr || visible[t * columns + e - shared]; }
+};
+
+// Queries [q_begin, q_end) of one K/V head (its `group` heads x T tokens, query = h * T + t) over its keys.
 struct HeadTask {
-  const uint16_t* q;    // [queries, D] for this K/V head
-  const uint16_t* k;    // key s at k + s * k_stride
+  const uint16_t* q;  // [queries, D] for this K/V head
+  const uint16_t* k;  // slot s at k + s * k_stride
   const uint16_t* v;
   int64_t k_stride, v_stride;
-  const bool* visible;  // [T, S] for this row, or nullptr (all visible)
-  int64_t T, S, D, queries;
+  RowKeys keys;
+  int64_t T, D, q_begin, q_end;
   float scale;
 };
 
-// Per-thread scratch for one block of keys.
+// Per-thread scratch for one block of positions.
 struct Workspace {
-  std::vector<float> scores;     // [queries, kBlock]: scaled scores, then probabilities
-  std::vector<uint8_t> any_seen; // [kBlock]: some query sees the key (others are never read)
-  explicit Workspace(int64_t queries) : scores(queries * kBlock), any_seen(kBlock) {}
+  std::vector<float> scores;      // [queries, kBlock]: scaled scores by lane (position mod kBlock), then probabilities
+  std::vector<float> weights;     // [queries, entries of the block]: each entry's probability for each query, 0 if unseen
+  std::vector<float> dots;        // [queries]: one entry's scores
+  std::vector<uint8_t> any_seen;  // [entries of the block]: some query sees the entry (others are never read)
+  std::vector<const uint16_t*> value_rows;  // [entries of the block]
 };
 
-// scores[q0 + j][i] = scale * q[q0 + j] . k_i for Q queries (Q independent accumulator chains).
+// out[(q0 + j) * stride] = scale * q[q0 + j] . key for Q queries (Q independent accumulator chains).
 template <int Q>
-LONGSPEC_AVX512_BF16 void score_queries(const HeadTask& task, const uint16_t* key, int64_t q0, int64_t i, float* scores) {
+LONGSPEC_AVX512_BF16 void score_queries(const HeadTask& task, const uint16_t* key, int64_t q0, float* out,
+                                        int64_t stride) {
   __m512 acc[Q];
   for (int j = 0; j < Q; ++j) acc[j] = _mm512_setzero_ps();
   for (int64_t d = 0; d < task.D; d += kLanes) {
@@ -105,29 +132,36 @@ LONGSPEC_AVX512_BF16 void score_queries(const HeadTask& task, const uint16_t* ke
     for (int j = 0; j < Q; ++j)
       acc[j] = _mm512_dpbf16_ps(acc[j], kd, (__m512bh)_mm512_loadu_si512(task.q + (q0 + j) * task.D + d));
   }
-  for (int j = 0; j < Q; ++j) scores[(q0 + j) * kBlock + i] = _mm512_reduce_add_ps(acc[j]) * task.scale;
+  for (int j = 0; j < Q; ++j) out[(q0 + j) * stride] = _mm512_reduce_add_ps(acc[j]) * task.scale;
 }
 
-using ScoreFn = void (*)(const HeadTask&, const uint16_t*, int64_t, int64_t, float*);
+using ScoreFn = void (*)(const HeadTask&, const uint16_t*, int64_t, float*, int64_t);
 constexpr ScoreFn kScoreFns[kScoreQueries] = {score_queries<1>, score_queries<2>, score_queries<3>, score_queries<4>};
 
-// acc[q0 + j][d0 .. d0 + 16) += sum_i p[q0 + j][i] * v_i[d0 .. d0 + 16) for Q queries, each value
-// segment converted once and used by all Q accumulators.
+// One block's weights: query j's weight of entry i at w[j * w_stride + i].
+struct BlockWeights {
+  const float* w;
+  int64_t w_stride, n;
+  const uint8_t* any_seen;
+  const uint16_t* const* value_rows;
+};
+
+// acc[j][d0 .. d0 + 16) += sum_i w[j][i] * v_i[d0 .. d0 + 16) for Q queries (local index j from
+// q0), entries in position order, each value segment converted once for all Q accumulators.
 template <int Q>
-LONGSPEC_AVX512_BF16 void accumulate_values(const HeadTask& task, int64_t s0, int64_t n, const Workspace& ws,
-                                            int64_t q0, int64_t d0, float* acc) {
+LONGSPEC_AVX512_BF16 void accumulate_values(const BlockWeights& block, int64_t D, int64_t q0, int64_t d0, float* acc) {
   __m512 sums[Q];
-  for (int j = 0; j < Q; ++j) sums[j] = _mm512_loadu_ps(acc + (q0 + j) * task.D + d0);
-  for (int64_t i = 0; i < n; ++i) {
-    if (!ws.any_seen[i]) continue;  // a slot no query sees may hold anything
-    const __m512 value = bf16_to_float(task.v + (s0 + i) * task.v_stride + d0);
+  for (int j = 0; j < Q; ++j) sums[j] = _mm512_loadu_ps(acc + (q0 + j) * D + d0);
+  for (int64_t i = 0; i < block.n; ++i) {
+    if (!block.any_seen[i]) continue;  // a slot no query sees may hold anything
+    const __m512 value = bf16_to_float(block.value_rows[i] + d0);
     for (int j = 0; j < Q; ++j)
-      sums[j] = _mm512_fmadd_ps(_mm512_set1_ps(ws.scores[(q0 + j) * kBlock + i]), value, sums[j]);
+      sums[j] = _mm512_fmadd_ps(_mm512_set1_ps(block.w[(q0 + j) * block.w_stride + i]), value, sums[j]);
   }
-  for (int j = 0; j < Q; ++j) _mm512_storeu_ps(acc + (q0 + j) * task.D + d0, sums[j]);
+  for (int j = 0; j < Q; ++j) _mm512_storeu_ps(acc + (q0 + j) * D + d0, sums[j]);
 }
 
-using ValueFn = void (*)(const HeadTask&, int64_t, int64_t, const Workspace&, int64_t, int64_t, float*);
+using ValueFn = void (*)(const BlockWeights&, int64_t, int64_t, int64_t, float*);
 constexpr ValueFn kValueFns[kValueQueries] = {
     accumulate_values<1>,  accumulate_values<2>,  accumulate_values<3>,  accumulate_values<4>,
     accumulate_values<5>,  accumulate_values<6>,  accumulate_values<7>,  accumulate_values<8>,
@@ -139,46 +173,74 @@ struct Partial {  // one chunk's softmax state for one query: acc holds sum_s ex
   float sum;
 };
 
-// Keys [s_begin, s_end) for every query of the head: writes `partial[queries]` and `acc[queries, D]`.
-LONGSPEC_AVX512_BF16 void attend_chunk(const HeadTask& task, int64_t s_begin, int64_t s_end, Workspace& ws,
+// Entries [e_begin, e_end) (one chunk of positions) for the task's queries: writes `partial[queries]`
+// and `acc[queries, D]`, indexed from the task's first query.
+LONGSPEC_AVX512_BF16 void attend_chunk(const HeadTask& task, int64_t e_begin, int64_t e_end, Workspace& ws,
                                        Partial* partial, float* acc) {
-  const int64_t queries = task.queries, D = task.D;
+  const RowKeys& keys = task.keys;
+  const int64_t queries = task.q_end - task.q_begin, D = task.D;
+  HeadTask local = task;
+  local.q = task.q + task.q_begin * D;
   for (int64_t q = 0; q < queries; ++q) partial[q] = {kNone, 0.0f};
   std::fill(acc, acc + queries * D, 0.0f);
-  for (int64_t s0 = s_begin; s0 < s_end; s0 += kBlock) {
-    const int64_t n = std::min(kBlock, s_end - s0);
-    // Which keys each token sees; a key no token sees is never read.
-    bool any_key = false;
+  ws.scores.resize(queries * kBlock);
+  ws.dots.resize(queries);
+  // Tokens repeat every T queries: the first T of the task cover all of its tokens.
+  const int64_t last_token_query = std::min(task.q_end, task.q_begin + task.T);
+  for (int64_t e0 = e_begin; e0 < e_end;) {
+    // The block: entries whose positions share one multiple of kBlock.
+    const int64_t block = keys.position(e0) / kBlock, base = block * kBlock;
+    int64_t e1 = e0 + 1;
+    while (e1 < e_end && keys.position(e1) / kBlock == block) ++e1;
+    const int64_t n = e1 - e0;
+    ws.any_seen.resize(n);
+    ws.value_rows.resize(n);
+    // Uniform: every query sees every entry; then one entry per position, lanes consecutive
+    // when the positions are (the committed prefix of a decode step or a tree).
+    const bool uniform = e1 <= keys.shared || keys.visible == nullptr;
+    const bool consecutive = uniform && keys.position(e1 - 1) - keys.position(e0) == n - 1;
+    // Which entries some query of the task sees; an entry no query sees is never read.
+    bool any_key = uniform;
     for (int64_t i = 0; i < n; ++i) {
-      bool seen = task.visible == nullptr;
-      for (int64_t t = 0; t < task.T && !seen; ++t) seen = task.visible[t * task.S + s0 + i];
+      bool seen = uniform;
+      for (int64_t q = task.q_begin; q < last_token_query && !seen; ++q) seen = keys.seen(q % task.T, e0 + i);
       ws.any_seen[i] = seen;
+      ws.value_rows[i] = task.v + keys.slot(e0 + i) * task.v_stride;
       any_key |= seen;
     }
-    if (!any_key) continue;
+    if (!any_key) {
+      e0 = e1;
+      continue;
+    }
+    // Scores by lane: a query sees at most one entry per position, so lanes never collide.
     std::fill(ws.scores.begin(), ws.scores.end(), kNone);
     for (int64_t i = 0; i < n; ++i) {
       if (!ws.any_seen[i]) continue;
       // The value rows are read next, across all rows per 16 values: fetch them while scoring.
-      prefetch_row(task.v + (s0 + i) * task.v_stride, D);
-      const uint16_t* key = task.k + (s0 + i) * task.k_stride;
-      for (int64_t q0 = 0; q0 < queries; q0 += kScoreQueries)
-        kScoreFns[std::min<int64_t>(kScoreQueries, queries - q0) - 1](task, key, q0, i, ws.scores.data());
+      prefetch_row(ws.value_rows[i], D);
+      const uint16_t* key = task.k + keys.slot(e0 + i) * task.k_stride;
+      const int64_t lane = keys.position(e0 + i) - base;
+      for (int64_t q0 = 0; q0 < queries; q0 += kScoreQueries) {
+        const ScoreFn score = kScoreFns[std::min<int64_t>(kScoreQueries, queries - q0) - 1];
+        if (uniform) score(local, key, q0, ws.scores.data() + lane, kBlock);
+        else score(local, key, q0, ws.dots.data(), 1);
+      }
+      if (!uniform)
+        for (int64_t q = 0; q < queries; ++q)
+          if (keys.seen((task.q_begin + q) % task.T, e0 + i)) ws.scores[q * kBlock + lane] = ws.dots[q];
     }
     // Online softmax: per query, the block's probabilities relative to the running max.
     for (int64_t q = 0; q < queries; ++q) {
       float* row = ws.scores.data() + q * kBlock;
-      if (task.visible != nullptr) {
-        const bool* seen = task.visible + (q % task.T) * task.S + s0;
-        for (int64_t i = 0; i < n; ++i)
-          if (!seen[i]) row[i] = kNone;
-      }
       __m512 top = _mm512_set1_ps(kNone);
       for (int64_t i = 0; i < kBlock; i += kFloats) top = _mm512_max_ps(top, _mm512_loadu_ps(row + i));
       const float block_max = _mm512_reduce_max_ps(top);
       Partial& p = partial[q];
       const float best = std::max(p.max, block_max);
-      if (best == kNone) continue;  // nothing visible yet: the row stays -inf, its probabilities 0
+      if (best == kNone) {  // nothing visible yet: the row stays -inf, its probabilities 0
+        std::fill(row, row + kBlock, 0.0f);
+        continue;
+      }
       if (p.max != best && p.max != kNone) {
         const float shrink = std::exp(p.max - best);
         p.sum *= shrink;
@@ -195,18 +257,32 @@ LONGSPEC_AVX512_BF16 void attend_chunk(const HeadTask& task, int64_t s_begin, in
       }
       p.sum += _mm512_reduce_add_ps(total);
     }
-    // Rows still at -inf (no visible key yet) hold probabilities 0 after the max of -inf was skipped.
-    for (int64_t q = 0; q < queries; ++q)
-      if (partial[q].max == kNone) std::fill(ws.scores.begin() + q * kBlock, ws.scores.begin() + (q + 1) * kBlock, 0.0f);
-    for (int64_t i = s0 + kBlock; i < std::min(s0 + 2 * kBlock, s_end); ++i)  // the next block's keys
-      prefetch_row(task.k + i * task.k_stride, D);
+    // Each entry's weight for each query: its lane's probability if the query sees it, else 0.
+    BlockWeights weights{nullptr, 0, n, ws.any_seen.data(), ws.value_rows.data()};
+    if (consecutive) {  // entry i is lane (first lane + i) of every query: read the probabilities in place
+      weights.w = ws.scores.data() + (keys.position(e0) - base);
+      weights.w_stride = kBlock;
+    } else {
+      ws.weights.resize(queries * n);
+      for (int64_t q = 0; q < queries; ++q)
+        for (int64_t i = 0; i < n; ++i) {
+          const bool seen = ws.any_seen[i] && keys.seen((task.q_begin + q) % task.T, e0 + i);
+          ws.weights[q * n + i] = seen ? ws.scores[q * kBlock + keys.position(e0 + i) - base] : 0.0f;
+        }
+      weights.w = ws.weights.data();
+      weights.w_stride = n;
+    }
+    for (int64_t e = e1; e < std::min(e1 + kBlock, e_end); ++e)  // the next block's keys
+      prefetch_row(task.k + keys.slot(e) * task.k_stride, D);
     for (int64_t d0 = 0; d0 < D; d0 += kFloats)
       for (int64_t q0 = 0; q0 < queries; q0 += kValueQueries)
-        kValueFns[std::min<int64_t>(kValueQueries, queries - q0) - 1](task, s0, n, ws, q0, d0, acc);
+        kValueFns[std::min<int64_t>(kValueQueries, queries - q0) - 1](weights, D, q0, d0, acc);
+    e0 = e1;
   }
 }
 
-// Keys per parallel task: enough tasks for every thread, never fewer keys than a block.
+// Positions per parallel task for `few_query_attention` (keys = slots): enough tasks for every
+// thread, never fewer than a block.
 int64_t chunk_keys(int64_t S, int64_t heads) {
   const int64_t tasks_wanted = kTasksPerThread * at::get_num_threads();
   const int64_t chunks_per_head = std::max<int64_t>(1, (tasks_wanted + heads - 1) / heads);
@@ -214,61 +290,72 @@ int64_t chunk_keys(int64_t S, int64_t heads) {
   return std::max(kMinChunk, (keys + kBlock - 1) / kBlock * kBlock);
 }
 
-std::tuple<at::Tensor, at::Tensor> few_query_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                       const std::optional<at::Tensor>& visible, double scale) {
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
-              "bf16 q, k, v");
-  TORCH_CHECK(q.dim() == 4 && q.is_contiguous(), "q [B, Hq, T, D], contiguous");
-  TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && k.stride(3) == 1 && v.stride(3) == 1, "k, v [B, Hkv, S, D]");
-  const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2);
-  TORCH_CHECK(k.size(0) == B && k.size(3) == D && Hq % Hkv == 0 && S > 0 && T > 0, "shapes of q and k/v disagree");
-  TORCH_CHECK(D % kLanes == 0, "head dim a multiple of 32");
+struct Chunk {
+  int64_t row, first_entry, end_entry, index;  // index: the chunk's place among its row's chunks
+};
+
+// Attention of q [B, Hq, T, D] over each row's listed keys, chunks of `chunk` positions.
+std::tuple<at::Tensor, at::Tensor> attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                          const std::vector<RowKeys>& rows, int64_t chunk, double scale) {
+  const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1);
   const int64_t group = Hq / Hkv, queries = group * T;
-  const bool* mask = nullptr;
-  int64_t mask_rows = 0;
-  if (visible.has_value()) {
-    TORCH_CHECK(visible->scalar_type() == at::kBool && visible->is_contiguous() && visible->dim() == 3 &&
-                    visible->size(1) == T && visible->size(2) == S && (visible->size(0) == 1 || visible->size(0) == B),
-                "visible [1 or B, T, S] bool, contiguous");
-    mask = visible->data_ptr<bool>();
-    mask_rows = visible->size(0);
+  // Each row's chunks: fixed ranges of positions, in position order, found by walking its sorted entries.
+  std::vector<Chunk> chunks;
+  std::vector<int64_t> row_chunks(B, 0), row_first(B, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    const RowKeys& keys = rows[b];
+    row_first[b] = static_cast<int64_t>(chunks.size());
+    for (int64_t e = 0; e < keys.count;) {
+      const int64_t id = keys.position(e) / chunk;
+      int64_t end = e + 1;
+      while (end < keys.count && keys.position(end) / chunk == id) ++end;
+      chunks.push_back({b, e, end, row_chunks[b]++});
+      e = end;
+    }
   }
-  const int64_t chunk = chunk_keys(S, B * Hkv);
-  const int64_t chunks = (S + chunk - 1) / chunk;
-  const int64_t tasks = B * Hkv * chunks;
+  // Query blocks split a chunk's queries among more tasks where the chunks alone are too few
+  // (a query's arithmetic does not depend on which others share its task).
+  const int64_t tasks_wanted = kTasksPerThread * at::get_num_threads();
+  const int64_t chunk_tasks = std::max<int64_t>(1, static_cast<int64_t>(chunks.size()) * Hkv);
+  const int64_t splits = std::clamp<int64_t>((tasks_wanted + chunk_tasks - 1) / chunk_tasks, 1,
+                                             (queries + kScoreQueries - 1) / kScoreQueries);
+  const int64_t per_split = (queries + splits - 1) / splits;
+  const int64_t tasks = static_cast<int64_t>(chunks.size()) * Hkv * splits;
   // Every task writes all of its partials and accumulators: no zero-filling needed.
-  std::unique_ptr<Partial[]> partials(new Partial[tasks * queries]);
-  std::unique_ptr<float[]> accs(new float[tasks * queries * D]);
+  std::unique_ptr<Partial[]> partials(new Partial[chunks.size() * Hkv * queries]);
+  std::unique_ptr<float[]> accs(new float[chunks.size() * Hkv * queries * D]);
   const auto* qs = reinterpret_cast<const uint16_t*>(q.data_ptr());
   const auto* ks = reinterpret_cast<const uint16_t*>(k.data_ptr());
   const auto* vs = reinterpret_cast<const uint16_t*>(v.data_ptr());
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    Workspace ws(queries);
+    Workspace ws;
     for (int64_t index = begin; index < end; ++index) {
-      const int64_t c = index % chunks, g = (index / chunks) % Hkv, b = index / (chunks * Hkv);
+      const int64_t split = index % splits, g = (index / splits) % Hkv, c = index / (splits * Hkv);
+      const Chunk& piece = chunks[c];
+      const int64_t b = piece.row, q_begin = split * per_split, q_end = std::min(queries, q_begin + per_split);
+      if (q_begin >= q_end) continue;
       // The group's heads are consecutive in q, so its queries are one [queries, D] block.
       const HeadTask task{qs + (b * Hq + g * group) * T * D,
                           ks + b * k.stride(0) + g * k.stride(1),
                           vs + b * v.stride(0) + g * v.stride(1),
-                          k.stride(2), v.stride(2),
-                          mask ? mask + (mask_rows == 1 ? 0 : b) * T * S : nullptr,
-                          T, S, D, queries, static_cast<float>(scale)};
-      attend_chunk(task, c * chunk, std::min(S, (c + 1) * chunk), ws, partials.get() + index * queries,
-                   accs.get() + index * queries * D);
+                          k.stride(2), v.stride(2), rows[b], T, D, q_begin, q_end, static_cast<float>(scale)};
+      const int64_t slot = (c * Hkv + g) * queries + q_begin;
+      attend_chunk(task, piece.first_entry, piece.end_entry, ws, partials.get() + slot, accs.get() + slot * D);
     }
   });
   at::Tensor out = at::empty({B, Hq, T, D}, q.options());
   at::Tensor lse = at::empty({B, Hq, T}, q.options().dtype(at::kFloat));
   auto* os = reinterpret_cast<uint16_t*>(out.data_ptr());
   float* ls = lse.data_ptr<float>();
-  // Merge the chunks of each query: out and lse rows are laid out [B, Hkv, group, T], the same order.
+  // Merge each query's chunks in position order: out and lse rows are laid out [B, Hkv, group, T].
   at::parallel_for(0, B * Hkv * queries, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> merged(D);
     for (int64_t row = begin; row < end; ++row) {
-      const int64_t query = row % queries, head = row / queries;  // head = b * Hkv + g
-      const int64_t first = head * chunks;
+      const int64_t query = row % queries, g = (row / queries) % Hkv, b = row / (queries * Hkv);
+      const int64_t first = row_first[b], count = row_chunks[b];
+      auto at = [&](int64_t c) { return ((first + c) * Hkv + g) * queries + query; };
       float best = kNone;
-      for (int64_t c = 0; c < chunks; ++c) best = std::max(best, partials[(first + c) * queries + query].max);
+      for (int64_t c = 0; c < count; ++c) best = std::max(best, partials[at(c)].max);
       uint16_t* o = os + row * D;
       if (best == kNone) {  // no visible key: an empty sum
         for (int64_t d = 0; d < D; ++d) o[d] = c10::BFloat16(0.0f).x;
@@ -277,12 +364,12 @@ std::tuple<at::Tensor, at::Tensor> few_query_attention(const at::Tensor& q, cons
       }
       std::fill(merged.begin(), merged.end(), 0.0f);
       float total = 0.0f;
-      for (int64_t c = 0; c < chunks; ++c) {
-        const Partial& p = partials[(first + c) * queries + query];
+      for (int64_t c = 0; c < count; ++c) {
+        const Partial& p = partials[at(c)];
         if (p.max == kNone) continue;
         const float weight = std::exp(p.max - best);
         total += p.sum * weight;
-        const float* acc = accs.get() + ((first + c) * queries + query) * D;
+        const float* acc = accs.get() + at(c) * D;
         for (int64_t d = 0; d < D; ++d) merged[d] += acc[d] * weight;
       }
       for (int64_t d = 0; d < D; ++d) o[d] = c10::BFloat16(merged[d] / total).x;
@@ -292,9 +379,84 @@ std::tuple<at::Tensor, at::Tensor> few_query_attention(const at::Tensor& q, cons
   return {out, lse};
 }
 
+void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
+              "bf16 q, k, v");
+  TORCH_CHECK(q.dim() == 4 && q.is_contiguous(), "q [B, Hq, T, D], contiguous");
+  TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && k.stride(3) == 1 && v.stride(3) == 1, "k, v [B, Hkv, S, D]");
+  TORCH_CHECK(k.size(0) == q.size(0) && k.size(3) == q.size(3) && q.size(1) % k.size(1) == 0 && q.size(2) > 0,
+              "shapes of q and k/v disagree");
+  TORCH_CHECK(q.size(3) % kLanes == 0, "head dim a multiple of 32");
+}
+
+// visible [1 or B, T, columns] bool, contiguous: a pointer per row (nullptr where absent).
+std::vector<const bool*> mask_rows(const std::optional<at::Tensor>& visible, int64_t B, int64_t T, int64_t& columns) {
+  std::vector<const bool*> rows(B, nullptr);
+  columns = 0;
+  if (!visible.has_value()) return rows;
+  TORCH_CHECK(visible->scalar_type() == at::kBool && visible->is_contiguous() && visible->dim() == 3 &&
+                  visible->size(1) == T && (visible->size(0) == 1 || visible->size(0) == B),
+              "visible [1 or B, T, columns] bool, contiguous");
+  columns = visible->size(2);
+  for (int64_t b = 0; b < B; ++b) rows[b] = visible->data_ptr<bool>() + (visible->size(0) == 1 ? 0 : b) * T * columns;
+  return rows;
+}
+
+std::tuple<at::Tensor, at::Tensor> few_query_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                       const std::optional<at::Tensor>& visible, double scale) {
+  check_qkv(q, k, v);
+  const int64_t B = q.size(0), T = q.size(2), S = k.size(2);
+  TORCH_CHECK(S > 0, "attention over zero keys");
+  int64_t columns = 0;
+  const std::vector<const bool*> masks = mask_rows(visible, B, T, columns);
+  TORCH_CHECK(!visible.has_value() || columns == S, "visible [1 or B, T, S]");
+  std::vector<RowKeys> rows;
+  for (int64_t b = 0; b < B; ++b) rows.push_back({nullptr, nullptr, S, 0, masks[b], columns});
+  return attend(q, k, v, rows, chunk_keys(S, B * k.size(1)), scale);
+}
+
+std::tuple<at::Tensor, at::Tensor> ordered_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                     const at::Tensor& slots, const at::Tensor& positions,
+                                                     const at::Tensor& counts, const at::Tensor& shared,
+                                                     const std::optional<at::Tensor>& visible, int64_t chunk,
+                                                     double scale) {
+  check_qkv(q, k, v);
+  const int64_t B = q.size(0), T = q.size(2), S = k.size(2);
+  TORCH_CHECK(chunk > 0 && chunk % kBlock == 0, "chunk: a positive multiple of 64 positions");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && positions.scalar_type() == at::kLong && slots.dim() == 2 &&
+                  slots.sizes() == positions.sizes() && slots.size(0) == B && slots.is_contiguous() &&
+                  positions.is_contiguous(),
+              "slots and positions [B, N] int64, contiguous");
+  TORCH_CHECK(counts.scalar_type() == at::kLong && shared.scalar_type() == at::kLong && counts.numel() == B &&
+                  shared.numel() == B && counts.is_contiguous() && shared.is_contiguous(),
+              "counts and shared [B] int64");
+  int64_t columns = 0;
+  const std::vector<const bool*> masks = mask_rows(visible, B, T, columns);
+  const int64_t N = slots.size(1);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t* position = positions.data_ptr<int64_t>();
+  std::vector<RowKeys> rows;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t count = counts.data_ptr<int64_t>()[b], common = shared.data_ptr<int64_t>()[b];
+    TORCH_CHECK(0 <= common && common <= count && count <= N, "row ", b, ": need 0 <= shared <= count <= N");
+    TORCH_CHECK(masks[b] != nullptr || common == count || !visible.has_value(), "row ", b, ": no mask");
+    TORCH_CHECK(masks[b] == nullptr || count - common <= columns, "row ", b, ": visible has too few columns");
+    for (int64_t e = 0; e < count; ++e) {
+      TORCH_CHECK(0 <= slot[b * N + e] && slot[b * N + e] < S, "row ", b, ": slot out of range");
+      TORCH_CHECK(position[b * N + e] >= 0 && (e == 0 || position[b * N + e] >= position[b * N + e - 1]),
+                  "row ", b, ": positions must be non-negative and sorted");
+    }
+    rows.push_back({slot + b * N, position + b * N, count, common, masks[b], columns});
+  }
+  return attend(q, k, v, rows, chunk, scale);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(longspec_native, m) {
   m.def("few_query_attention(Tensor q, Tensor k, Tensor v, Tensor? visible, float scale) -> (Tensor, Tensor)");
   m.impl("few_query_attention", c10::DispatchKey::CPU, TORCH_FN(few_query_attention));
+  m.def("ordered_attention(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor positions, Tensor counts, "
+        "Tensor shared, Tensor? visible, int chunk, float scale) -> (Tensor, Tensor)");
+  m.impl("ordered_attention", c10::DispatchKey::CPU, TORCH_FN(ordered_attention));
 }
