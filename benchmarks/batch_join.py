@@ -1,6 +1,6 @@
 """The prefill policy of continuous batching: while R rows decode, a request with a
-long prompt joins. Its prefill runs in chunks of at most `prefill_tokens_per_step`
-tokens, one chunk per step, between the decoding rounds. Small budgets keep the
+long prompt joins. Its prefill runs in the engine's prefill chunks, at most
+`prefill_tokens_per_step` tokens per step, between the decoding rounds. Small budgets keep the
 decoding rows' inter-token latency low; large ones give the joining request its
 first token sooner. For each budget this reports the decoding rows' worst and mean
 step time while the join is under way, and the joining request's time to first
@@ -41,7 +41,7 @@ def main() -> None:
     for budget in args.budgets:
         batch = BatchOptions(max_rows=args.rows + 1, row_capacity=args.prompt_tokens + 600,
                              prefill_tokens_per_step=budget)
-        engine = BatchEngine(model.model, EngineOptions(progress=False, prefill_chunk=512), batch)
+        engine = BatchEngine(model.model, EngineOptions(progress=False), batch)
         for prompt in prompts[:-1]:
             engine.submit(prompt, max_new_tokens=500)
         while engine.decoding_rows < args.rows:

@@ -267,6 +267,37 @@ def test_cancel_frees_the_row_and_a_waiting_request_takes_it():
     assert engine.bytes_in_use() == 0
 
 
+def test_prefill_pieces_are_the_single_runs_chunks():
+    """A row's prompt is cut where a single run cuts it (at multiples of the prefill
+    chunk), also when two rows join in one step and the first leaves only part of the
+    budget: a bf16 chunk's attention depends on where it starts (test_bf16_identity)."""
+    model = tiny_decoder("llama", dtype=torch.float64)
+    options = EngineOptions(progress=False, max_tree_nodes=8, prefill_chunk=16)
+    engine = BatchEngine(model, options, BatchOptions(max_rows=3, row_capacity=256, prefill_tokens_per_step=16))
+    engine.submit(random_ids(5, seed=1)[0], max_new_tokens=60)
+    engine.step()
+    pieces: list[tuple[int, int]] = []  # (first position, tokens) of every prefill forward
+    original = model.forward
+
+    def recording(ids, cache, *args, positions=None, **kwargs):
+        if kwargs.get("tree_mask") is None and positions is not None and ids.shape[0] == 1 and ids.shape[1] > 1:
+            pieces.append((int(positions[0, 0]), ids.shape[1]))
+        return original(ids, cache, *args, positions=positions, **kwargs)
+
+    model.forward = recording
+    try:
+        short = engine.submit(random_ids(10, seed=2)[0], max_new_tokens=5)  # 9 prompt tokens: 7 of the budget left
+        long = engine.submit(random_ids(60, seed=3)[0], max_new_tokens=5)
+        engine.run()
+    finally:
+        model.forward = original
+    assert (0, 9) in pieces  # the short prompt in one piece
+    long_pieces = sorted(p for p in pieces if p != (0, 9))
+    assert long_pieces == [(0, 16), (16, 16), (32, 16), (48, 11)]  # whole chunks, never the 7 left over
+    for prompt, handle in ((random_ids(10, seed=2)[0], short), (random_ids(60, seed=3)[0], long)):
+        assert torch.equal(handle.tokens, single_run(model, prompt, max_new_tokens=5))
+
+
 def test_joining_prompt_prefills_within_the_step_budget():
     model = tiny_decoder("qwen3", dtype=torch.float64)
     engine = BatchEngine(model, OPTIONS, BatchOptions(max_rows=2, row_capacity=256, prefill_tokens_per_step=12))

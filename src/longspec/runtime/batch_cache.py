@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from longspec.runtime.cache import EMPTY_SLOT, layer_groups, ring_slots
+from longspec.runtime.cache import EMPTY_SLOT, layer_groups, ring_prefix_mask, ring_slots
 from longspec.runtime.config import DecoderConfig
 from longspec.runtime.device import HOST
 
@@ -268,6 +268,12 @@ class RowsView:
         end = int(self.lengths.max()) + (self.pending if include_pending else 0)
         return c.full_k[j, rows, :, :end], c.full_v[j, rows, :, :end]
 
+    def as_sequence(self) -> "OneRowPlan":
+        """A one-row view as the forward's planning sees a single sequence's cache."""
+        if self.batch_size != 1:
+            raise ValueError(f"only a one-row view plans as a single sequence, this one has {self.batch_size} rows")
+        return OneRowPlan(self)
+
     @property
     def ring_positions(self) -> torch.Tensor:
         """[B, R] the position each ring slot of these rows holds (EMPTY_SLOT: none)."""
@@ -343,3 +349,19 @@ class RowsView:
 
     def drop_pending(self) -> None:
         self.commit([torch.empty(0, dtype=torch.long, device=HOST)] * self.batch_size)
+
+
+class OneRowPlan:
+    """What `Decoder` plans a single sequence's forward from (`KVCache`'s length, ring
+    positions, pending ring slots and ring mask), read from a one-row `RowsView` during
+    its forward. A row's prefill, or a row decoding alone, then makes exactly the calls
+    a single run makes, so its cache gets a single run's bits."""
+
+    def __init__(self, view: RowsView) -> None:
+        self.length = view.length
+        self.window = view.window
+        self.ring_positions = view.ring_positions[0] if view.ring_size else None
+        self.pending_ring_slots = view.pending_ring_slots[0] if view.ring_size else None
+
+    def ring_prefix_mask(self, query_positions: torch.Tensor) -> torch.Tensor:
+        return ring_prefix_mask(self.ring_positions, self.length, query_positions, self.window)

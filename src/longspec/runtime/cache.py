@@ -53,6 +53,14 @@ def ring_slots(config: DecoderConfig, capacity: int, max_forward_tokens: int) ->
     return min(capacity, (config.sliding_window or 0) + max_forward_tokens)
 
 
+def ring_prefix_mask(slot_positions: torch.Tensor, length: int, query_positions: torch.Tensor, window: int) -> torch.Tensor:
+    """[T, R] bool: the ring slots (holding `slot_positions` [R]) that each query sees:
+    committed (pending tokens sit at positions >= length) and within its window."""
+    committed = slot_positions < length
+    in_window = slot_positions.unsqueeze(0) > (query_positions.unsqueeze(1) - window)
+    return committed.unsqueeze(0) & in_window
+
+
 class KVCache:
     def __init__(
         self,
@@ -145,10 +153,7 @@ class KVCache:
 
     def ring_prefix_mask(self, query_positions: torch.Tensor) -> torch.Tensor:
         """[T, R] bool: ring slot visible to each query = committed and in its window."""
-        slot_pos = self.ring_positions
-        committed = slot_pos < self.length  # pending tokens sit at positions >= length
-        in_window = slot_pos.unsqueeze(0) > (query_positions.unsqueeze(1) - self.window)
-        return committed.unsqueeze(0) & in_window
+        return ring_prefix_mask(self.ring_positions, self.length, query_positions, self.window)
 
     # ----------------------------------------------------------------- commit side
     def commit(self, kept: torch.Tensor | None = None) -> None:

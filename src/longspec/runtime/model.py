@@ -426,8 +426,12 @@ class Decoder(nn.Module):
 
     def _rows_plan(self, T, cache, tree_mask, positions) -> ForwardPlan:
         """Masks of a forward over the rows of a batch: every row has its own
-        committed length, positions and tree."""
+        committed length, positions and tree. One row is planned as a single sequence
+        (the same attention calls, so the same bits, as a single run)."""
         B = positions.shape[0]
+        if B == 1:
+            mask = None if tree_mask is None else (tree_mask if tree_mask.dim() == 2 else tree_mask[0])
+            return self._plan(T, cache.as_sequence(), mask, positions[0])
         if tree_mask is None:
             tree_mask = torch.ones((T, T), dtype=torch.bool, device=positions.device).tril_()
         tree_mask = tree_mask.expand(B, T, T)

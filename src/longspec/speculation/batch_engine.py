@@ -53,7 +53,9 @@ class BatchOptions:
     max_rows: int = 8  # sequences decoded together (cache rows)
     row_capacity: int = 8192  # token slots per row: prompt + max_new_tokens + tree budget + 1 must fit
     # Prompt tokens prefilled per step while other rows decode: a joining 4k prompt
-    # then delays each decoding round by about one 256-token forward, not 4k.
+    # then delays each decoding round by about one 256-token forward, not 4k. A multiple
+    # of the prefill chunk (`EngineOptions.prefill_chunk`, also 256) keeps a bf16 row's
+    # cache bit for bit a single run's; a smaller budget cuts chunks further.
     prefill_tokens_per_step: int = 256
     max_waiting: int | None = None  # requests queued for a free row (None: unbounded)
     # Speculative nodes per verification forward over all rows (None: each row up to
@@ -183,10 +185,12 @@ class BatchEngine:
 
     @staticmethod
     def prefill_chunk(options: EngineOptions, batch: BatchOptions) -> int:
-        """Prompt tokens per prefill forward. Sliding-window rings hold window + the
-        largest forward, and every decoding round reads whole rings, so prefill
-        chunks stay within the per-step budget even when no row decodes."""
-        return min(options.prefill_chunk, batch.prefill_tokens_per_step)
+        """Prompt tokens per prefill forward: the single-sequence engine's chunk, so a
+        row's prompt is cut where a single run cuts it and its cache gets the same bits
+        (a bf16 prefill chunk's attention depends on where the chunk starts). A step's
+        budget below the chunk cuts it further, and then bf16 rows may round a near-tie
+        differently from single runs (`BatchOptions.prefill_tokens_per_step`)."""
+        return options.prefill_chunk
 
     @staticmethod
     def max_forward_tokens(options: EngineOptions, batch: BatchOptions) -> int:
@@ -312,7 +316,14 @@ class BatchEngine:
         start = time.perf_counter()
         while not row.prefill_done and (budget is None or budget > 0):
             begin = row.prefilled
-            piece = ids[begin : begin + (chunk if budget is None else min(chunk, budget))]
+            # Pieces never cross the chunk boundaries a single run prefills at.
+            end = min((begin // chunk + 1) * chunk, ids.numel())
+            if budget is not None and end - begin > budget:
+                if budget < self.batch.prefill_tokens_per_step:
+                    budget = 0  # what another row left of this step would cut a chunk: go on next step
+                    break
+                end = begin + budget  # a per-step budget below the chunk cuts every chunk
+            piece = ids[begin:end]
             kept = slice(max(0, first_kept - begin), None) if begin + piece.numel() > first_kept else slice(0, 0)
             view = row.cache_row.view()
             out = self.model(piece.unsqueeze(0), view, positions=view.next_positions(piece.numel()),
