@@ -42,14 +42,15 @@ DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 def batched_run(model, prompts, method, new_tokens, params, options, seed, forward_nodes=None, fill_padding=False,
-                joint_budget=False):
+                joint_budget=False, forward_cost_limit=BatchOptions.forward_cost_limit):
     """Throughput of one batch: all rows prefilled first, then decoded to the end."""
     B = len(prompts)
     budget = options.max_tree_nodes if method != "ar" else 0
     capacity = max(p.numel() for p in prompts) + new_tokens + budget + 1
     engine = BatchEngine(model.model, options, BatchOptions(max_rows=B, row_capacity=capacity,
                                                             max_forward_nodes=forward_nodes, fill_padding=fill_padding,
-                                                            joint_budget=joint_budget))
+                                                            joint_budget=joint_budget,
+                                                            forward_cost_limit=forward_cost_limit))
     drafters = [make_drafter(method) for _ in prompts]
     handles = [engine.submit(p, params=params, max_new_tokens=new_tokens, drafter=d,
                              generator=torch.Generator().manual_seed(seed + i), stats=GenerationStats(method=method))
@@ -101,6 +102,10 @@ def main() -> None:
                         help="speculative nodes per forward shared by all rows (default: no shared budget)")
     parser.add_argument("--fill-padding", action="store_true",
                         help="rows whose drafter can widen its tree fill the batch's padding (BatchOptions.fill_padding)")
+    parser.add_argument("--forward-cost-limit", type=float, default=BatchOptions.forward_cost_limit,
+                        help="cap each row's tree by the measured batched cost (BatchOptions.forward_cost_limit)")
+    parser.add_argument("--no-forward-cost-limit", dest="forward_cost_limit", action="store_const", const=None,
+                        help="rows keep their whole trees")
     parser.add_argument("--joint-budget", action="store_true",
                         help="cut the rows' trees jointly from measured acceptance and cost (BatchOptions.joint_budget)")
     parser.add_argument("--seed", type=int, default=0)
@@ -120,14 +125,15 @@ def main() -> None:
               "dtype": args.dtype, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
               "temperature": args.temperature, "threads": torch.get_num_threads(),
               "max_forward_nodes": args.max_forward_nodes, "fill_padding": args.fill_padding,
-              "joint_budget": args.joint_budget}
+              "joint_budget": args.joint_budget, "forward_cost_limit": args.forward_cost_limit}
     print(header, flush=True)
     # Warm-up: first calls of each kernel shape and the drafters' loading.
     warm = torch.arange(300) % 1000 + 100
     for method in args.methods:
         batched_run(model, [warm, warm], method, 8, params, options, args.seed)
-    # The joint budget's forward cost at these rows' lengths: measured (or read) before any clock starts.
-    if args.joint_budget:
+    # The batched forward's cost at these rows' lengths (the joint budget and the cost cap read it): measured (or
+    # read) before any clock starts.
+    if args.joint_budget or args.forward_cost_limit is not None:
         warm_engine = BatchEngine(model.model, options, BatchOptions(max_rows=most, row_capacity=64))
         for rows in range(1, most + 1):
             for length in (args.prompt_tokens, args.prompt_tokens + args.new_tokens):
@@ -146,7 +152,7 @@ def main() -> None:
             for method in args.methods:
                 tps, handles, steps, memory = batched_run(model, prompts[:B], method, args.new_tokens, params, options,
                                                           args.seed, args.max_forward_nodes, args.fill_padding,
-                                                          args.joint_budget)
+                                                          args.joint_budget, args.forward_cost_limit)
                 if method == "ar":
                     ar_at[B] = tps
                     ar_full_at[B] = memory["full_batch_tokens_per_s"]

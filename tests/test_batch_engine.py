@@ -207,8 +207,9 @@ def test_sampled_rows_follow_the_target_distribution(sampling_model, params, dra
     """Many short requests through 8 rows (every drafter kind in one batch, each row
     with its own random stream): their sequences follow the exact AR distribution."""
     exact = exact_distribution(sampling_model, params)
+    # The test drafters' trees have fixed shapes: rows keep their whole budget.
     engine = BatchEngine(sampling_model, EngineOptions(max_tree_nodes=32, progress=False),
-                         BatchOptions(max_rows=8, row_capacity=64))
+                         BatchOptions(max_rows=8, row_capacity=64, forward_cost_limit=None))
     handles = []
     for i in range(SAMPLES):
         generator = torch.Generator().manual_seed(7000 + i)
@@ -265,6 +266,38 @@ def test_cancel_frees_the_row_and_a_waiting_request_takes_it():
     engine.run()
     assert torch.equal(third.tokens, single_run(model, random_ids(12, seed=3)[0], max_new_tokens=50))
     assert engine.bytes_in_use() == 0
+
+
+def test_rows_trees_stop_where_the_measured_batched_forward_passes_the_cost_limit(monkeypatch):
+    """Each row's tree is capped at the widest forward (tokens per row) that costs at
+    most forward_cost_limit decode steps of the same rows; one row alone is not capped."""
+    model = tiny_decoder("llama", dtype=torch.float64, initializer_range=0.3)
+    engine = BatchEngine(model, OPTIONS, BatchOptions(max_rows=4, row_capacity=128, forward_cost_limit=2.5))
+    cost = ForwardCost({}, (1, 2, 4, 8), (1.0, 1.3, 2.0, 3.5))  # 5 tokens per row: 2.375; 6: 2.75
+    monkeypatch.setattr(engine, "forward_cost", lambda rows, length: cost)
+    assert engine._affordable_nodes(4, 100) == 4
+    prompts = [torch.cat([random_ids(6, seed=i)[0]] * 4) for i in range(4)]  # repeats: prompt lookup finds long matches
+    widths: list[tuple[int, int]] = []
+    original = model.forward
+
+    def recording(ids, cache, *args, tree_mask=None, **kwargs):
+        if tree_mask is not None or ids.shape[0] > 1:
+            widths.append((ids.shape[0], ids.shape[1]))
+        return original(ids, cache, *args, tree_mask=tree_mask, **kwargs)
+
+    model.forward = recording
+    try:
+        handles = [engine.submit(p, max_new_tokens=30, drafter=PromptLookupDrafter(num_tokens=10)) for p in prompts]
+        engine.run()
+    finally:
+        model.forward = original
+    batched = [width for rows, width in widths if rows > 1]
+    assert batched and max(batched) <= 5  # the root and 4 nodes
+    for prompt, handle in zip(prompts, handles):
+        assert torch.equal(handle.tokens, single_run(model, prompt, drafter=PromptLookupDrafter(num_tokens=10),
+                                                     max_new_tokens=30))
+    with pytest.raises(ValueError, match="forward_cost_limit"):
+        BatchOptions(forward_cost_limit=0.5)
 
 
 def test_prefill_pieces_are_the_single_runs_chunks():

@@ -30,7 +30,7 @@ import torch
 from longspec.runtime.batch_cache import BatchKVCache, CacheRow
 from longspec.runtime.device import HOST
 from longspec.runtime.model import Decoder
-from longspec.speculation.cost_model import ForwardCost, batch_forward_cost_at
+from longspec.speculation.cost_model import ForwardCost, batch_context_bucket, batch_forward_cost_at
 from longspec.speculation.drafters.base import DraftContext, Drafter, TargetView
 from longspec.speculation.engine import (
     EngineOptions,
@@ -62,6 +62,14 @@ class BatchOptions:
     # max_tree_nodes). On a CPU a forward past the compute knee costs in proportion to
     # its width, so B rows share one budget: each gets budget // B nodes.
     max_forward_nodes: int | None = None
+    # With two rows or more, each row's tree is capped at the widest that keeps the
+    # shared forward within this many times the cost of a decode step of the same rows
+    # (the batched forward's cost measured on this machine, `forward_cost`): past the
+    # knee a longer tree costs more than its extra tokens bring. None: no cap; the joint
+    # budget (below), which cuts trees from the same cost, replaces it. On this CPU 2.5
+    # gives 3 nodes per row at 4 rows and 2 at 8 (BENCHMARKS.md, "A node cap from the
+    # measured batched cost"); the first round at each row count measures the cost.
+    forward_cost_limit: float | None = 2.5
     # Rows whose drafter can grow its tree (`widen`, e.g. auto) fill the padding slots
     # of the shared forward with real nodes. Off by default: on a CPU a padding slot is
     # nearly free (it attends to itself only and gets no output-layer row) while a real
@@ -85,6 +93,8 @@ class BatchOptions:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
         if self.max_forward_nodes is not None and self.max_forward_nodes < 0:
             raise ValueError(f"max_forward_nodes must be >= 0, got {self.max_forward_nodes}")
+        if self.forward_cost_limit is not None and not self.forward_cost_limit >= 1.0:
+            raise ValueError(f"forward_cost_limit must be >= 1 (a decode step's cost) or None, got {self.forward_cost_limit}")
 
 
 class EngineBusy(RuntimeError):
@@ -182,6 +192,7 @@ class BatchEngine:
         self.forward_nodes = 0
         self.padding_nodes = 0
         self._reach_by_drafter: dict[type, ReachHistory] = {}
+        self._affordable: dict[tuple[int, int], int] = {}  # (rows, context bucket) -> nodes per row
 
     @staticmethod
     def prefill_chunk(options: EngineOptions, batch: BatchOptions) -> int:
@@ -355,6 +366,8 @@ class BatchEngine:
         budget = row.tree_budget
         if self.batch.max_forward_nodes is not None:
             budget = min(budget, self.batch.max_forward_nodes // rows)
+        if rows > 1 and budget > 0 and self.batch.forward_cost_limit is not None and not self.batch.joint_budget:
+            budget = min(budget, self._affordable_nodes(rows, row.length))
         return DraftContext(row.tokens[: row.length], row.view, budget, row.draft_generator, rows_in_forward=rows)
 
     # -------------------------------------------------------------------- round
@@ -377,6 +390,21 @@ class BatchEngine:
         context bucket measures it (seconds), which a benchmark does before its clock."""
         measured = min(1 << max(rows - 1, 0).bit_length(), self.batch.max_rows)
         return batch_forward_cost_at(self.model, measured, length)
+
+    def _affordable_nodes(self, rows: int, length: int) -> int:
+        """Speculative nodes per row within `forward_cost_limit`: the widest forward
+        (tokens per row, root included) whose measured cost over these rows is at most
+        that many decode steps, less the root. Looked up once per row count and
+        context bucket."""
+        key = (rows, batch_context_bucket(self.model, length))
+        if key not in self._affordable:
+            cost = self.forward_cost(rows, length)
+            limit = self.batch.forward_cost_limit * cost.seconds_for(1)
+            width = 1
+            while width <= self.options.max_tree_nodes and cost.seconds_for(width + 1) <= limit:
+                width += 1
+            self._affordable[key] = width - 1
+        return self._affordable[key]
 
     def _drafter_reach(self, row: _Row) -> ReachHistory:
         """The acceptance history of every row (and request) drafted by this kind of drafter."""

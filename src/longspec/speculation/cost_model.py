@@ -210,7 +210,12 @@ def cached_batch_forward_cost(model: Decoder, *, rows: int, context: int, direct
 def batch_forward_cost_at(model: Decoder, rows: int, length: int, widths: Sequence[int] = BATCH_WIDTHS) -> ForwardCost:
     """The cached batched measurement for `rows` rows of about `length` committed
     tokens, at the smallest context bucket that holds them."""
-    return cached_batch_forward_cost(model, rows=rows, context=_bucket(model, length, max(widths)), widths=widths)
+    return cached_batch_forward_cost(model, rows=rows, context=batch_context_bucket(model, length, widths), widths=widths)
+
+
+def batch_context_bucket(model: Decoder, length: int, widths: Sequence[int] = BATCH_WIDTHS) -> int:
+    """The context `batch_forward_cost_at` measures for rows of `length` tokens."""
+    return _bucket(model, length, max(widths))
 
 
 def cached_forward_cost(model: Decoder, *, context: int, directory: Path | None = None, **measure_options) -> ForwardCost:
