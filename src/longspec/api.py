@@ -17,7 +17,7 @@ from longspec.runtime.loading import LoadedTarget, load_target
 from longspec.speculation.batch_engine import BatchEngine, BatchOptions, RequestHandle
 from longspec.speculation.drafters.base import Drafter
 from longspec.speculation.engine import EngineOptions, SpeculativeEngine
-from longspec.speculation.methods import make_drafter
+from longspec.speculation.methods import DEFAULT_METHOD, make_drafter
 from longspec.speculation.metrics import GenerationStats
 from longspec.speculation.processors import SamplingParams
 from longspec.text import IncrementalDecoder
@@ -268,7 +268,7 @@ class LongSpecModel:
         prompt: str | Sequence[int] | torch.Tensor,
         *,
         max_new_tokens: int = 256,
-        method: str | Drafter = "ar",
+        method: str | Drafter = DEFAULT_METHOD,
         method_options: dict[str, Any] | None = None,
         temperature: float = 0.0,
         top_k: int | None = None,
@@ -299,7 +299,7 @@ class LongSpecModel:
         *,
         max_rows: int = 8,
         seed: int | None = None,
-        method: str = "ar",
+        method: str = DEFAULT_METHOD,
         **kwargs,
     ) -> list[GenerationResult]:
         """Generate for many prompts at once (continuous batching: up to ``max_rows``
@@ -351,7 +351,7 @@ class LongSpecModel:
                                stats=request.stats)
         return RowStream(handle, self._chunks(_rounds_of(handle), request.stops, request.stats))
 
-    def prepare(self, prompt, *, max_new_tokens: int = 256, method: str | Drafter = "ar",
+    def prepare(self, prompt, *, max_new_tokens: int = 256, method: str | Drafter = DEFAULT_METHOD,
                 method_options: dict[str, Any] | None = None, temperature: float = 0.0, top_k: int | None = None,
                 top_p: float | None = None, min_p: float | None = None, eta: float | None = None,
                 penalty: float = 1.0, penalty_window: int = 1024, seed: int | None = None,

@@ -12,7 +12,7 @@ from longspec.cli import bench, serve, train
 from longspec.cli.faults import run_reporting_faults
 from longspec.cli.options import add_compile_argument, add_device_argument
 from longspec.cli.paths import read_prompt_file
-from longspec.speculation.methods import METHODS
+from longspec.speculation.methods import DEFAULT_METHOD, METHODS
 
 
 def _generate_parser(sub) -> None:
@@ -21,7 +21,8 @@ def _generate_parser(sub) -> None:
     src.add_argument("prompt", nargs="?", help="prompt text")
     src.add_argument("--prompt-file", type=Path, help="read the prompt from this file (- reads standard input)")
     p.add_argument("--model", default=None, help="checkpoint dir, .gguf file or cached HF id (default: embedded Gemma 3 270M)")
-    p.add_argument("--method", default="ar", choices=sorted(METHODS), help="decoding method (default: ar)")
+    p.add_argument("--method", default=DEFAULT_METHOD, choices=sorted(METHODS),
+                   help=f"decoding method (default: {DEFAULT_METHOD})")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=None)

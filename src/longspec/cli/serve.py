@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from longspec.cli.options import add_device_argument
-from longspec.speculation.methods import METHODS
+from longspec.speculation.methods import DEFAULT_METHOD, METHODS
 
 DEFAULT_HOST = "127.0.0.1"
 
@@ -26,8 +26,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="longest prompt accepted (default: the context); "
                                                                        "with --max-new-tokens it sizes each row's cache")
     p.add_argument("--max-new-tokens", type=int, default=1024, help="largest max_tokens accepted, and the default of chat")
-    p.add_argument("--method", default="pld", choices=sorted(METHODS),
-                   help="speculation method when a request names none (default: pld, lossless)")
+    p.add_argument("--method", default=DEFAULT_METHOD, choices=sorted(METHODS),
+                   help=f"speculation method when a request names none (default: {DEFAULT_METHOD}, lossless)")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) | float32 | float64")
     add_device_argument(p)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
