@@ -41,7 +41,7 @@ def test_api_generates_from_token_ids_and_refuses_text_without_tokenizer(checkpo
     directory, _ = checkpoint_dir
     model = LongSpecModel(load_target(directory, dtype=torch.float64))
     ids = random_ids(12, seed=1)[0].repeat(2)
-    ar = model.generate(ids, max_new_tokens=20)
+    ar = model.generate(ids, max_new_tokens=20, method="ar")
     pld = model.generate(ids.tolist(), max_new_tokens=20, method="pld")
     assert ar.token_ids == pld.token_ids and len(ar.token_ids) == 20
     assert pld.stats.target_forwards <= ar.stats.target_forwards
