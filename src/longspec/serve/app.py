@@ -28,7 +28,7 @@ from longspec.serve.metrics import ServerMetrics
 from longspec.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerationFields, error_body
 from longspec.serve.worker import GenerationWorker, Job, QueueFull
 from longspec.speculation.batch_engine import BatchOptions
-from longspec.speculation.methods import METHODS
+from longspec.speculation.methods import DEFAULT_METHOD, METHODS
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -36,7 +36,7 @@ SSE_DONE = b"data: [DONE]\n\n"
 @dataclass(frozen=True)
 class ServeOptions:
     model_name: str
-    method: str = "pld"  # lossless, and the fastest method on long prompts today
+    method: str = DEFAULT_METHOD  # when a request names none
     api_key: str | None = None
     max_concurrent: int = 16
     max_prompt_tokens: int | None = None  # None: the model's context
