@@ -174,6 +174,26 @@ def test_unmeasured_deep_nodes_start_from_the_deepest_measured_rate_above_them()
     assert rate[5] > pooled + 0.1
 
 
+def test_rates_follow_the_recent_rounds_and_fall_back_on_the_whole_sequence():
+    """Acceptance moves with the text: after a long stretch of rejected copies, a copied
+    passage lifts the cell's rate within a few rounds (a table of every round would stay
+    near its 9% average); once the cell goes unobserved, its recent counts fade and
+    the whole-sequence rate is back."""
+    table = AcceptanceTable(drafters=1)
+    source = Source(drafter=0, depth=1, rank=0)
+    for accepted in [False] * 200 + [True] * 20:
+        table.record(source, accepted=accepted)
+        table.end_round()
+    assert table.rate(source) > 0.75
+    for _ in range(100):
+        table.end_round()
+    whole = table.rate(source)
+    assert 0.05 < whole < 0.15
+    unused = AcceptanceTable(drafters=1)  # end_round alone changes nothing
+    unused.end_round()
+    assert unused.rate(source) == pytest.approx(0.5)
+
+
 class CopiedRuns:
     """A copying drafter's chain of `length` tokens whose first node extends a copied
     run of `run` tokens (set by the caller before each round)."""
