@@ -268,6 +268,31 @@ def test_cancel_frees_the_row_and_a_waiting_request_takes_it():
     assert engine.bytes_in_use() == 0
 
 
+def test_drafters_begun_under_a_tight_cap_grow_their_trees_as_rows_leave(monkeypatch):
+    """A row starts drafting while four rows share the forward (the cost cap allows one
+    node per row), then rows finish and the cap lifts: every drafter must take the
+    larger trees of the later rounds (buffers sized at begin for the row's whole
+    budget) and each row still equals its single run."""
+    model, _ = diverse_model("llama")
+    drafters = dict(real_drafters(model))
+    drafters["mamba"] = lambda: MambaDrafter(tiny_mamba(vocab_size=model.config.vocab_size), widths=(2, 2, 1))
+    drafters["draft-model"] = lambda: DraftModelDrafter(model, length=3)
+    steep = ForwardCost({}, (1, 2, 4, 8), (1.0, 2.4, 5.0, 10.0))  # 2 tokens per row: 2.4 steps
+    flat = ForwardCost({}, (1, 2, 4, 8, 32), (1.0, 1.0, 1.0, 1.1, 1.2))
+    names = sorted(drafters)
+    for group in range(0, len(names), 4):
+        engine = BatchEngine(model, OPTIONS, BatchOptions(max_rows=4, row_capacity=160, forward_cost_limit=2.5))
+        monkeypatch.setattr(engine, "forward_cost", lambda rows, length: steep if rows > 2 else flat)
+        chosen = names[group : group + 4]
+        prompts = [torch.cat([random_ids(5, seed=10 + i)[0] % 24] * 4) for i in range(len(chosen))]
+        max_new = [8 + 20 * i for i in range(len(chosen))]  # rows leave one by one
+        handles = [engine.submit(p, max_new_tokens=n, drafter=drafters[name]())
+                   for p, n, name in zip(prompts, max_new, chosen)]
+        engine.run()
+        for name, prompt, n, handle in zip(chosen, prompts, max_new, handles):
+            assert torch.equal(handle.tokens, single_run(model, prompt, max_new_tokens=n)), name
+
+
 def test_rows_trees_stop_where_the_measured_batched_forward_passes_the_cost_limit(monkeypatch):
     """Each row's tree is capped at the widest forward (tokens per row) that costs at
     most forward_cost_limit decode steps of the same rows; one row alone is not capped."""

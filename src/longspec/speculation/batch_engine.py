@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -359,7 +359,9 @@ class BatchEngine:
         row.prefill_hidden = []
         row.draft_generator = drafter_generator(row.generator) if row.generator is not None else None
         if row.drafter is not None:
-            row.drafter.begin(self._context(row))
+            # Buffers sized at begin must hold the row's whole budget: the cost cap of
+            # this round's rows loosens when rows leave.
+            row.drafter.begin(replace(self._context(row), max_nodes=row.tree_budget))
 
     def _context(self, row: _Row) -> DraftContext:
         rows = max(len(self._decoding), 1)

@@ -39,6 +39,8 @@ class DraftContext:
     target: read-only view of the target model and cache (drafters that cross-attend
         the target's K/V use it; n-gram drafters ignore it).
     max_nodes: the most speculative nodes (root excluded) the engine will verify.
+        In `begin`, the most any round of the sequence may ask for (a batch's cap
+        loosens as rows leave): what buffers sized by the tree must hold.
     generator: the random stream a drafter that samples must draw from. The engine
         derives it from the request's seed, apart from the verifier's stream, so one
         seed gives one output for every method (None: the global torch stream).
