@@ -4,6 +4,7 @@ bf16 near-ties that make the methods' own runs diverge.
 
     python benchmarks/adaptive_replay.py --record      # once: continuations to bench-out/replay/
     python benchmarks/adaptive_replay.py               # replay every variant over them
+    python benchmarks/adaptive_replay.py --from-bench bench-out/full/results.jsonl  # a bench run's outputs
 
 Recording runs the target (prompt lookup, greedy and sampled) on Multi-News and LCC
 prompts and keeps prompt and output ids. Replaying needs no target: each round, a
@@ -14,7 +15,14 @@ and the round costs the measured forward of that many tokens (`cost_model`, this
 machine, the sequence's context bucket) plus the drafter's own measured time (propose
 and observe) plus a fixed engine overhead per round. Tokens per second are therefore a
 model of a run, built from measured parts, not a wall-clock run; `longspec bench`
-gives those.
+gives those. `auto` times its rounds by a clock that runs these modeled forwards too, so
+it sees the costs a real run would show it.
+
+Each `auto` variant also reports its calibration: predicted / realised accepted tokens
+per round, summed over the rows of each setting and task (the adaptive issue's goal:
+within 10%). `--from-bench` replays the outputs a `longspec bench` run recorded (its
+AR rows by default; prompts rebuilt from the run's task files), so the calibration of a
+wall-clock run can be studied, and changed, without the target.
 """
 
 from __future__ import annotations
@@ -71,9 +79,18 @@ def auto_over(components: str, *, depth_only: bool = False) -> Callable[[], obje
     return make
 
 
+def auto_one_timescale() -> object:
+    """auto over pld whose acceptance table weighs every round alike (before the
+    recent counts): its recent counts are emptied at the end of each round."""
+    drafter = make_auto(components="pld")
+    drafter.table.RETAINED = 0.0
+    return drafter
+
+
 VARIANTS: dict[str, Callable[[], object]] = {
     "pld": PromptLookupDrafter,  # the fixed method: a 10-token chain every round
     "auto-pld-by-depth": auto_over("pld", depth_only=True),
+    "auto-pld-one-timescale": auto_one_timescale,
     "auto-pld": auto_over("pld"),
     "auto-pld-ngram": auto_over("pld,ngram"),
 }
@@ -96,13 +113,44 @@ def record(args) -> None:
                     print(task, prompt.bucket, prompt.item_id[:8], temperature, flush=True)
 
 
+class ModeledClock:
+    """Wall time plus the modeled forwards the replay did not run."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.perf_counter() + self.offset
+
+    def advance(self, seconds: float) -> None:
+        self.offset += seconds
+
+
+def bench_rows(path: Path, data_dir: Path, tokenizer, method: str) -> list[dict]:
+    """The outputs of one method in a `longspec bench` results file, with their prompts
+    rebuilt from the run's task files, as replay rows."""
+    lines = [json.loads(line) for line in path.open()]
+    header, runs = lines[0], [r for r in lines[1:] if r.get("kind") == "run" and r["method"] == method]
+    prompts = {}
+    for task in {spec.partition("=")[0] for spec in header["tasks"]}:
+        mine = [r for r in runs if r["task"] == task]
+        items = [i for i in TaskSpec.parse(task, data_dir).load() if i.item_id in {r["item"] for r in mine}]
+        buckets = tuple(sorted({r["bucket"] for r in mine} - {0}))
+        for prompt in build_prompts(items, tokenizer, PromptFilter(buckets=buckets)):
+            prompts[(task, prompt.item_id, prompt.bucket)] = prompt.ids.tolist()
+    return [{"task": r["task"], "bucket": r["bucket"], "item": r["item"], "temperature": r["sampling"]["temperature"],
+             "prompt": prompts[(r["task"], r["item"], r["bucket"])], "output": r["output_ids"]} for r in runs]
+
+
 def replay(row: dict, make: Callable[[], object], cost_of: Callable[[int], ForwardCost], count_drafting: bool) -> dict:
     tokens = torch.tensor(row["prompt"] + row["output"])
     committed = len(row["prompt"])
     cost = cost_of(committed)
     drafter = make()
+    clock = ModeledClock()
     if hasattr(drafter, "forward_cost"):
         drafter.forward_cost = cost
+        drafter.clock = clock
     drafter.begin(DraftContext(tokens=tokens[:committed]))
     seconds, rounds, drafting = 0.0, 0, 0.0
     while committed < tokens.numel():
@@ -117,17 +165,26 @@ def replay(row: dict, make: Callable[[], object], cost_of: Callable[[int], Forwa
         drafter.observe(step)
         spent += time.perf_counter() - start
         drafting += spent
+        clock.advance(cost.seconds_for(tree.size) + ROUND_OVERHEAD_S)
         seconds += cost.seconds_for(tree.size) + ROUND_OVERHEAD_S + (spent if count_drafting else 0.0)
         rounds += 1
         committed += step.numel()
     new = len(row["output"])
-    return {"tokens_per_s": new / seconds, "tau": new / rounds, "drafting_ms_per_round": 1000 * drafting / rounds}
+    measured = {"tokens_per_s": new / seconds, "tau": new / rounds, "drafting_ms_per_round": 1000 * drafting / rounds}
+    if hasattr(drafter, "telemetry"):
+        telemetry = drafter.telemetry()
+        measured["predicted_accepted"] = telemetry["predicted_accepted_per_round"] * telemetry["rounds"]
+        measured["realised_accepted"] = telemetry["realised_accepted_per_round"] * telemetry["rounds"]
+    return measured
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--record", action="store_true", help="run the target and record continuations, then stop")
     parser.add_argument("--recorded", type=Path, default=RECORDED)
+    parser.add_argument("--from-bench", type=Path, default=None, metavar="RESULTS",
+                        help="replay the outputs of a `longspec bench` results file instead of --recorded")
+    parser.add_argument("--bench-method", default="ar", help="whose outputs --from-bench replays")
     parser.add_argument("--tasks", nargs="+", default=["multi_news", "lcc"])
     parser.add_argument("--buckets", type=int, nargs="+", default=[1024, 4096, 8192])
     parser.add_argument("--limit", type=int, default=3, help="items per task and bucket")
@@ -144,8 +201,12 @@ def main() -> None:
     if args.record:
         record(args)
         return
-    rows = [json.loads(line) for line in args.recorded.open()]
-    model = longspec.load().model
+    loaded = longspec.load()
+    model = loaded.model
+    if args.from_bench is not None:
+        rows = bench_rows(args.from_bench, args.data_dir, loaded.tokenizer, args.bench_method)
+    else:
+        rows = [json.loads(line) for line in args.recorded.open()]
     costs: dict[int, ForwardCost] = {}
 
     def cost_of(length: int) -> ForwardCost:  # what `auto` itself uses for this length
@@ -170,11 +231,27 @@ def main() -> None:
         geo = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
         drafting = sum(r["drafting_ms_per_round"] for r in mine) / len(mine)
         print(f"| {name} | {geo:.3f} | {min(ratios):.2f} | {drafting:.2f} |")
+    print_calibration(results)
     header = {"benchmark": "adaptive_replay", "machine": machine(), "rows": len(rows), "threads": args.threads,
               "drafting_time_counted": not args.without_drafting_time, "round_overhead_s": ROUND_OVERHEAD_S,
               "forward_cost_ms": {str(c): [round(1000 * s, 2) for s in cost.seconds] for c, cost in costs.items()},
               "time": time.ctime()}
     write_results(args.out, header, results)
+
+
+def print_calibration(results: list[dict]) -> None:
+    """Predicted / realised accepted tokens per variant, setting and task (rows summed)."""
+    sums: dict[tuple, list[float]] = {}
+    for r in results:
+        if "predicted_accepted" in r:
+            setting = "sampled" if r["temperature"] else "greedy"
+            total = sums.setdefault((r["variant"], setting, r["task"]), [0.0, 0.0])
+            total[0] += r["predicted_accepted"]
+            total[1] += r["realised_accepted"]
+    if sums:
+        print("\n| variant | setting | task | predicted / realised accepted tokens |\n|---|---|---|---|")
+        for (variant, setting, task), (predicted, realised) in sorted(sums.items()):
+            print(f"| {variant} | {setting} | {task} | {predicted / max(realised, 1e-9):.2f} |")
 
 
 if __name__ == "__main__":

@@ -200,6 +200,7 @@ def plot(rows, args, header) -> None:
     axes[0].set(xlabel="batch size", ylabel="speedup over AR at the same batch size", xscale="log", title="speculation")
     axes[1].set(xlabel="batch size", ylabel="generated tokens/s (all rows)", xscale="log", title="throughput")
     for ax in axes:
+        ax.minorticks_off()  # a log axis would label 3 and 6 as 3x10^0
         ax.set_xticks(args.batch_sizes, [str(b) for b in args.batch_sizes])
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=7)

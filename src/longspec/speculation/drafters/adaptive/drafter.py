@@ -34,7 +34,7 @@ children are sampled from q cannot be merged and are refused.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -196,6 +196,7 @@ class AdaptiveDrafter:
         policy: TreePolicy | None = None,
         forward_cost: ForwardCost | None = None,
         probe_every: int = 16,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if not components:
             raise ValueError("auto needs at least one component drafter")
@@ -208,6 +209,7 @@ class AdaptiveDrafter:
         self.policy = policy if policy is not None else ThroughputPolicy()
         self.forward_cost = forward_cost
         self.probe_every = probe_every
+        self.clock = clock  # times rounds and components (a replay passes a clock that runs its modeled forwards)
         self.telemetry_state = ControllerTelemetry()
         self.table = AcceptanceTable(len(self.components))
 
@@ -253,7 +255,7 @@ class AdaptiveDrafter:
         self._unverified: list[tuple[UnverifiedNodes, list, list[bool]]] = []
 
     def propose(self, context: DraftContext) -> Tree:
-        start = time.perf_counter()
+        start = self.clock()
         budget = int(context.max_nodes)
         self._rows = max(int(context.rows_in_forward), 1)
         trees: list[tuple[int, Tree]] = []
@@ -270,9 +272,9 @@ class AdaptiveDrafter:
                 continue
             # A call that pays resets the wait; a probe that was due doubles it.
             component.probe_wait = self.probe_every if pays else self._backed_off(component.probe_wait)
-            t0 = time.perf_counter()
+            t0 = self.clock()
             tree = component.drafter.propose(context)
-            elapsed = time.perf_counter() - t0
+            elapsed = self.clock() - t0
             component.seconds = elapsed if component.seconds is None else (1 - _EMA) * component.seconds + _EMA * elapsed
             component.calls += 1
             component.rounds_out = 0
@@ -287,7 +289,7 @@ class AdaptiveDrafter:
         # (ties broken by index: parents precede children) is a tree.
         order = sorted(range(1, merged.tree.size), key=lambda n: (-optimistic[n], n))[:budget]
         ranked = torch.tensor([optimistic[n] for n in order], dtype=torch.float64, device=HOST)
-        drafted_s = time.perf_counter() - start
+        drafted_s = self.clock() - start
         k = self.policy.choose(ranked, lambda k: drafted_s + self._verify_seconds(k))
         tree, kept = subtree(merged.tree, order[:k])
         self._round = {"start": start, "merged": merged, "agreement": agreement, "kept": kept, "called": called, "k": k,
@@ -318,7 +320,7 @@ class AdaptiveDrafter:
             self._resolve_unverified(committed.tolist())
             return
         self._round = None
-        seconds = time.perf_counter() - round_["start"]
+        seconds = self.clock() - round_["start"]
         merged: MergedTree = round_["merged"]
         kept = round_["kept"]
         accepted_nodes = _accepted_path(merged.tree, kept, committed)
