@@ -283,7 +283,7 @@ def test_drafters_begun_under_a_tight_cap_grow_their_trees_as_rows_leave(monkeyp
     for group in range(0, len(names), 4):
         engine = BatchEngine(model, OPTIONS, BatchOptions(max_rows=4, row_capacity=160, forward_cost_limit=2.5))
         monkeypatch.setattr(engine, "forward_cost", lambda rows, length: steep if rows > 2 else flat)
-        chosen = names[group : group + 4]
+        chosen = [names[(group + i) % len(names)] for i in range(4)]  # always four rows: the cap starts tight
         prompts = [torch.cat([random_ids(5, seed=10 + i)[0] % 24] * 4) for i in range(len(chosen))]
         max_new = [8 + 20 * i for i in range(len(chosen))]  # rows leave one by one
         handles = [engine.submit(p, max_new_tokens=n, drafter=drafters[name]())
