@@ -72,7 +72,7 @@ def test_cache_is_reused_under_the_same_key_and_remeasured_under_another(tmp_pat
     assert calls[-1] == 128  # an unreadable entry is measured again
 
 
-def test_a_batched_forward_is_timed_over_copied_rows_and_cached_per_row_count(tmp_path, monkeypatch):
+def test_a_batched_forward_is_timed_over_rows_of_random_keys_and_cached_per_row_count(tmp_path, monkeypatch):
     model = tiny_decoder("gemma3", dtype=torch.float32, max_position_embeddings=512)
     ticks = itertools.count()
     cost = cost_model.measure_batch_forward_cost(model, rows=3, context=40, widths=(2, 4), repeats=2, machine=MACHINE,
@@ -86,6 +86,30 @@ def test_a_batched_forward_is_timed_over_copied_rows_and_cached_per_row_count(tm
     assert cost_model.cached_batch_forward_cost(model, rows=2, context=40, **options) == first
     cost_model.cached_batch_forward_cost(model, rows=4, context=40, **options)
     assert calls == [2, 4]
+
+
+def test_random_keys_fill_every_row_and_ring_as_a_prefill_would():
+    """The measurement's context is committed without a prefill (a forward's cost does
+    not depend on the K/V numbers): every row holds the context, each ring slot the
+    position a prefill would have put there, and forwards run over it."""
+    from longspec.runtime.batch_cache import BatchKVCache
+
+    model = tiny_decoder("gemma3", dtype=torch.float32, max_position_embeddings=512)
+    assert any(model.config.layer_is_sliding)
+    cache = BatchKVCache(model.config, 128, 3, max_forward_tokens=16, dtype=torch.float32)
+    for _ in range(3):
+        cache.acquire()
+    rows = cache.rows(0, 3)
+    cost_model.commit_random_keys(model, rows, 100, chunk=16)
+    assert rows.lengths.tolist() == [100, 100, 100]
+    window = cache.ring_size
+    expected = sorted(range(100 - window, 100))
+    assert all(sorted(cache.ring_positions[b].tolist()) == expected for b in range(3))
+    out = model(torch.tensor([[1, 2]] * 3), rows, positions=rows.next_positions(2))
+    assert out.logits.isfinite().all()
+    single = model.new_cache(128, max_forward_tokens=16)
+    cost_model.commit_random_keys(model, single, 50, chunk=16)
+    assert single.length == 50
 
 
 def test_a_copied_cache_row_holds_the_same_keys_and_values():

@@ -109,8 +109,8 @@ def measure_forward_cost(
     machine: dict | None = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> ForwardCost:
-    """Time one forward of k tokens (a tree of k - 1 nodes below a root) after a
-    prefill of `context` random tokens; best of `repeats` per k after one warm-up."""
+    """Time one forward of k tokens (a tree of k - 1 nodes below a root) over a cache
+    of `context` committed positions; best of `repeats` per k after one warm-up."""
     ks = tuple(sorted(set(int(k) for k in ks)))
     if not ks or ks[0] != 1:
         ks = (1, *ks)
@@ -121,9 +121,7 @@ def measure_forward_cost(
     ids = torch.randint(0, model.config.vocab_size, (context + ks[-1],), generator=generator, device=HOST)
     cache = model.new_cache(context + ks[-1] + 1, max_forward_tokens=max(512, ks[-1]))  # as the engine makes it
     with torch.inference_mode():
-        for begin in range(0, context, 512):
-            model(ids[begin : min(begin + 512, context)].unsqueeze(0), cache, logits_rows=slice(0, 0))
-            cache.commit()
+        commit_random_keys(model, cache, context, chunk=512)
         seconds = []
         for k in ks:
             tree = Tree.from_parents(ids[context : context + k], parents_for(k - 1))
@@ -132,6 +130,27 @@ def measure_forward_cost(
             seconds.append(_best_time(lambda: model(tree.tokens.unsqueeze(0), cache, tree_mask=mask, positions=positions),
                                       cache.drop_pending, model.device, repeats, clock))
     return ForwardCost(cost_key(model, context, machine or machine_identity()), ks, tuple(seconds))
+
+
+def commit_random_keys(model: Decoder, cache, context: int, *, chunk: int) -> None:
+    """Commit `context` positions of random K/V in every row of `cache` (a `KVCache` or
+    a batch's `RowsView`), `chunk` positions per step. A forward's cost depends on how
+    many keys it reads, not on their numbers, and this takes a fraction of a second where
+    a prefill of the same length took 7 s at 4k and 30 s at 16k tokens for 4 rows on a
+    2-core CPU: a stall on the first batched round of each row count on a new machine."""
+    c = model.config
+    generator = torch.Generator().manual_seed(0)
+    positions = cache.next_positions(1)
+    rows = positions.shape[0] if positions.dim() == 2 else 1  # a batch's view: [rows, T]
+    shape = (rows, c.num_kv_heads, chunk, c.head_dim)
+    k = torch.randn(shape, generator=generator).to(device=model.device, dtype=model.dtype)
+    v = torch.randn(shape, generator=generator).to(device=model.device, dtype=model.dtype)
+    for begin in range(0, context, chunk):
+        T = min(chunk, context - begin)
+        cache.begin_forward(cache.next_positions(T))
+        for layer in range(c.num_layers):
+            cache.store(layer, k[:, :, :T], v[:, :, :T])
+        cache.commit()
 
 
 def _best_time(forward: Callable[[], object], reset: Callable[[], None], device, repeats: int,
@@ -163,7 +182,7 @@ def measure_batch_forward_cost(
     """Time one batched verification forward: `rows` rows of `context` committed
     tokens each, every row a chain of w new tokens, all through the output layer (as
     the batched engine verifies them). `ks` of the result are the widths w; best of
-    `repeats` after one warm-up. One row is prefilled and copied into the others."""
+    `repeats` after one warm-up. The rows' context is random K/V (`commit_random_keys`)."""
     widths = tuple(sorted(set(int(w) for w in widths) | {1}))
     if rows < 1 or context < 1 or context + widths[-1] > model.config.max_position_embeddings:
         raise ValueError(f"need rows >= 1 and context {context} + {widths[-1]} tokens within the model's "
@@ -173,17 +192,11 @@ def measure_batch_forward_cost(
     chunk = 256  # the batched engine's prefill chunk, which also sizes its rings
     cache = BatchKVCache(model.config, context + widths[-1] + 1, rows, max_forward_tokens=max(chunk, widths[-1]),
                          dtype=model.dtype, device=model.device)
-    slots = [cache.acquire() for _ in range(rows)]
+    for _ in range(rows):
+        cache.acquire()
     with torch.inference_mode():
-        view = slots[0].view()
-        for begin in range(0, context, chunk):
-            piece = ids[begin : min(begin + chunk, context)]
-            model(piece.unsqueeze(0), view, positions=view.next_positions(piece.numel()), logits_rows=slice(0, 0),
-                  with_logits=False)
-            view.commit()
-        for slot in slots[1:]:
-            cache.copy_row(slots[0], slot)
         batch = cache.rows(0, rows)
+        commit_random_keys(model, batch, context, chunk=chunk)
         seconds = []
         for w in widths:
             tokens = ids[context : context + w].expand(rows, w)
