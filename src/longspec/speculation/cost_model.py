@@ -118,13 +118,13 @@ def measure_forward_cost(
         raise ValueError(f"context {context} + {ks[-1]} tokens must fit the model's "
                          f"{model.config.max_position_embeddings} positions")
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (context + ks[-1],), generator=generator, device=HOST)
+    ids = torch.randint(0, model.config.vocab_size, (ks[-1],), generator=generator, device=HOST)
     cache = model.new_cache(context + ks[-1] + 1, max_forward_tokens=max(512, ks[-1]))  # as the engine makes it
     with torch.inference_mode():
         commit_random_keys(model, cache, context, chunk=512)
         seconds = []
         for k in ks:
-            tree = Tree.from_parents(ids[context : context + k], parents_for(k - 1))
+            tree = Tree.from_parents(ids[:k], parents_for(k - 1))
             mask = None if tree.is_chain() else tree.ancestor_mask()
             positions = cache.length + tree.depths
             seconds.append(_best_time(lambda: model(tree.tokens.unsqueeze(0), cache, tree_mask=mask, positions=positions),
@@ -140,8 +140,7 @@ def commit_random_keys(model: Decoder, cache, context: int, *, chunk: int) -> No
     2-core CPU: a stall on the first batched round of each row count on a new machine."""
     c = model.config
     generator = torch.Generator().manual_seed(0)
-    positions = cache.next_positions(1)
-    rows = positions.shape[0] if positions.dim() == 2 else 1  # a batch's view: [rows, T]
+    rows = cache.next_positions(1).numel()  # one position per row
     shape = (rows, c.num_kv_heads, chunk, c.head_dim)
     k = torch.randn(shape, generator=generator).to(device=model.device, dtype=model.dtype)
     v = torch.randn(shape, generator=generator).to(device=model.device, dtype=model.dtype)
@@ -188,7 +187,7 @@ def measure_batch_forward_cost(
         raise ValueError(f"need rows >= 1 and context {context} + {widths[-1]} tokens within the model's "
                          f"{model.config.max_position_embeddings} positions")
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (context + widths[-1],), generator=generator, device=HOST)
+    ids = torch.randint(0, model.config.vocab_size, (widths[-1],), generator=generator, device=HOST)
     chunk = 256  # the batched engine's prefill chunk, which also sizes its rings
     cache = BatchKVCache(model.config, context + widths[-1] + 1, rows, max_forward_tokens=max(chunk, widths[-1]),
                          dtype=model.dtype, device=model.device)
@@ -199,7 +198,7 @@ def measure_batch_forward_cost(
         commit_random_keys(model, batch, context, chunk=chunk)
         seconds = []
         for w in widths:
-            tokens = ids[context : context + w].expand(rows, w)
+            tokens = ids[:w].expand(rows, w)
 
             def verify(tokens=tokens, w=w):  # every node through the output layer, as the engine verifies
                 out = model(tokens, batch, positions=batch.next_positions(w), with_logits=False)

@@ -136,9 +136,10 @@ class AcceptanceTable:
 
     def record(self, source: Source, accepted: bool, agreed: bool = False) -> None:
         cell = self.cell(source, agreed)
-        for proposed, accepted_ in ((self.proposed, self.accepted), (self.recent_proposed, self.recent_accepted)):
-            proposed[cell] += 1.0
-            accepted_[cell] += float(accepted)
+        self.proposed[cell] += 1.0
+        self.accepted[cell] += float(accepted)
+        self.recent_proposed[cell] += 1.0
+        self.recent_accepted[cell] += float(accepted)
         self._rates = None
 
     def end_round(self) -> None:
