@@ -13,6 +13,7 @@ has `cross_window`). Prompts are standard-library source (on every machine).
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 from pathlib import Path
@@ -30,14 +31,16 @@ def draft_bytes_per_step(drafter) -> int:
     draft = drafter.draft
     layers = sum(p.numel() * p.element_size() for p in draft.layers.parameters())
     fuse = sum(p.numel() * p.element_size() for n, p in draft.named_parameters() if n.startswith("hidden_"))
-    head = drafter._head_rows.numel() * drafter._head_rows.element_size()
+    scored = len(drafter._vocab) if drafter._vocab is not None else drafter._head_rows.shape[0]
+    head = scored * drafter._head_rows.shape[1] * drafter._head_rows.element_size()
     return layers + fuse + head
 
 
-def measure(model, ids: list[int], checkpoint: Path, length: int, new_tokens: int, repeats: int) -> dict:
+def measure(model, ids: list[int], checkpoint: Path, length: int, new_tokens: int, repeats: int,
+            context_vocab: bool = False) -> dict:
     ar = model.generate(ids, max_new_tokens=new_tokens, method="ar", ignore_eos=True).stats
     target_s = ar.decode_s / ar.target_forwards
-    drafter = make_longspec(strategy="chain", checkpoint=checkpoint, length=length)
+    drafter = make_longspec(strategy="chain", checkpoint=checkpoint, length=length, context_vocab=context_vocab)
     contexts = []
     original = drafter.propose
 
@@ -62,7 +65,8 @@ def measure(model, ids: list[int], checkpoint: Path, length: int, new_tokens: in
     return {
         "context": len(ids), "target_forward_ms": 1e3 * target_s, "draft_step_ms": 1e3 * step_s,
         "chain_round_ms": 1e3 * round_s, "step_vs_target": step_s / target_s, "round_vs_target": round_s / target_s,
-        "tau": stats.tau, "draft_step_bytes": draft_bytes_per_step(drafter),
+        "tau": stats.tau, "draft_step_bytes": draft_bytes_per_step(drafter), "context_vocab": context_vocab,
+        "scored_tokens": len(drafter._vocab) if drafter._vocab is not None else drafter._head_rows.shape[0],
     }
 
 
@@ -73,6 +77,9 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=5, help="chain length (draft steps per round)")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--heads", nargs="+", choices=["draft-vocab", "context-vocab"], default=["draft-vocab"],
+                        help="what the draft's head scores: its whole vocabulary, or the part the sequence used "
+                             "(each measured in the same run)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=Path("bench-out/longspec_step_cost.jsonl"))
@@ -88,17 +95,21 @@ def main() -> None:
         raise SystemExit(f"the corpus gave {len(ids)} tokens, fewer than {max(args.contexts)}")
     bandwidth = read_bandwidth_gbs()
     rows = []
-    for context in args.contexts:
-        row = measure(model, ids[:context], args.draft, args.length, args.new_tokens, args.repeats)
+    for context, heads in itertools.product(args.contexts, args.heads):
+        row = measure(model, ids[:context], args.draft, args.length, args.new_tokens, args.repeats,
+                      context_vocab=heads == "context-vocab")
         row["draft_step_floor_ms"] = 1e3 * row["draft_step_bytes"] / (bandwidth * 1e9)
         rows.append(row)
-        print(f"context {context:6d}: target forward {row['target_forward_ms']:6.1f} ms | draft step "
-              f"{row['draft_step_ms']:5.2f} ms ({row['step_vs_target']:.3f}x, weight floor {row['draft_step_floor_ms']:.2f} ms) | "
-              f"chain round {row['chain_round_ms']:5.1f} ms ({row['round_vs_target']:.2f}x) | tau {row['tau']:.2f}", flush=True)
-    base = rows[0]
-    for row in rows[1:]:
-        print(f"context {row['context']} vs {base['context']}: draft step {row['draft_step_ms'] / base['draft_step_ms']:.2f}x, "
-              f"chain round {row['chain_round_ms'] / base['chain_round_ms']:.2f}x")
+        print(f"context {context:6d}, {heads} ({row['scored_tokens']} tokens): target forward {row['target_forward_ms']:6.1f} ms | "
+              f"draft step {row['draft_step_ms']:5.2f} ms ({row['step_vs_target']:.3f}x, weight floor "
+              f"{row['draft_step_floor_ms']:.2f} ms) | chain round {row['chain_round_ms']:5.1f} ms "
+              f"({row['round_vs_target']:.2f}x) | tau {row['tau']:.2f}", flush=True)
+    for heads in args.heads:
+        mine = [row for row in rows if row["context_vocab"] == (heads == "context-vocab")]
+        for row in mine[1:]:
+            print(f"{heads}, context {row['context']} vs {mine[0]['context']}: draft step "
+                  f"{row['draft_step_ms'] / mine[0]['draft_step_ms']:.2f}x, chain round "
+                  f"{row['chain_round_ms'] / mine[0]['chain_round_ms']:.2f}x")
     write_results(args.out, {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()},
                              "read_bandwidth_gbs": bandwidth}, rows)
 

@@ -31,6 +31,7 @@ import torch
 from longspec.runtime.attention import biased_attention
 from longspec.runtime.linear import PackedWeight, packed_linear, prepack
 from longspec.speculation.drafters.base import DraftContext
+from longspec.speculation.drafters.context_vocab import ContextVocabulary
 from longspec.speculation.drafters.longspec.checkpoint import load_draft
 from longspec.speculation.drafters.longspec.model import (
     DraftModel,
@@ -58,12 +59,15 @@ class LongSpecDrafter:
         retrieval_streak: int | None = 0,
         seed: int | None = None,
         generator: torch.Generator | None = None,
+        context_vocab: bool = False,
     ) -> None:
         """retrieval_streak: accepted retrieval tokens in a round that let the next
         round skip the draft (0: skip it whenever retrieval has candidates; None:
         the draft runs every round). seed / generator: a fixed random stream for the
         sampled strategy; by default it is the one the engine derives from the
-        request's seed (`DraftContext.generator`)."""
+        request's seed (`DraftContext.generator`). context_vocab: score only the tokens
+        of the draft's vocabulary that the sequence has used (`ContextVocabulary`: on a
+        large-vocabulary target the head is most of a draft step's bytes)."""
         if isinstance(draft, (str, Path)):
             draft = load_draft(draft)
         self.draft = draft.eval().requires_grad_(False)
@@ -79,6 +83,10 @@ class LongSpecDrafter:
         if retrieval_streak is not None and (isinstance(retrieval_streak, bool) or not isinstance(retrieval_streak, int) or retrieval_streak < 0):
             raise ValueError(f"retrieval_streak must be an int >= 0 or None, got {retrieval_streak!r}")
         self.retrieval_streak = retrieval_streak
+        if not isinstance(context_vocab, bool):
+            raise ValueError(f"context_vocab must be true or false, got {context_vocab!r}")
+        self.context_vocab = context_vocab
+        self._vocab: ContextVocabulary | None = None  # the scored tokens, with context_vocab
         self._retrieval_chains_proposed: list[list[int]] = []
         self._on_streak = False
         self.skipped_rounds = 0  # rounds proposed by retrieval alone (the draft did not run)
@@ -131,6 +139,11 @@ class LongSpecDrafter:
             if view.prefill_hidden is not None:
                 self._recent_hidden.write(view.committed_length - view.prefill_hidden.shape[0], view.prefill_hidden)
         self._sequence_generator = self.generator if self.generator is not None else context.generator
+        self._vocab = None
+        if self.context_vocab:
+            allowed = self.draft.vocab_ids if self.draft.reduced_vocab else None
+            self._vocab = ContextVocabulary(view.head, allowed, native_kernels=view.model.native_kernels)
+            self._vocab.add(context.tokens)
         self._target = view.model
         self._view = view
         self._root_logprobs = None
@@ -147,6 +160,8 @@ class LongSpecDrafter:
             # The accepted path's states, root first: the root sat at position length - 1.
             self._recent_hidden.write(self._length - 1, view.last_hidden)
         self._length += int(committed.numel())
+        if self._vocab is not None:
+            self._vocab.add(committed)
         if self.retrieval is not None:
             self.retrieval.observe(committed)
             accepted = committed.tolist()[:-1]  # the bonus token was not proposed
@@ -164,6 +179,7 @@ class LongSpecDrafter:
         the retrieval drafter's index when one is merged in."""
         own = self.state.nbytes() if self.state is not None else 0
         own += self._recent_hidden.nbytes() if self._recent_hidden is not None else 0
+        own += self._vocab.nbytes() if self._vocab is not None else 0
         return own + (self.retrieval.state_nbytes() if self.retrieval is not None else 0)
 
     @torch.inference_mode()
@@ -180,6 +196,8 @@ class LongSpecDrafter:
         self._retrieval_chains_proposed = retrieval_chains
         if retrieval_chains and (self._on_streak or self.retrieval_streak == 0):
             self.skipped_rounds += 1
+            return Tree.chain(root, []).with_chains(retrieval_chains)
+        if self._vocab is not None and not len(self._vocab):  # the sequence used no token the draft scores
             return Tree.chain(root, []).with_chains(retrieval_chains)
         retrieval_size = len({tuple(c[: i + 1]) for c in retrieval_chains for i in range(len(c))})
         self.state.drop_pending()
@@ -203,7 +221,7 @@ class LongSpecDrafter:
                 slot_of[node] = start + i
             draft_ids = torch.tensor([proposal.tokens[n - 1] for n in nodes], dtype=torch.long, device=device)
             positions = root_position + torch.tensor([depth_of[n] for n in nodes], dtype=torch.long, device=device)
-            return self._forward(self.draft.to_full_vocab(draft_ids), positions, visible, view)
+            return self._forward(self._full_ids(draft_ids), positions, visible, view)
 
         proposal = self.strategy.build(expand, root_logprobs, budget - retrieval_size, self._sequence_generator)
         tree = self._to_tree(root, proposal)
@@ -286,22 +304,36 @@ class LongSpecDrafter:
             target_hidden = self._recent_hidden.read(torch.clamp(positions, max=committed) - 1).unsqueeze(0)
         return self.draft(x, positions, rope, self.state.attend, attend_cross, self._project, target_hidden)[0]
 
+    def _scored_ids(self) -> torch.Tensor | None:
+        """Full-vocabulary ids of the tokens `_logprobs` scores, in its order (None: all)."""
+        if self._vocab is not None:
+            return self._vocab.ids
+        return self.draft.vocab_ids if self.draft.reduced_vocab else None
+
+    def _full_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        scored = self._scored_ids()
+        return draft_ids if scored is None else scored[draft_ids]
+
     def _logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = softcap(packed_linear(hidden, self._head_rows, self._packed_head), self._target.config.final_logit_softcapping)
+        """Log-probabilities over the scored tokens (the draft's vocabulary, or the part
+        of it the sequence has used)."""
+        scores = self._vocab.scores(hidden) if self._vocab is not None else packed_linear(hidden, self._head_rows, self._packed_head)
+        logits = softcap(scores, self._target.config.final_logit_softcapping)
         return torch.log_softmax(logits.float() if logits.dtype != torch.float64 else logits, dim=-1)
 
     def _to_tree(self, root: int, proposal: Proposal) -> Tree:
         device = self._target.device
-        ids = self.draft.to_full_vocab(torch.tensor(proposal.tokens, dtype=torch.long, device=device))
+        ids = self._full_ids(torch.tensor(proposal.tokens, dtype=torch.long, device=device))
         tokens = [root] + ids.tolist()
         parents = [-1] + proposal.parents
         if proposal.probs is None:
             return Tree.from_parents(tokens, parents)
         vocab = self._target.config.vocab_size
         q = torch.zeros((len(tokens), vocab), dtype=torch.float64, device=device)
+        scored = self._scored_ids()
         for node, row in enumerate(proposal.probs):
-            if self.draft.reduced_vocab:
-                q[node, self.draft.vocab_ids] = row
+            if scored is not None:
+                q[node, scored] = row
             else:
                 q[node] = row
         return Tree.from_parents(tokens, parents, draft_probs=q, children_sampled=True)

@@ -52,6 +52,7 @@ def make_longspec(
     retrieval_nodes: int = 10,
     retrieval_streak: int | None = 0,
     seed: int | None = None,
+    context_vocab: bool = False,
 ) -> LongSpecDrafter:
     """A LongSpec drafter. checkpoint: draft weights (.safetensors with its .json);
     default: the draft shipped for the embedded Gemma 3 270M (checked against the
@@ -73,6 +74,7 @@ def make_longspec(
     return LongSpecDrafter(
         load_draft(path), _strategy(strategy, length, widths, temperature),
         retrieval=retrievers[retrieval](), retrieval_nodes=retrieval_nodes, retrieval_streak=retrieval_streak, seed=seed,
+        context_vocab=context_vocab,
     )
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from longspec.speculation.drafters.base import DraftContext
+from longspec.speculation.drafters.context_vocab import ContextVocabulary
 from longspec.speculation.drafters.ngram import NgramTable, _check_positive_int
 from longspec.speculation.drafters.tokenswift.drafter import heads_for_target
 from longspec.speculation.drafters.tokenswift.heads import TokenSwiftHeads
@@ -58,8 +59,7 @@ class OnePassTokenSwiftDrafter:
         if not isinstance(context_vocab, bool):
             raise ValueError(f"context_vocab must be true or false, got {context_vocab!r}")
         self.context_vocab = context_vocab
-        self._vocab: torch.Tensor | None = None  # distinct token ids seen, in order of first use
-        self._rows: torch.Tensor | None = None  # their rows of the LM head
+        self._vocab: ContextVocabulary | None = None  # the tokens the heads score, with context_vocab
         self._view = None
         self.hidden_used: torch.Tensor | None = None  # the state the last tree was drafted from (for tests)
 
@@ -80,40 +80,30 @@ class OnePassTokenSwiftDrafter:
         tokens = torch.as_tensor(context.tokens, dtype=torch.long).reshape(-1)
         self.table = NgramTable(self.ngram)
         self.table.update(tokens)
-        self._vocab, self._rows = None, None
+        self._vocab = None
         if self.context_vocab:
-            self._add_to_vocab(tokens)
+            self._vocab = ContextVocabulary(view.head, native_kernels=view.model.native_kernels)
+            self._vocab.add(tokens)
         self.hidden_used = None
 
     def observe(self, committed: torch.Tensor) -> None:
         self.table.update(committed)
-        if self.context_vocab:
-            self._add_to_vocab(committed)
-
-    def _add_to_vocab(self, tokens: torch.Tensor) -> None:
-        # On the model's device: the ids index its head rows and map its top-k back.
-        new = torch.unique(tokens).to(self._view.device)
         if self._vocab is not None:
-            new = new[~torch.isin(new, self._vocab)]
-        if new.numel():
-            rows = self._view.model.head_weight.index_select(0, new)
-            self._vocab = new if self._vocab is None else torch.cat([self._vocab, new])
-            self._rows = rows if self._rows is None else torch.cat([self._rows, rows])
+            self._vocab.add(committed)
 
     def state_nbytes(self) -> int:
-        rows = self._rows.numel() * self._rows.element_size() if self._rows is not None else 0
-        return self.table.nbytes() + rows
+        return self.table.nbytes() + (self._vocab.nbytes() if self._vocab is not None else 0)
 
     def _candidates(self, hidden: torch.Tensor) -> list[torch.Tensor]:
         """Top `widths[i]` tokens of head i + 1 at the last accepted node's state."""
         model = self._view.model
         count = len(self.widths)
-        if not self.context_vocab:
+        if self._vocab is None:
             logits = self.heads.logits(model, hidden)[:count]
             return [torch.topk(row, width).indices for width, row in zip(self.widths, logits)]
         states = model.final_norm(self.heads.hidden_states(model, hidden)[:count].to(model.dtype))
-        scores = states @ self._rows.t()  # the final soft-cap is monotonic: top-k unchanged
-        return [self._vocab[torch.topk(row, min(width, row.numel())).indices] for width, row in zip(self.widths, scores)]
+        scores = self._vocab.scores(states)  # the final soft-cap is monotonic: top-k unchanged
+        return [self._vocab.ids[torch.topk(row, min(width, row.numel())).indices] for width, row in zip(self.widths, scores)]
 
     @torch.inference_mode()
     def propose(self, context: DraftContext) -> Tree:
