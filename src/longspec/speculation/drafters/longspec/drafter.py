@@ -36,6 +36,7 @@ from longspec.speculation.drafters.longspec.checkpoint import load_draft
 from longspec.speculation.drafters.longspec.model import (
     DraftModel,
     PackedProjection,
+    RopeRows,
     cross_attention_bias,
     cross_window_keys,
     softcap,
@@ -102,6 +103,7 @@ class LongSpecDrafter:
         self._view = None
         self._length = 0  # committed tokens, as observed
         self._recent_hidden: RecentTargetHidden | None = None  # EAGLE-style drafts only
+        self._target_rope: RopeRows | None = None  # the target's RoPE rows at the draft's positions
 
     # --------------------------------------------------------------- protocol
     def check_target(self, config) -> None:
@@ -125,6 +127,8 @@ class LongSpecDrafter:
             native = view.model.native_kernels
             self._packed_head = own if not self.draft.reduced_vocab else prepack(self._head_rows, native_kernels=native)
             self._project = PackedProjection(self.draft, native_kernels=native)
+            model = view.model
+            self._target_rope = RopeRows(lambda positions: target_rope(model, positions, dtype))
         capacity = max(int(context.max_nodes), 1)
         if (self.state is None or self.state.capacity != capacity or self.state.ring_k.dtype != dtype
                 or self.state.ring_k.device != device):
@@ -264,7 +268,7 @@ class LongSpecDrafter:
         model = view.model
         self.state.prepare_forward(positions, visible)
         x = model.embed(full_ids.to(model.device).unsqueeze(0)).to(self._head_rows.dtype)
-        rope = target_rope(model, positions, x.dtype)
+        rope = self._target_rope(positions)
         committed = view.committed_length
         scale = model.config.attention_scale
         cross_kv = [view.layer_kv(layer) for layer in self.draft.config.target_layers]

@@ -240,6 +240,30 @@ def target_rope(target, positions: torch.Tensor, dtype: torch.dtype):
     return rope_tables_from_freqs(freqs, target.rope_scaling[False], dtype)
 
 
+class RopeRows:
+    """RoPE tables (cos, signed sin) for the positions of a forward, gathered from
+    tables computed once for a block of positions: drafting runs a few small forwards
+    per round at neighbouring positions, where building the tables (a dozen small
+    operations) cost as much as a draft layer's attention. The rows are the same
+    numbers a direct computation gives (elementwise, position by position)."""
+
+    BLOCK = 256  # positions per computed block (about a hundred rounds of drafting)
+
+    def __init__(self, tables: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.tables = tables  # positions [T] -> (cos, signed_sin) [T, D]
+        self._first: int | None = None
+        self._block: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        low, high = int(positions.min()), int(positions.max())
+        if self._block is None or low < self._first or high >= self._first + self._block[0].shape[0]:
+            self._first = low
+            span = torch.arange(low, low + max(self.BLOCK, high - low + 1), device=positions.device)
+            self._block = self.tables(span)
+        rows = positions - self._first
+        return self._block[0].index_select(0, rows), self._block[1].index_select(0, rows)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 

@@ -52,11 +52,14 @@ def make_longspec(
     retrieval_nodes: int = 10,
     retrieval_streak: int | None = 0,
     seed: int | None = None,
-    context_vocab: bool = False,
+    context_vocab: bool = True,
 ) -> LongSpecDrafter:
     """A LongSpec drafter. checkpoint: draft weights (.safetensors with its .json);
     default: the draft shipped for the embedded Gemma 3 270M (checked against the
-    actual target when generation begins)."""
+    actual target when generation begins). context_vocab: score only the draft's tokens
+    that the sequence used — on by default: a chain round costs 0.52x a target forward
+    instead of 0.76-0.82x, with the same or a higher tau (BENCHMARKS.md, "The LongSpec
+    draft scores the tokens the sequence used")."""
     path = Path(checkpoint) if checkpoint is not None else shipped_draft_path()
     if not path.is_file():
         hint = "pass checkpoint=PATH" if checkpoint is not None else "this installation lacks the shipped draft; pass checkpoint=PATH"
