@@ -314,3 +314,26 @@ def test_ordered_attention_refuses_unsorted_positions_and_slots_out_of_range():
         ordered_call(q, k, k, torch.tensor([0, 8]), torch.tensor([0, 1]), None, 64, shared=2)
     with pytest.raises(RuntimeError, match="multiple of 64"):
         ordered_call(q, k, k, torch.arange(3), torch.arange(3), None, 100, shared=3)
+
+
+@needs_library
+def test_draft_norms_on_the_native_kernel_round_as_the_pytorch_path():
+    """The LongSpec draft's RMSNorm (float32 inside, one rounding to bf16) through the
+    native one-pass kernel: within one bf16 rounding of the PyTorch path, and only at
+    inference (a product that needs gradients stays in PyTorch)."""
+    from longspec.speculation.drafters.longspec.model import DraftRMSNorm
+
+    generator = torch.Generator().manual_seed(3)
+    norm = DraftRMSNorm(640, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(640, generator=generator) * 2)
+    norm = norm.to(torch.bfloat16)
+    x = (torch.randn(7, 640, generator=generator) * 3).to(torch.bfloat16)
+    plain = norm(x)
+    norm.native = native.native_ops()
+    with torch.no_grad():
+        fast = norm(x)
+    assert (fast.float() - plain.float()).abs().max() <= plain.float().abs().max() * 2 ** -7
+    assert (fast != plain).float().mean() < 0.01  # the same bits but for rare ties in the last place
+    x.requires_grad_(True)
+    assert norm(x).grad_fn is not None  # the training path

@@ -127,6 +127,7 @@ class LongSpecDrafter:
             native = view.model.native_kernels
             self._packed_head = own if not self.draft.reduced_vocab else prepack(self._head_rows, native_kernels=native)
             self._project = PackedProjection(self.draft, native_kernels=native)
+            self.draft.use_native_kernels(native)
             model = view.model
             self._target_rope = RopeRows(lambda positions: target_rope(model, positions, dtype))
         capacity = max(int(context.max_nodes), 1)

@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from longspec.runtime.linear import packed_linear, prepack
+from longspec.runtime.native import native_ops
 from longspec.speculation.drafters.longspec.config import DraftConfig
 
 # attend_self(layer, q, k, v) and attend_cross(layer, q) -> [B, heads, T, D]
@@ -51,12 +52,21 @@ class PackedProjection:
 
 
 class DraftRMSNorm(nn.Module):
+    """x * rsqrt(mean(x^2) + eps) * w in float32 (float64 stays float64), rounded once to
+    the input's dtype. bf16 rows at inference take the runtime's one-pass native kernel
+    (the same arithmetic) once `use_native` set it: a draft step normalises six rows of
+    one token, where ten tensor operations each cost more than their arithmetic."""
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.native = None  # the native kernels, set by `DraftModel.use_native_kernels`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (self.native is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
+            return self.native.rms_norm(x.contiguous(), self.weight.float(), self.eps, True)
         wide = x if x.dtype == torch.float64 else x.float()
         return (F.rms_norm(wide, (x.shape[-1],), eps=self.eps) * self.weight.to(wide.dtype)).to(x.dtype)
 
@@ -97,6 +107,15 @@ class DraftModel(nn.Module):
         if c.hidden_input:
             self.hidden_norm = DraftRMSNorm(c.hidden_size, c.rms_norm_eps)
             self.hidden_fuse = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=False)
+
+    def use_native_kernels(self, enabled: bool) -> "DraftModel":
+        """Let the norms take the runtime's native kernel for bf16 rows on the CPU
+        (inference; a product that needs gradients stays in PyTorch)."""
+        ops = native_ops() if enabled else None
+        for module in self.modules():
+            if isinstance(module, DraftRMSNorm):
+                module.native = ops
+        return self
 
     @property
     def reduced_vocab(self) -> bool:
