@@ -347,6 +347,46 @@ def test_a_drafter_that_runs_a_model_is_asked_only_where_the_lookups_found_nothi
     assert costly.calls > 0 and stats.controller["credited_tokens"]["model"] > 0
 
 
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class OneOffSetup(CountingModelDrafter):
+    """A draft network whose first proposal of each sequence also catches up on the
+    prompt: it costs 50 (fake) seconds, every later one 1."""
+
+    def __init__(self, clock: FakeClock, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.clock, self.fresh = clock, True
+
+    def begin(self, context: DraftContext) -> None:
+        self.fresh = True
+
+    def propose(self, context: DraftContext) -> Tree:
+        self.clock.now += 50.0 if self.fresh else 1.0
+        self.fresh = False
+        return super().propose(context)
+
+
+def test_a_sequences_one_off_first_call_is_not_taken_for_the_components_cost():
+    model, _ = diverse_model("qwen2")
+    prompt = random_ids(20, seed=6)[0]
+    reference = run(model, prompt, max_new_tokens=80)
+    clock = FakeClock()
+    costly = OneOffSetup(clock, reference, prompt.numel())
+    drafter = AdaptiveDrafter([("lookup", Silent(reference, prompt.numel())), ("model", costly)],
+                              forward_cost=cheap_trees_cost(), probe_every=1, clock=clock)
+    for _ in range(2):  # the second sequence's first call must not enter the average either
+        calls = costly.calls
+        assert torch.equal(run(model, prompt, drafter, max_new_tokens=80), reference)
+        assert costly.calls - calls >= 3
+        assert drafter.components[1].seconds == pytest.approx(1.0)
+
+
 def test_expensive_trees_are_cut_to_the_knee():
     """With verification cost growing fast in k, the optimum is a short tree even for an oracle."""
     model, _ = diverse_model("qwen2")
