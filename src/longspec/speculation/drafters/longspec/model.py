@@ -54,7 +54,7 @@ class PackedProjection:
 class DraftRMSNorm(nn.Module):
     """x * rsqrt(mean(x^2) + eps) * w in float32 (float64 stays float64), rounded once to
     the input's dtype. bf16 rows at inference take the runtime's one-pass native kernel
-    (the same arithmetic) once `use_native` set it: a draft step normalises six rows of
+    (the same arithmetic) once `DraftModel.use_native_kernels` set it: a draft step normalises six rows of
     one token, where ten tensor operations each cost more than their arithmetic."""
 
     def __init__(self, size: int, eps: float) -> None:
@@ -263,7 +263,7 @@ class RopeRows:
     """RoPE tables (cos, signed sin) for the positions of a forward, gathered from
     tables computed once for a block of positions: drafting runs a few small forwards
     per round at neighbouring positions, where building the tables (a dozen small
-    operations) cost as much as a draft layer's attention. The rows are the same
+    operations) costs as much as a draft layer's attention. The rows are the same
     numbers a direct computation gives (elementwise, position by position)."""
 
     BLOCK = 256  # positions per computed block (about a hundred rounds of drafting)
