@@ -77,11 +77,12 @@ class ContextVocabulary:
     def scores(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> the head's scores of the admitted tokens [..., len(self)]."""
         hidden = hidden.to(self.head.dtype)
-        block = packed_linear(hidden, self._block_rows, self._packed) if self._block_rows.shape[0] else None
-        tail = F.linear(hidden, self._tail_rows) if self._tail_rows.shape[0] or block is None else None
-        if block is None or tail is None:
-            return block if tail is None else tail
-        return torch.cat([block, tail], dim=-1)
+        if not self._block_rows.shape[0]:  # nothing prepared yet (an empty vocabulary gives [..., 0])
+            return F.linear(hidden, self._tail_rows)
+        block = packed_linear(hidden, self._block_rows, self._packed)
+        if not self._tail_rows.shape[0]:
+            return block
+        return torch.cat([block, F.linear(hidden, self._tail_rows)], dim=-1)
 
     def nbytes(self) -> int:
         rows = self._block_rows.numel() + self._tail_rows.numel()

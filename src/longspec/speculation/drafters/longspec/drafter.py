@@ -125,7 +125,9 @@ class LongSpecDrafter:
             # head when scoring the full vocabulary (no copy), else one of the V_d rows.
             own = getattr(view.model, "_packed_head", None)
             native = view.model.native_kernels
-            self._packed_head = own if not self.draft.reduced_vocab else prepack(self._head_rows, native_kernels=native)
+            # With the context vocabulary the head rows are prepared by `ContextVocabulary`.
+            self._packed_head = (None if self.context_vocab else
+                                 own if not self.draft.reduced_vocab else prepack(self._head_rows, native_kernels=native))
             self._project = PackedProjection(self.draft, native_kernels=native)
             self.draft.use_native_kernels(native)
             model = view.model
