@@ -142,8 +142,8 @@ def commit_random_keys(model: Decoder, cache, context: int, *, chunk: int) -> No
     generator = torch.Generator().manual_seed(0)
     rows = cache.next_positions(1).numel()  # one position per row
     shape = (rows, c.num_kv_heads, chunk, c.head_dim)
-    k = torch.randn(shape, generator=generator).to(device=model.device, dtype=model.dtype)
-    v = torch.randn(shape, generator=generator).to(device=model.device, dtype=model.dtype)
+    k = torch.randn(shape, generator=generator, device=HOST).to(device=model.device, dtype=model.dtype)
+    v = torch.randn(shape, generator=generator, device=HOST).to(device=model.device, dtype=model.dtype)
     for begin in range(0, context, chunk):
         T = min(chunk, context - begin)
         cache.begin_forward(cache.next_positions(T))
