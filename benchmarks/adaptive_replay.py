@@ -87,12 +87,25 @@ def auto_one_timescale() -> object:
     return drafter
 
 
+def auto_pld_chain(num_tokens: int, continue_copies: bool) -> Callable[[], object]:
+    """auto over a prompt lookup offering copies of up to `num_tokens` tokens, which
+    stop at the sequence's end or (`continue_copies`) continue into their own draft."""
+    def make():
+        drafter = make_auto(components="pld")
+        drafter.components[0].drafter = PromptLookupDrafter(num_tokens=num_tokens, continue_copies=continue_copies)
+        return drafter
+    return make
+
+
 VARIANTS: dict[str, Callable[[], object]] = {
     "pld": PromptLookupDrafter,  # the fixed method: a 10-token chain every round
     "auto-pld-by-depth": auto_over("pld", depth_only=True),
     "auto-pld-one-timescale": auto_one_timescale,
     "auto-pld": auto_over("pld"),
     "auto-pld-ngram": auto_over("pld,ngram"),
+    # Lookup lengths (auto-pld10: the fixed method's copies, auto's before; auto-pld
+    # itself offers 16 tokens that continue into their own draft).
+    **{f"auto-pld{n}{'-continue' if c else ''}": auto_pld_chain(n, c) for n in (10, 12, 16, 20, 24) for c in (False, True)},
 }
 
 

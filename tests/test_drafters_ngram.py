@@ -52,6 +52,7 @@ def test_pld_is_a_drafter():
         ({"max_candidates": 0}, "max_candidates"),
         ({"num_tokens": 2.5}, "num_tokens"),
         ({"max_candidates": True}, "max_candidates"),
+        ({"continue_copies": 1}, "continue_copies"),
     ],
 )
 def test_pld_validates_arguments(kwargs, name):
@@ -162,6 +163,51 @@ def test_pld_copied_runs_match_brute_force():
             assert tree.size == 1
             continue
         assert tree.copied_runs.tolist() == [0] + [run + d for d in range(tree.size - 1)], seq
+
+
+def test_pld_continued_copies_repeat_a_loop_past_its_period():
+    tokens = [9, 1, 2, 3, 1, 2, 3]  # "1 2 3" last seen at 1..3: its copy reaches the end after 3 tokens
+    assert proposed(PromptLookupDrafter(num_tokens=8), tokens).tokens.tolist() == [3, 1, 2, 3]
+    continued = PromptLookupDrafter(num_tokens=8, continue_copies=True)
+    tree = proposed(continued, tokens)
+    assert tree.tokens.tolist() == [3, 1, 2, 3, 1, 2, 3, 1, 2]
+    assert tree.copied_runs.tolist() == [0] + [3 + d for d in range(8)]
+    assert proposed(continued, tokens, max_nodes=5).tokens.tolist() == [3, 1, 2, 3, 1, 2]
+    # a copy that does not reach the end is the standard one
+    assert proposed(continued, list(range(1, 11)) + [1]).tokens.tolist() == list(range(1, 10))
+
+
+def brute_force_continued_copy(seq: list[int], num_tokens: int, min_ngram: int, max_ngram: int) -> list[int]:
+    """The most recent match of the longest matching suffix, copied one token at a time
+    from the sequence extended by the copy itself."""
+    length = len(seq)
+    for n in range(max_ngram, min_ngram - 1, -1):
+        ends = [e for e in range(n - 1, length - 1) if seq[e - n + 1 : e + 1] == seq[length - n :]]
+        if ends:
+            extended = list(seq)
+            for i in range(num_tokens):
+                extended.append(extended[ends[-1] + 1 + i])
+            return extended[length:]
+    return []
+
+
+@pytest.mark.parametrize("max_candidates", [1, 3])
+def test_pld_continued_copies_match_brute_force(max_candidates):
+    rng = random.Random(7 + max_candidates)
+    for _ in range(300):
+        seq = [rng.randrange(rng.choice([2, 3, 5])) for _ in range(rng.randint(2, 60))]
+        num_tokens, min_ngram = rng.randint(1, 12), rng.randint(1, 2)
+        max_ngram = min_ngram + rng.randint(0, 2)
+        drafter = PromptLookupDrafter(num_tokens=num_tokens, min_ngram=min_ngram, max_ngram=max_ngram,
+                                      max_candidates=max_candidates, continue_copies=True)
+        tree = proposed(drafter, seq)
+        want = brute_force_continued_copy(seq, num_tokens, min_ngram, max_ngram)
+        # the most recent match's copy is the tree's first chain
+        first = [int(tree.tokens[node]) for node in tree.path_to(tree.size - 1)[1:]] if max_candidates == 1 else None
+        if max_candidates == 1:
+            assert (first if tree.size > 1 else []) == want, seq
+        else:
+            assert (tuple(want) in root_paths(tree)) if want else tree.size == 1, seq
 
 
 def test_pld_multi_candidate_skips_identical_continuations():

@@ -78,7 +78,8 @@ def test_all_drafters_match_autoregressive(family):
         prompt = torch.cat([base.repeat(4), random_ids(5, seed=100 + seed)[0]])
         reference = run(engine, prompt)
         assert reference.numel() == 40
-        for drafter in (PromptLookupDrafter(num_tokens=6), PromptLookupDrafter(max_candidates=3), NgramDrafter(k=5)):
+        for drafter in (PromptLookupDrafter(num_tokens=6), PromptLookupDrafter(max_candidates=3),
+                        PromptLookupDrafter(num_tokens=16, continue_copies=True), NgramDrafter(k=5)):
             assert torch.equal(run(engine, prompt, drafter), reference), type(drafter).__name__
         stats = GenerationStats()
         out = run(engine, prompt, OracleGarbageDrafter(reference, prompt.numel(), seed), stats=stats)

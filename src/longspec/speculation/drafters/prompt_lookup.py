@@ -27,6 +27,12 @@ class PromptLookupDrafter:
     ``prompt_lookup`` takes the first, i.e. oldest, match; the most recent one is
     usually closer in topic and format to what is being generated, so we prefer it.)
 
+    A continuation that reaches the end of the committed sequence stops there (the
+    standard method; with a loop of period p, copies are at most p tokens long).
+    With ``continue_copies`` it goes on with the tokens it has itself drafted, as the
+    text would if it kept repeating: a loop of period 10 is then copied 32 tokens at a
+    time when ``num_tokens`` is 32. Verification decides as for any draft.
+
     With ``max_candidates > 1`` the most recent occurrences whose continuations
     differ are merged into one tree (most recent first, shared prefixes merged by
     `Tree.with_chains`). At most ``scan_factor * max_candidates`` of the most
@@ -61,6 +67,7 @@ class PromptLookupDrafter:
         min_ngram: int = 1,
         max_ngram: int = 3,
         max_candidates: int = 1,
+        continue_copies: bool = False,
     ) -> None:
         self.num_tokens = _check_positive_int("num_tokens", num_tokens, 1)
         self.min_ngram = _check_positive_int("min_ngram", min_ngram, 1)
@@ -68,6 +75,9 @@ class PromptLookupDrafter:
         if self.max_ngram < self.min_ngram:
             raise ValueError(f"max_ngram ({max_ngram}) must be >= min_ngram ({min_ngram})")
         self.max_candidates = _check_positive_int("max_candidates", max_candidates, 1)
+        if not isinstance(continue_copies, bool):
+            raise ValueError(f"continue_copies must be a bool, got {continue_copies!r}")
+        self.continue_copies = continue_copies
         self._reset()
 
     # ------------------------------------------------------------------ state
@@ -151,13 +161,13 @@ class PromptLookupDrafter:
                 continue
             if self.max_candidates == 1:
                 end = ends[-1]
-                return [(end, toks[end + 1 : end + 1 + limit])]
+                return [(end, self._continuation(end, limit))]
             matches: list[tuple[int, list[int]]] = []
             seen: set[tuple[int, ...]] = set()
             scan = self.scan_factor * self.max_candidates
             for i in range(len(ends) - 1, max(len(ends) - 1 - scan, -1), -1):
                 end = ends[i]
-                cont = tuple(toks[end + 1 : end + 1 + limit])
+                cont = tuple(self._continuation(end, limit))
                 if cont not in seen:
                     seen.add(cont)
                     matches.append((end, list(cont)))
@@ -165,6 +175,17 @@ class PromptLookupDrafter:
                         break
             return matches
         return []
+
+    def _continuation(self, end: int, limit: int) -> list[int]:
+        """At most `limit` tokens that followed position `end`; with `continue_copies`,
+        a copy that reaches the sequence's end continues with its own first tokens
+        (the copy's source then lies in what it drafted: period = length - 1 - end)."""
+        toks = self._tokens
+        copied = toks[end + 1 : end + 1 + limit]
+        if self.continue_copies and copied and len(copied) < limit:
+            period = len(copied)
+            copied = [copied[i % period] for i in range(limit)]
+        return copied
 
     def _run_length(self, end: int) -> int:
         """How many tokens, back from the root, equal those back from `end` (the
