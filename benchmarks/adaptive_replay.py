@@ -87,6 +87,14 @@ def auto_one_timescale() -> object:
     return drafter
 
 
+def auto_pooled_first_token() -> object:
+    """auto over pld whose acceptance table counts depth-1 nodes and nodes continuing
+    a speculative parent in the same cells (before the split)."""
+    drafter = make_auto(components="pld")
+    drafter.table.SEPARATE_FIRST_TOKEN = False
+    return drafter
+
+
 def auto_pld_chain(num_tokens: int, continue_copies: bool) -> Callable[[], object]:
     """auto over a prompt lookup offering copies of up to `num_tokens` tokens, which
     stop at the sequence's end or (`continue_copies`) continue into their own draft."""
@@ -103,9 +111,10 @@ VARIANTS: dict[str, Callable[[], object]] = {
     "auto-pld-one-timescale": auto_one_timescale,
     "auto-pld": auto_over("pld"),
     "auto-pld-ngram": auto_over("pld,ngram"),
+    "auto-pld-pooled-first": auto_pooled_first_token,
     # Lookup lengths (auto-pld10: the fixed method's copies, auto's before; auto-pld
-    # itself offers 16 tokens that continue into their own draft).
-    **{f"auto-pld{n}{'-continue' if c else ''}": auto_pld_chain(n, c) for n in (10, 12, 16, 20, 24) for c in (False, True)},
+    # itself offers 12 tokens that continue into their own draft).
+    **{f"auto-pld{n}{'-continue' if c else ''}": auto_pld_chain(n, c) for n in (10, 12, 16, 24) for c in (False, True)},
 }
 
 

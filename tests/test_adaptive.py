@@ -231,7 +231,24 @@ def test_copied_runs_size_the_tree_whatever_the_depth():
         right = copier.length if copier.run == 30 else 0
         drafter.observe(torch.tensor(list(range(1, right + 1)) + [999]))
     assert min(chosen[30][-50:]) == copier.length and max(chosen[1][-50:]) == 0, chosen
-    assert AcceptanceTable(drafters=1).cell(Source(drafter=0, depth=2, rank=0, run=31), agreed=False) == (0, 30, 0, 0)
+    assert AcceptanceTable(drafters=1).cell(Source(drafter=0, depth=2, rank=0, run=31), agreed=False) == (0, 30, 0, 0, 1)
+
+
+def test_first_tokens_and_continuing_tokens_are_counted_apart():
+    """At the same copied-run level, the first token after the bonus (a fresh guess)
+    and a token that continues a speculative parent keep their own rates; pooled (the
+    table before the split) they share one."""
+    def filled(table):
+        for i in range(40):
+            table.record(Source(0, depth=1, rank=0, run=8), accepted=i % 4 == 0)  # 25%
+            table.record(Source(0, depth=3, rank=0, run=8), accepted=i % 10 != 0)  # 90%
+        return table.rate(Source(0, 1, 0, run=8)), table.rate(Source(0, 3, 0, run=8))
+    first, continuing = filled(AcceptanceTable(drafters=1))
+    assert first < 0.35 and continuing > 0.8
+    pooled = AcceptanceTable(drafters=1)
+    pooled.SEPARATE_FIRST_TOKEN = False
+    first, continuing = filled(pooled)
+    assert first == continuing and 0.5 < first < 0.65
 
 
 def test_optimistic_rates_keep_an_unlucky_depth_in_play_and_fade_with_evidence():
@@ -245,15 +262,15 @@ def test_optimistic_rates_keep_an_unlucky_depth_in_play_and_fade_with_evidence()
             table.record(Source(0, depth, 0), accepted=i != 0)
     for _ in range(3):
         table.record(Source(0, 6, 0), accepted=False)
-    mean, optimistic = table.rates()[0, :, 0, 0], table.rates(optimistic=True)[0, :, 0, 0]
+    mean, optimistic = table.rates()[0, :, 0, 0, 1], table.rates(optimistic=True)[0, :, 0, 0, 1]  # depths 2..6
     thin = np.sqrt(mean[5] * (1 - mean[5]) / (3 + AcceptanceTable.PRIOR_WEIGHT + 1))  # 3 observations + the prior's
     assert mean[5] < 0.6 and optimistic[5] == pytest.approx(mean[5] + AcceptanceTable.OPTIMISM * thin)
     assert optimistic[5] > mean[5] + 0.05
     assert (optimistic <= 1.0).all() and (optimistic >= mean).all()
     for _ in range(400):  # much evidence: the bonus fades
         table.record(Source(0, 6, 0), accepted=False)
-    assert table.rates(optimistic=True)[0, 5, 0, 0] - table.rates()[0, 5, 0, 0] < 0.01
-    assert table.rate(chain) == pytest.approx(table.rates()[0, 0, 0, 0])
+    assert table.rates(optimistic=True)[0, 5, 0, 0, 1] - table.rates()[0, 5, 0, 0, 1] < 0.01
+    assert table.rate(chain) == pytest.approx(table.rates()[0, 0, 0, 0, 0])
 
 
 def test_unverified_nodes_are_decided_by_the_tokens_committed_after_them():
@@ -307,7 +324,7 @@ def test_speculation_switches_back_on_as_soon_as_the_proposals_match():
     assert -60 < off_after_switch <= 5, telemetry
     assert stats.tau > 2.5, stats.tau
     # Every depth of the oracle's chains was measured, most of them without a verification.
-    proposed = drafter.table.proposed[0, :, 0].sum(axis=-1)
+    proposed = drafter.table.proposed[0, :, 0].sum(axis=(-2, -1))
     assert (proposed[:8] > 20).all(), proposed  # the chains are 8 tokens long
 
 

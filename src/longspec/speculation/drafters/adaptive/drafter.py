@@ -62,7 +62,8 @@ _MAX_BACKOFF = 8
 
 class AcceptanceTable:
     """P(node accepted | parent accepted) per (drafter, level, rank, whether another
-    drafter proposed the same node — agreement is strong evidence). A node's level is
+    drafter proposed the same node — agreement is strong evidence, whether the node
+    continues a speculative parent). A node's level is
     its depth or, for a node copied from earlier text (prompt lookup), the length of
     the copied run it extends (`Tree.copied_runs`): a copy that has matched for 30
     tokens keeps matching far more often than one that matched for 3, whatever the
@@ -75,6 +76,15 @@ class AcceptanceTable:
     1 (the hardest token, right after a bonus) dominates. That is what lets the deep
     nodes of a good drafter be proposed, and so measured. Levels and ranks beyond the
     table share its last cell.
+
+    The first token after the bonus (depth 1) and a token continuing a speculative
+    parent are counted apart, even at the same level: the first token is a fresh
+    guess (the bonus was the target's own choice, and a copy may restart there), the
+    others extend a copy the target has just followed. Pooled, the first tokens of
+    short copies were predicted 1.1-1.3x as often as they were accepted, an error
+    every deeper node of their chain inherited (replayed full preset: greedy
+    Multi-News predicted 1.12x the realised accepted tokens, 0.94-1.02x apart, at equal
+    speed; BENCHMARKS.md, "Copies that continue into their own draft").
 
     Trees are chosen with optimistic rates — the posterior mean plus `OPTIMISM`
     posterior standard deviations — so that a cell that a few unlucky rounds pushed
@@ -102,21 +112,24 @@ class AcceptanceTable:
     OPTIMISM = 0.5  # posterior standard deviations added when choosing trees
     RETAINED = 0.85  # share of its recent counts a cell keeps at the end of each round
     RECENT_PRIOR_WEIGHT = 1.0  # pseudo-observations of the whole-sequence rate in the recent one
+    SEPARATE_FIRST_TOKEN = True  # depth-1 nodes and nodes continuing a speculative parent in cells apart
 
     def __init__(self, drafters: int, max_level: int = 32, max_rank: int = 4) -> None:
-        self.accepted = np.zeros((drafters, max_level, max_rank, 2), dtype=np.float64)
+        # [drafter, level, rank, agreed, continues a speculative parent]
+        self.accepted = np.zeros((drafters, max_level, max_rank, 2, 2), dtype=np.float64)
         self.proposed = np.zeros_like(self.accepted)
         self.recent_accepted = np.zeros_like(self.accepted)  # the same counts, fading each round
         self.recent_proposed = np.zeros_like(self.accepted)
         self._rates: tuple[np.ndarray, np.ndarray] | None = None  # (mean, optimistic); None once a count changed
 
-    def cell(self, source: Source, agreed: bool) -> tuple[int, int, int, int]:
+    def cell(self, source: Source, agreed: bool) -> tuple[int, int, int, int, int]:
         """Index of a proposed node's cell in the count and rate arrays."""
         D, R = self.accepted.shape[1:3]
-        return source.drafter, min(source.run or source.depth, D) - 1, min(source.rank, R - 1), int(agreed)
+        return (source.drafter, min(source.run or source.depth, D) - 1, min(source.rank, R - 1), int(agreed),
+                int(self.SEPARATE_FIRST_TOKEN and source.depth > 1))
 
     def rates(self, optimistic: bool = False) -> np.ndarray:
-        """[drafters, level, rank, agreed] shrunk acceptance rates (posterior means),
+        """[drafters, level, rank, agreed, continues] shrunk acceptance rates (posterior means),
         or the optimistic rates trees are chosen with."""
         if self._rates is None:
             m, w = self.PRIOR_WEIGHT, self.RECENT_PRIOR_WEIGHT

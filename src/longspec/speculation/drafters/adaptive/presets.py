@@ -14,14 +14,14 @@ from longspec.speculation.drafters.mamba import MambaDrafter
 from longspec.speculation.drafters.ngram import NgramDrafter
 from longspec.speculation.drafters.prompt_lookup import PromptLookupDrafter
 
-# auto's prompt lookup offers copies of up to 16 tokens that continue into their own
+# auto's prompt lookup offers copies of up to 12 tokens that continue into their own
 # draft (a loop shorter than the copy keeps being copied): the controller verifies
-# only as much of a copy as its acceptance and the forward's cost pay for, so a
-# longer offer costs nothing where copies break early and wins where text loops.
-# Replayed on the full preset and on Spec-Bench/AIME outputs (BENCHMARKS.md,
-# "Copies that continue into their own draft"): 1.11-1.12x fixed PLD against
-# 1.06-1.09x with the fixed method's 10 tokens; 20-24 tokens lost on the full preset.
-AUTO_LOOKUP_TOKENS = 16
+# only as much of a copy as its acceptance and the forward's cost pay for. Replayed
+# with this CPU's idle cost model (BENCHMARKS.md, "Copies that continue into their
+# own draft"): +0.4% to +1.7% over 10-token copies that stop at the sequence's end on
+# three of four sets of outputs (equal on the fourth); 16 or 24 tokens won on the
+# Spec-Bench/AIME loops but lost up to 2% on the full preset and over-predicted.
+AUTO_LOOKUP_TOKENS = 12
 
 COMPONENTS: dict[str, Callable[[], Drafter]] = {
     "pld": partial(PromptLookupDrafter, num_tokens=AUTO_LOOKUP_TOKENS, continue_copies=True),
