@@ -18,9 +18,9 @@ from longspec.speculation.drafters.prompt_lookup import PromptLookupDrafter
 # draft (a loop shorter than the copy keeps being copied): the controller verifies
 # only as much of a copy as its acceptance and the forward's cost pay for. Replayed
 # with this CPU's idle cost model (BENCHMARKS.md, "Copies that continue into their
-# own draft"): +0.4% to +1.7% over 10-token copies that stop at the sequence's end on
-# three of four sets of outputs (equal on the fourth); 16 or 24 tokens won on the
-# Spec-Bench/AIME loops but lost up to 2% on the full preset and over-predicted.
+# own draft"): +0.4% to +1.6% over 10-token copies that stop at the sequence's end on
+# four sets of outputs; 16 or 24 tokens won more on the Spec-Bench/AIME loops but lost
+# up to 3% on the full preset, with trees sized from over-predicted deep nodes.
 AUTO_LOOKUP_TOKENS = 12
 
 COMPONENTS: dict[str, Callable[[], Drafter]] = {
