@@ -81,10 +81,10 @@ class AcceptanceTable:
     parent are counted apart, even at the same level: the first token is a fresh
     guess (the bonus was the target's own choice, and a copy may restart there), the
     others extend a copy the target has just followed. Pooled, the first tokens of
-    short copies were predicted 1.1-1.3x as often as they were accepted, an error
-    every deeper node of their chain inherited (replayed full preset: greedy
-    Multi-News predicted 1.12x the realised accepted tokens, 0.94-1.02x apart, at equal
-    speed; BENCHMARKS.md, "Copies that continue into their own draft").
+    short copies were predicted ~1.1x as often as they were accepted, an error every
+    deeper node of their chain inherited (replayed full preset, greedy Multi-News:
+    1.12x the realised accepted tokens pooled, 1.02x apart, at equal speed;
+    BENCHMARKS.md, "Copies that continue into their own draft").
 
     Trees are chosen with optimistic rates — the posterior mean plus `OPTIMISM`
     posterior standard deviations — so that a cell that a few unlucky rounds pushed
