@@ -95,6 +95,14 @@ def auto_pooled_first_token() -> object:
     return drafter
 
 
+def auto_before_continued_copies() -> object:
+    """auto as it was before continued copies: 10-token copies that stop at the
+    sequence's end, the first token after the bonus pooled with the others."""
+    drafter = auto_pld_chain(10, False)()
+    drafter.table.SEPARATE_FIRST_TOKEN = False
+    return drafter
+
+
 def auto_pld_chain(num_tokens: int, continue_copies: bool) -> Callable[[], object]:
     """auto over a prompt lookup offering copies of up to `num_tokens` tokens, which
     stop at the sequence's end or (`continue_copies`) continue into their own draft."""
@@ -112,6 +120,7 @@ VARIANTS: dict[str, Callable[[], object]] = {
     "auto-pld": auto_over("pld"),
     "auto-pld-ngram": auto_over("pld,ngram"),
     "auto-pld-pooled-first": auto_pooled_first_token,
+    "auto-before-continued-copies": auto_before_continued_copies,
     # Lookup lengths (auto-pld10: the fixed method's copies, auto's before; auto-pld
     # itself offers 12 tokens that continue into their own draft).
     **{f"auto-pld{n}{'-continue' if c else ''}": auto_pld_chain(n, c) for n in (10, 12, 16, 24) for c in (False, True)},
