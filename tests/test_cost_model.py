@@ -4,6 +4,7 @@ per-machine cache that is reused under the same key and re-measured under anothe
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import pytest
 import torch
@@ -70,6 +71,18 @@ def test_cache_is_reused_under_the_same_key_and_remeasured_under_another(tmp_pat
         path.write_text("{broken")
     cached_forward_cost(model, context=128, directory=tmp_path, ks=(1, 4), repeats=1, machine=MACHINE)
     assert calls[-1] == 128  # an unreadable entry is measured again
+
+
+def test_a_measurement_on_a_busy_machine_warns_and_names_the_file_to_delete(tmp_path, monkeypatch):
+    model = tiny_decoder("llama", dtype=torch.float32, max_position_embeddings=512)
+    monkeypatch.setattr(cost_model.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(cost_model, "load_average", lambda: 5.0)
+    with pytest.warns(RuntimeWarning, match=r"busy \(1-minute load 5.0 on 2 cores\).*delete .*\.json"):
+        cached_forward_cost(model, context=64, directory=tmp_path, ks=(1, 4), repeats=1, machine=MACHINE)
+    monkeypatch.setattr(cost_model, "load_average", lambda: 1.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        cached_forward_cost(model, context=128, directory=tmp_path, ks=(1, 4), repeats=1, machine=MACHINE)
 
 
 def test_a_batched_forward_is_timed_over_rows_of_random_keys_and_cached_per_row_count(tmp_path, monkeypatch):

@@ -21,3 +21,12 @@ def cpu_name() -> str:
 def machine_identity() -> dict:
     """CPU model and core count: what a timing measured here depends on."""
     return {"cpu": cpu_name(), "cores": os.cpu_count()}
+
+
+def load_average() -> float | None:
+    """The 1-minute load average (runnable threads, this process's included), where
+    the operating system reports one."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None

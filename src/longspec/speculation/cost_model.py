@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import time
+import warnings
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -25,7 +26,7 @@ import torch
 from longspec.runtime.attention import NATIVE_ATTENTION_MAX_QUERIES
 from longspec.runtime.batch_cache import BatchKVCache
 from longspec.runtime.device import HOST, device_name, synchronize
-from longspec.runtime.machine import machine_identity
+from longspec.runtime.machine import load_average, machine_identity
 from longspec.runtime.model import Decoder
 from longspec.runtime.native import kernels_identity
 from longspec.speculation.tree import Tree
@@ -251,12 +252,25 @@ def _cached(key: dict, directory: Path | None, ks: Sequence[int] | None, measure
                 return cost
         except (ValueError, KeyError, TypeError):
             pass  # unreadable or foreign: measure again and replace it
+    _warn_if_busy(path)
     cost = measure()
     directory.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     temporary.write_text(cost.to_json())
     temporary.replace(path)
     return cost
+
+
+def _warn_if_busy(path: Path) -> None:
+    """Other work competing for the cores inflates every forward by about the same
+    milliseconds, so the measured curve comes out flat and wide trees look cheap (at 4k
+    tokens on 2 cores, a 16-token forward measured 1.9x a 1-token one beside two other
+    jobs, 2.8x idle), and the measurement is kept for this machine."""
+    load, cores = load_average(), os.cpu_count() or 1
+    if load is not None and load > cores:
+        warnings.warn(f"measuring the forward cost while the machine is busy (1-minute load {load:.1f} on {cores} "
+                      f"cores): trees will be priced too cheap; delete {path} to measure again when it is idle",
+                      RuntimeWarning, stacklevel=3)
 
 
 def forward_cost_at(model: Decoder, length: int, ks: Sequence[int] = DEFAULT_KS) -> ForwardCost:
