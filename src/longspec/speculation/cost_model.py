@@ -262,10 +262,10 @@ def _cached(key: dict, directory: Path | None, ks: Sequence[int] | None, measure
 
 
 def _warn_if_busy(path: Path) -> None:
-    """Other work competing for the cores inflates every forward by about the same
-    milliseconds, so the measured curve comes out flat and wide trees look cheap (at 4k
-    tokens on 2 cores, a 16-token forward measured 1.9x a 1-token one beside two other
-    jobs, 2.7x idle), and the measurement is kept for this machine."""
+    """Other work competing for the cores slows the small forwards far more than the
+    wide ones (at 4k tokens on 2 cores, beside two other jobs: +7 ms at 1 token, none at
+    16), so the measured curve comes out flat and wide trees look cheap (a 16-token
+    forward at 1.9x a 1-token one, 2.7x idle), and the measurement is kept for this machine."""
     load, cores = load_average(), os.cpu_count() or 1
     if load is not None and load > cores:
         warnings.warn(f"measuring the forward cost while the machine is busy (1-minute load {load:.1f} on {cores} "
