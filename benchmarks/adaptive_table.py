@@ -15,6 +15,8 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
+from longspec.bench.report import median_runs
+
 ADAPTIVE = "auto"
 BASELINE = "ar"
 
@@ -24,8 +26,9 @@ def geometric_mean(values: list[float]) -> float:
 
 
 def load_rows(path: Path) -> list[dict]:
+    """Timed runs, one per prompt, setting and method (of repeats, the median run)."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in rows if r.get("kind") == "run" and r.get("decode_tokens_per_s")]
+    return median_runs([r for r in rows if r.get("kind") == "run" and r.get("decode_tokens_per_s")])
 
 
 def main() -> None:

@@ -122,6 +122,52 @@ def test_resume_skips_finished_rows(pair, tmp_path):
     assert len(runs) == 4 and all(r["check_ar"]["equal"] for r in runs)
 
 
+def test_repeats_run_interleaved_and_reports_keep_each_methods_median_run(pair, tmp_path):
+    order = []
+
+    class Recording(EngineMethod):
+        def run(self, prompt, setting, max_new_tokens, eos_token_ids):
+            order.append(self.name)
+            return super().run(prompt, setting, max_new_tokens, eos_token_ids)
+
+    hf, decoder = pair
+    methods = [Recording(n, decoder, lambda: None, EngineOptions(progress=False)) for n in ("ar", "b", "c")]
+    runner = BenchRunner(decoder, methods, options=RunnerOptions(max_new_tokens=6, warmup_tokens=2, progress=False,
+                                                                 repeats=3))
+    out = tmp_path / "r.jsonl"
+    rows = runner.run(prompts()[:1], default_settings([]), out)
+    assert order[3:] == ["ar", "b", "c", "b", "c", "ar", "c", "ar", "b"]  # after the warm-up: rotated repeats
+    runs = [r for r in rows if r["kind"] == "run"]
+    assert [(r["method"], r["repeat"]) for r in runs[:3]] == [("ar", 0), ("b", 0), ("c", 0)]
+    assert all(r["check_ar"]["equal"] for r in runs)  # every repeat is checked, not only the first
+
+    # The reports keep the median run of each method; a divergence in any repeat is still listed.
+    rates = {("b", 0): 10.0, ("b", 1): 30.0, ("b", 2): 20.0, ("ar", 0): 10.0, ("ar", 1): 10.0, ("ar", 2): 10.0,
+             ("c", 0): 5.0, ("c", 1): 50.0, ("c", 2): 40.0}
+    edited = [r | {"decode_tokens_per_s": rates[(r["method"], r["repeat"])]} if r["kind"] == "run" else r
+              for r in rows]
+    edited[-1] = edited[-1] | {"check_ar": {"equal": False, "position": 1, "ours": 1, "reference": 2,
+                                            "top2_gap": 1.0, "top2_tokens": [2, 1], "near_tie_threshold": 0.1,
+                                            "verdict": "MISMATCH"}}
+    medians = {r["method"]: r for r in report.median_runs([r for r in edited if r["kind"] == "run"])}
+    assert {m: r["decode_tokens_per_s"] for m, r in medians.items()} == {"ar": 10.0, "b": 20.0, "c": 40.0}
+    assert medians["b"]["decode_tokens_per_s_repeats"] == [10.0, 30.0, 20.0]
+    cells = report.aggregate(edited)
+    assert cells[("loop", 34, "greedy", "b")].speedup_ar == [2.0]
+    assert len(cells[("loop", 34, "greedy", "c")].rows) == 1
+    text = report.markdown(edited, {"repeats": 3})
+    assert "ran 3 times per prompt and setting" in text and "**MISMATCH** b vs our AR" in text
+
+    # Resume with more repeats runs only the new ones.
+    order.clear()
+    BenchRunner(decoder, methods, options=RunnerOptions(max_new_tokens=6, warmup_tokens=2, progress=False,
+                                                        repeats=4)).run(prompts()[:1], default_settings([]), out,
+                                                                        resume=True)
+    assert order[3:] == ["ar", "b", "c"]
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        RunnerOptions(repeats=0)
+
+
 def test_unavailable_methods_are_listed_not_dropped(pair, tmp_path):
     hf, decoder = pair
     methods, skipped = build_methods(["ar", "hf"], decoder, peer=None)

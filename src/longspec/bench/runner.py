@@ -39,10 +39,16 @@ class RunnerOptions:
     # 1-token and a k-token forward (a few roundings). Anything else is a bug.
     near_tie_ulps: float = 4.0
     progress: bool = True
+    # Timed runs of each method per prompt and setting. A shared VM's speed drifts by
+    # 10-20% between minutes; repeats run interleaved (every method once, then again, the
+    # order rotated) and reports keep each method's median run.
+    repeats: int = 1
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
 
 
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
@@ -121,7 +127,8 @@ class BenchRunner:
             out_path.parent.mkdir(parents=True, exist_ok=True)
             with out_path.open("w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in done)
-        plan = [(p, s, m) for p in prompts for s in settings for m in self.methods]
+        plan = [(p, s, repeat, m) for p in prompts for s in settings
+                for repeat in range(self.options.repeats) for m in self._rotated(repeat)]
         todo = [job for job in plan if self._key(*job) not in done_keys]
         rows = list(done)
         if todo:
@@ -131,7 +138,7 @@ class BenchRunner:
         waiting: list[tuple] = []  # greedy rows held until every reference of their prompt has run
         bar = tqdm(total=len(todo), desc="bench", unit="run", disable=not self.options.progress)
         with bar, out_path.open("a") as f:
-            for prompt, setting, method in todo:
+            for prompt, setting, repeat, method in todo:
                 if any(s.name == method.name for s in self.skipped):
                     bar.update(1)
                     continue
@@ -141,12 +148,13 @@ class BenchRunner:
                 try:
                     out = method.run(prompt.ids, setting, self.options.max_new_tokens, self.eos_token_ids)
                 except Unavailable as why:
-                    waiting.append((self._base(prompt, setting, method) | {"kind": "unavailable", "reason": str(why)},))
+                    waiting.append((self._base(prompt, setting, repeat, method)
+                                    | {"kind": "unavailable", "reason": str(why)},))
                 else:
                     if setting.greedy and method.name in present:
                         setattr(refs, "ar" if method.name == AR_REFERENCE else "hf", out.tokens)
-                    waiting.append((prompt, setting, method, out, refs))
-                ready = [w for w in waiting if len(w) == 1 or not w[1].greedy or w[4].complete(present)]
+                    waiting.append((prompt, setting, repeat, method, out, refs))
+                ready = [w for w in waiting if len(w) == 1 or not w[1].greedy or w[5].complete(present)]
                 for job in ready:
                     waiting.remove(job)
                     row = job[0] if len(job) == 1 else self._row(*job)
@@ -161,17 +169,26 @@ class BenchRunner:
         return rows
 
     # ------------------------------------------------------------------ internals
-    def _base(self, prompt: Prompt, setting: Setting, method: BenchMethod) -> dict:
+    def _base(self, prompt: Prompt, setting: Setting, repeat: int, method: BenchMethod) -> dict:
         p = setting.params
         return {
             "task": prompt.task, "item": prompt.item_id, "category": prompt.category, "bucket": prompt.bucket,
             "context_tokens": prompt.context_tokens, "setting": setting.name, "seed": setting.seed,
             "sampling": {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p},
             "method": method.name, "library": method.library, "max_new_tokens": self.options.max_new_tokens,
+            "repeat": repeat,
         }
 
-    def _key(self, prompt: Prompt, setting: Setting, method: BenchMethod) -> tuple:
-        return row_key(self._base(prompt, setting, method))
+    def _key(self, prompt: Prompt, setting: Setting, repeat: int, method: BenchMethod) -> tuple:
+        return row_key(self._base(prompt, setting, repeat, method))
+
+    def _rotated(self, repeat: int) -> list[BenchMethod]:
+        """The methods in the order of one repeat: rotated by one each repeat, so no method
+        always runs first (after a switch of method) or last."""
+        if not self.methods:
+            return []
+        shift = repeat % len(self.methods)
+        return self.methods[shift:] + self.methods[:shift]
 
     def _warm_up(self, prompt: Prompt, settings: Sequence[Setting], out_path: Path, rows: list[dict]) -> None:
         """One short untimed run of every method and setting kind (first calls pay for
@@ -205,10 +222,11 @@ class BenchRunner:
             setattr(ref, "ar" if r["method"] == AR_REFERENCE else "hf", r["output_ids"])
         return refs
 
-    def _row(self, prompt: Prompt, setting: Setting, method: BenchMethod, out: RunOutput, refs: _References) -> dict:
+    def _row(self, prompt: Prompt, setting: Setting, repeat: int, method: BenchMethod, out: RunOutput,
+             refs: _References) -> dict:
         tokens = out.tokens
         new = len(tokens)
-        row = self._base(prompt, setting, method) | {
+        row = self._base(prompt, setting, repeat, method) | {
             "kind": "run",
             "new_tokens": new,
             "prefill_s": out.prefill_s,
@@ -265,7 +283,7 @@ class BenchRunner:
 
 def row_key(row: dict) -> tuple:
     return (row["task"], row["item"], row["bucket"], row["context_tokens"], row["setting"], row["seed"],
-            row["method"], row["max_new_tokens"])
+            row["method"], row["max_new_tokens"], row.get("repeat", 0))  # files from before repeats: one run
 
 
 def load_rows(path: Path) -> list[dict]:

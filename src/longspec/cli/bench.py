@@ -71,6 +71,9 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="bfloat16")
     add_device_argument(p)
     add_compile_argument(p)
+    p.add_argument("--repeats", type=int, default=1, metavar="N",
+                   help="time each method N times per prompt and setting, interleaved, and report its median run "
+                        "(a shared machine's speed drifts by 10-20%% between minutes; 3 makes per-row ratios steady)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads for every method (default: torch's choice); 1 is steadier on a busy machine")
     p.add_argument("--data-dir", type=Path, default=None,
@@ -178,7 +181,7 @@ def run(args) -> int:
     unknown = set(method_options) - set(method_names)
     if unknown:
         raise ValueError(f"--option names method(s) not in the run: {', '.join(sorted(unknown))}")
-    options = RunnerOptions(max_new_tokens=max_new, ignore_eos=not args.stop_at_eos)
+    options = RunnerOptions(max_new_tokens=max_new, ignore_eos=not args.stop_at_eos, repeats=args.repeats)
     out_dir = args.out
     results = out_dir / "results.jsonl"
     if args.resume and not results.is_file():
@@ -222,7 +225,7 @@ def run(args) -> int:
     header = {
         "benchmark": "longspec bench", "time": now(), "machine": machine(), "model": model.target.source,
         "dtype": str(model.model.dtype).removeprefix("torch."), "max_new_tokens": max_new,
-        "ignore_eos": options.ignore_eos, "command": "longspec bench " + shlex.join(sys.argv[2:]),
+        "ignore_eos": options.ignore_eos, "repeats": options.repeats, "command": "longspec bench " + shlex.join(sys.argv[2:]),
         "bandwidth_gbs": bandwidth,
         # The floor at the mean K/V length a decode step attends: the prompt plus half the output.
         "floor_tokens_per_s": [[c, ar_floor_tokens_per_s(model.model, c + max_new // 2, bandwidth)] for c in contexts],
