@@ -298,14 +298,15 @@ class LongSpecModel:
         prompts: Sequence[str | Sequence[int] | torch.Tensor],
         *,
         max_rows: int = 8,
-        seed: int | None = None,
+        seed: int | Sequence[int] | None = None,
         method: str = DEFAULT_METHOD,
         **kwargs,
     ) -> list[GenerationResult]:
         """Generate for many prompts at once (continuous batching: up to ``max_rows``
         rows share each target forward; the others join as rows finish). Each
         result equals ``generate(prompts[i], seed=seed + i, ...)`` with the same
-        options; ``method`` is a method name (every row gets its own drafter)."""
+        options (or ``seed=seed[i]`` for a list of seeds, one per prompt); ``method``
+        is a method name (every row gets its own drafter)."""
         if isinstance(prompts, (str, torch.Tensor)) or not isinstance(prompts, Sequence):
             raise TypeError("generate_batch takes a list of prompts; for one prompt call generate")
         if not prompts:
@@ -313,10 +314,16 @@ class LongSpecModel:
         if not isinstance(method, str):
             raise TypeError("generate_batch takes a method name: every row needs a drafter of its own")
         _check_int("max_rows", max_rows, low=1)
-        if seed is not None:
-            _check_int("seed", seed, low=0, high=MAX_SEED - len(prompts) + 1)
-        requests = [self.prepare(p, method=method, seed=None if seed is None else seed + i, **kwargs)
-                    for i, p in enumerate(prompts)]
+        if isinstance(seed, Sequence):
+            if len(seed) != len(prompts):
+                raise ValueError(f"{len(seed)} seeds for {len(prompts)} prompts: give one seed per prompt, or one "
+                                 "integer (prompt i then draws from seed + i)")
+            seeds = list(seed)
+        else:
+            if seed is not None:
+                _check_int("seed", seed, low=0, high=MAX_SEED - len(prompts) + 1)
+            seeds = [None if seed is None else seed + i for i in range(len(prompts))]
+        requests = [self.prepare(p, method=method, seed=s, **kwargs) for p, s in zip(prompts, seeds)]
         engine = self.batch_engine(BatchOptions(max_rows=min(max_rows, len(prompts)),
                                                 row_capacity=max(self.row_slots(r) for r in requests)))
         streams = [self.submit(engine, request) for request in requests]

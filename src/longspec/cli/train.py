@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from longspec.cli import train_external, train_longspec, train_tokenswift
+from longspec.cli import train_external, train_longspec, train_responses, train_tokenswift
 
-TRAINERS = (train_tokenswift, train_longspec, train_external)
+TRAINERS = (train_tokenswift, train_longspec, train_external, train_responses)
 
 
 def add_parser(sub) -> None:

@@ -12,7 +12,7 @@ from longspec.cli.options import add_device_argument
 def add_parser(sub) -> None:
     p = sub.add_parser("tokenswift", help="train TokenSwift multi-token heads on a frozen target")
     p.add_argument("--model", default=None, help="target (default: embedded Gemma 3 270M)")
-    p.add_argument("--data", type=Path, action="append", default=[], help="text file or directory of .txt (repeatable)")
+    p.add_argument("--data", type=Path, action="append", default=[], help="text file, .jsonl (its rows' text field) or directory of .txt (repeatable)")
     p.add_argument("--stdlib-files", type=int, default=0, help="also train on this many Python stdlib modules + doc prose")
     p.add_argument("--out", type=Path, required=True, help="run directory (checkpoints, curve.csv)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")

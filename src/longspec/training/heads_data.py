@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from longspec.runtime.device import HOST
-from longspec.training.data import prefixed_rows
+from longspec.training.data import iter_documents, prefixed_rows
 
 
 def stdlib_files(limit: int) -> list[Path]:
@@ -40,9 +40,11 @@ def text_files(paths: Sequence[Path]) -> list[Path]:
 
 
 def tokenize_files(tokenizer, files: Sequence[Path]) -> torch.Tensor:
+    """Every file's tokens in order; a .jsonl file gives its rows' text field (e.g.
+    `longspec train responses` output), one document per row."""
     ids: list[int] = []
-    for path in files:
-        ids.extend(tokenizer(path.read_text(errors="replace")).input_ids)
+    for document in iter_documents(files):
+        ids.extend(tokenizer(document.text).input_ids)
     if not ids:
         raise ValueError("no training tokens: give text files or directories with --data, or --stdlib-files > 0")
     return torch.tensor(ids, dtype=torch.long, device=HOST)

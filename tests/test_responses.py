@@ -1,0 +1,113 @@
+"""`longspec train responses`: prompts built from a corpus (seeded, held-out documents
+never used, code asked as code), answered with the target's own tokens (each row equals
+a single `generate` with the same settings), appended as JSONL that trainers read, and
+resumable."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import longspec
+from longspec.cli.main import main
+from longspec.training.data import Document, is_held_out, iter_documents
+from longspec.training.heads_data import tokenize_files
+from longspec.training.responses import CODE_INSTRUCTIONS, PROSE_INSTRUCTIONS, build_prompts
+from tiny_models import save_checkpoint
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
+HELDOUT = 0.3
+
+
+def documents(count: int = 24) -> list[Document]:
+    prose = [Document(f"books/{i}.txt", "".join(f"Line {i}.{j} of a story.\n" for j in range(8))) for i in range(count)]
+    code = [Document(f"lib/{i}.py", "".join(f"def f{j}(x):\n    return x + {j}\n" for j in range(6)))
+            for i in range(count)]
+    return prose + code + [Document("short.txt", "tiny")]
+
+
+def line_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per character, newlines included (the tiny models' tokenizer has none)."""
+    vocab = {"<unk>": 0, "\n": 1, **{chr(32 + i): i + 2 for i in range(95)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>")
+
+
+def test_prompts_are_seeded_skip_held_out_documents_and_ask_code_as_code():
+    tokenizer = line_tokenizer()
+    assert tokenizer.decode(tokenizer("a\nb", add_special_tokens=False).input_ids) == "a\nb"
+    build = lambda seed, **kw: build_prompts(documents(), tokenizer, **({"count": 40, "excerpt_tokens": [40, 80],  # noqa: E731
+                                             "sampled_share": 0.5, "prose_share": 0.5, "heldout_fraction": HELDOUT,
+                                             "seed": seed} | kw))
+    prompts = build(0)
+    assert prompts == build(0) and prompts != build(1)
+    assert len(prompts) == 40 and len({p.id for p in prompts}) == 40
+    assert not any(is_held_out(p.source, HELDOUT) for p in prompts)
+    assert any(is_held_out(d.name, HELDOUT) for d in documents())  # the split did hold some out
+    assert "short.txt" not in {p.source for p in prompts}  # shorter than half an excerpt
+    assert {p.sampled for p in prompts} == {False, True} and {p.kind for p in prompts} == {"prose", "code"}
+    assert {p.kind for p in build(0, prose_share=1.0)} == {"prose"}
+    for p in prompts:
+        instructions = CODE_INSTRUCTIONS if p.kind == "code" else PROSE_INSTRUCTIONS
+        heads = sorted((i.template.split("{excerpt}")[0] for i in instructions), key=len, reverse=True)
+        assert p.kind == ("code" if p.source.endswith(".py") else "prose")
+        head = next(h for h in heads if p.prompt.startswith(h))
+        if int(p.id.split("@")[1].split("+")[0]) > 0:  # excerpts begin on a whole line
+            assert p.prompt[len(head):].startswith(("Line", "def", "    return"))
+    only_code = [d for d in documents() if d.name.endswith(".py")]
+    assert {p.kind for p in build_prompts(only_code, tokenizer, count=5, excerpt_tokens=[40], sampled_share=0.5,
+                                          prose_share=1.0, heldout_fraction=0.0, seed=0)} == {"code"}
+    for bad in (dict(count=0), dict(excerpt_tokens=[8]), dict(sampled_share=1.5), dict(prose_share=-0.1)):
+        with pytest.raises(ValueError):
+            build(0, **bad)
+
+
+def test_cli_writes_the_targets_own_responses_and_resumes(tmp_path, capsys):
+    checkpoint = save_checkpoint(tmp_path / "tiny", chat_template=TEMPLATE)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for d in documents(4):
+        (corpus / d.name.replace("/", "-")).write_text(d.text)
+    out = tmp_path / "out"
+    argv = ["train", "responses", "--model", str(checkpoint), "--dtype", "float64", "--corpus", str(corpus),
+            "--out", str(out), "--prompts", "8", "--excerpt-tokens", "40", "--max-new-tokens", "12",
+            "--batch-rows", "2", "--heldout", "0", "--seed", "3", "--threads", "1"]
+    assert main(argv) == 0
+    rows = [json.loads(line) for line in (out / "responses.jsonl").read_text().splitlines()]
+    assert len(rows) == 8 and {r["sampled"] for r in rows} == {False, True}
+    assert {r["chat"] for r in rows} == {False, True}  # code completions are raw text
+    model = longspec.load(checkpoint, dtype="float64")
+    prompt_order = [p.id for p in build_prompts(iter_documents([corpus]), model.tokenizer, count=8,
+                                                excerpt_tokens=[40], sampled_share=0.5, prose_share=0.5,
+                                                heldout_fraction=0.0, seed=3)]
+    for r in rows:
+        sampling = dict(temperature=1.0, top_p=0.95, seed=3 + prompt_order.index(r["id"])) if r["sampled"] else {}
+        alone = model.generate(r["prompt"], chat=r["chat"], max_new_tokens=12, method="ar", **sampling)
+        assert r["response"] == alone.text and r["response_tokens"] == len(alone.token_ids)  # the target's own
+        prompt_ids = model.encode(r["prompt"], chat=r["chat"]).tolist()
+        assert r["text"] == model.tokenizer.decode(prompt_ids + alone.token_ids)
+        assert r["prompt_tokens"] == len(prompt_ids)
+    with pytest.raises(ValueError, match="2 seeds for 1 prompts"):
+        model.generate_batch(["ab"], seed=[1, 2])
+
+    # Trainers read the file as a corpus, one document per row (TokenSwift's heads too).
+    assert [d.text for d in iter_documents([out / "responses.jsonl"])] == [r["text"] for r in rows]
+    heads_tokens = tokenize_files(model.tokenizer, [out / "responses.jsonl"]).tolist()
+    assert heads_tokens == [t for r in rows for t in model.tokenizer(r["text"]).input_ids]
+
+    # A rerun answers nothing again; a row cut off by a killed run is answered again.
+    lines = (out / "responses.jsonl").read_text().splitlines()
+    (out / "responses.jsonl").write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:20])
+    assert main(argv) == 0
+    again = [json.loads(line) for line in (out / "responses.jsonl").read_text().splitlines()]
+    assert sorted(r["id"] for r in again) == sorted(r["id"] for r in rows) and again[-1] == rows[-1]
+    assert "1 responses written now" in capsys.readouterr().err
+
+    assert main(argv + ["--method", "nope"]) == 2  # before loading anything
+    assert "unknown method" in capsys.readouterr().err
