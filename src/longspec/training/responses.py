@@ -95,7 +95,9 @@ def build_prompts(documents: Iterable[Document], tokenizer, *, count: int, excer
         length = rng.choice(list(excerpt_tokens))
         instruction = rng.choice(CODE_INSTRUCTIONS if kind == "code" else PROSE_INSTRUCTIONS)
         sampled = rng.random() < sampled_share
-        ids = tokens.setdefault(document.name, tokenizer(document.text, add_special_tokens=False).input_ids)
+        if document.name not in tokens:  # each document tokenized once, however often it is drawn
+            tokens[document.name] = tokenizer(document.text, add_special_tokens=False).input_ids
+        ids = tokens[document.name]
         if len(ids) < length // 2:
             continue
         start = rng.randrange(max(len(ids) - length, 0) + 1)
