@@ -161,7 +161,9 @@ def bench_rows(path: Path, data_dir: Path, tokenizer, method: str) -> list[dict]
     """The outputs of one method in a `longspec bench` results file, with their prompts
     rebuilt from the run's task files, as replay rows."""
     lines = [json.loads(line) for line in path.open()]
-    header, runs = lines[0], [r for r in lines[1:] if r.get("kind") == "run" and r["method"] == method]
+    header = lines[0]
+    runs = [r for r in lines[1:] if r.get("kind") == "run" and r["method"] == method
+            and r.get("repeat", 0) == 0]  # repeats (`bench --repeats`) hold the same tokens
     prompts = {}
     for task in {spec.partition("=")[0] for spec in header["tasks"]}:
         mine = [r for r in runs if r["task"] == task]
