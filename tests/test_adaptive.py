@@ -219,7 +219,9 @@ def test_copied_runs_size_the_tree_whatever_the_depth():
     matching token never: the controller learns it from the copied runs, verifies the
     whole chain after a long run and nothing after a short one."""
     copier = CopiedRuns()
-    drafter = AdaptiveDrafter([("copy", copier)], forward_cost=cheap_trees_cost(0.1))
+    # A frozen clock: with the synthetic costs, a real one would weigh this machine's load
+    # (a descheduled propose() made the copier look costly and sit a round out).
+    drafter = AdaptiveDrafter([("copy", copier)], forward_cost=cheap_trees_cost(0.1), clock=FakeClock())
     context = DraftContext(tokens=torch.zeros(4, dtype=torch.long), max_nodes=24)
     drafter.begin(context)
     rng = random.Random(0)
@@ -315,7 +317,7 @@ def test_speculation_switches_back_on_as_soon_as_the_proposals_match():
     prompt = random_ids(20, seed=6)[0]
     reference = run(model, prompt, max_new_tokens=300)
     drafter = AdaptiveDrafter([("switching", Switching(reference, prompt.numel(), garbage_rounds=60))],
-                              forward_cost=cheap_trees_cost(0.1))
+                              forward_cost=cheap_trees_cost(0.1), clock=FakeClock())  # synthetic costs, no load
     stats = GenerationStats()
     assert torch.equal(run(model, prompt, drafter, max_new_tokens=300, stats=stats), reference)
     telemetry = stats.controller
