@@ -4,7 +4,8 @@
 # of the LongSpec draft's recipe (documents it holds out are never used): half prose and
 # half code, half greedy and half sampled (T = 1, top-p 0.95), up to 384 new tokens, in
 # batches of 8 rows. Training data for every drafter: --corpus RUNS/responses-gemma-3-270m/responses.jsonl.
-# Rerun the same command to resume while RUNS (default: runs/ in the repository) holds the file.
+# Rerun the same command to resume while RUNS (default: runs/ in the repository) holds the file;
+# the rows made so far are committed: RUNS=benchmarks/results resumes them in place.
 cd "$(dirname "$0")/../.." || exit 1
 RUNS="${RUNS:-runs}"
 exec longspec train responses \
