@@ -1,11 +1,10 @@
 """The target's own responses as a training corpus.
 
-A drafter is judged on the tokens its target writes when serving: answers to
-instructions, continuations of code, the loops of greedy decoding. The documents of
-a local corpus only show the target reading (measured: drafters trained on the
-Python standard library and books agree with the target on 41-55% of held-out
-tokens of that text, yet reach τ 1.0-1.3 on the target's own answers to Multi-News
-and LCC prompts). Here prompts are built from a corpus — an excerpt of a document
+A drafter is judged on the tokens its target writes when serving (answers to
+instructions, continuations of code, the loops of greedy decoding) on the content of
+the workload: the shipped LongSpec draft agrees with the target on 51-55% of held-out
+standard-library and book text, documents and responses alike, but its first drafted
+token is accepted 13-19% of the time on news and Java. Here prompts are built from a corpus — an excerpt of a document
 under an instruction (summarise, explain, continue, complete the code) — and the
 target's responses to them, greedy and sampled, become JSONL rows: the prompt and
 the response as served, without the served prefix (trainers put BOS back), read by
