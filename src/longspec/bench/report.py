@@ -142,8 +142,9 @@ def markdown(rows: Sequence[dict], header: dict | None = None) -> str:
                    f"{_fmt(header.get('bandwidth_gbs'), '.1f')} GB/s.")
     if header.get("command"):
         out.append(f"Command: `{header['command']}`")
-    if header.get("repeats", 1) > 1:
-        out.append(f"Each method ran {header['repeats']} times per prompt and setting, interleaved; the tables "
+    repeats = 1 + max((r.get("repeat", 0) for r in rows if r.get("kind") == "run"), default=0)  # resume may add some
+    if repeats > 1:
+        out.append(f"Each method ran up to {repeats} times per prompt and setting, interleaved; the tables "
                    "show each method's median run.")
     out.append("")
     for setting in settings:

@@ -73,7 +73,7 @@ def add_parser(sub) -> None:
     add_compile_argument(p)
     p.add_argument("--repeats", type=int, default=1, metavar="N",
                    help="time each method N times per prompt and setting, interleaved, and report its median run "
-                        "(a shared machine's speed drifts by 10-20%% between minutes; 3 makes per-row ratios steady)")
+                        "(a shared machine's speed drifts by 10-30%% between minutes; a median of 3 is steadier than one run)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads for every method (default: torch's choice); 1 is steadier on a busy machine")
     p.add_argument("--data-dir", type=Path, default=None,
