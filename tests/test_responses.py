@@ -63,7 +63,8 @@ def test_prompts_are_seeded_skip_held_out_documents_and_ask_code_as_code():
     only_code = [d for d in documents() if d.name.endswith(".py")]
     assert {p.kind for p in build_prompts(only_code, tokenizer, count=5, excerpt_tokens=[40], sampled_share=0.5,
                                           prose_share=1.0, heldout_fraction=0.0, seed=0)} == {"code"}
-    for bad in (dict(count=0), dict(excerpt_tokens=[8]), dict(sampled_share=1.5), dict(prose_share=-0.1)):
+    for bad in (dict(count=0), dict(excerpt_tokens=[8]), dict(sampled_share=1.5), dict(prose_share=-0.1),
+                dict(heldout_fraction=1.0)):
         with pytest.raises(ValueError):
             build(0, **bad)
 
@@ -111,3 +112,6 @@ def test_cli_writes_the_targets_own_responses_and_resumes(tmp_path, capsys):
 
     assert main(argv + ["--method", "nope"]) == 2  # before loading anything
     assert "unknown method" in capsys.readouterr().err
+    missing = argv[:argv.index("--model") + 1] + [str(tmp_path / "no-model")] + argv[argv.index("--model") + 2:]
+    assert main(missing + ["--prompts", "0"]) == 2 and "count must be >= 1" in capsys.readouterr().err
+    assert main(missing + ["--heldout", "1"]) == 2 and "heldout_fraction" in capsys.readouterr().err

@@ -53,13 +53,15 @@ def run(args) -> int:
     from longspec.cli.paths import check_output_directory
     from longspec.speculation.methods import make_drafter
     from longspec.training.data import EXCLUDED_DIRS, corpus_files, iter_documents, stdlib_dir
-    from longspec.training.responses import ResponseSettings, build_prompts, write_responses
+    from longspec.training.responses import ResponseSettings, build_prompts, check_prompt_options, write_responses
 
     # Everything cheap is checked before the weights load.
     check_output_directory(args.out)
     settings = ResponseSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                                 method=args.method, batch_rows=args.batch_rows, seed=args.seed)
     make_drafter(args.method)  # an unknown method fails here
+    check_prompt_options(count=args.prompts, excerpt_tokens=args.excerpt_tokens, sampled_share=args.sampled_share,
+                         prose_share=args.prose_share, heldout_fraction=args.heldout)
     corpus = list(args.corpus) + ([stdlib_dir()] if args.stdlib else [])
     if not corpus:
         raise ValueError("no documents to build prompts from: pass --corpus PATH (repeatable) and/or --stdlib")

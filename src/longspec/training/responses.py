@@ -70,13 +70,8 @@ def build_prompts(documents: Iterable[Document], tokenizer, *, count: int, excer
     proportion to its length, an excerpt of one of `excerpt_tokens` lengths at a random
     place (documents shorter than half of it are passed over), and an instruction for
     its kind. Held-out documents are never used."""
-    if count < 1:
-        raise ValueError(f"count must be >= 1, got {count}")
-    if not excerpt_tokens or min(excerpt_tokens) < 16:
-        raise ValueError(f"excerpt lengths must be >= 16 tokens, got {list(excerpt_tokens)}")
-    for name, share in (("sampled_share", sampled_share), ("prose_share", prose_share)):
-        if not 0.0 <= share <= 1.0:
-            raise ValueError(f"{name} must be in [0, 1], got {share}")
+    check_prompt_options(count=count, excerpt_tokens=excerpt_tokens, sampled_share=sampled_share,
+                         prose_share=prose_share, heldout_fraction=heldout_fraction)
     by_kind: dict[str, list[Document]] = {"prose": [], "code": []}
     for d in documents:
         if d.text.strip() and not is_held_out(d.name, heldout_fraction):
@@ -111,6 +106,20 @@ def build_prompts(documents: Iterable[Document], tokenizer, *, count: int, excer
                                       prompt=instruction.template.format(excerpt=excerpt), chat=instruction.chat,
                                       sampled=sampled)
     return list(prompts.values())
+
+
+def check_prompt_options(*, count: int, excerpt_tokens: Sequence[int], sampled_share: float, prose_share: float,
+                         heldout_fraction: float) -> None:
+    """`build_prompts`' options, checked before any work (the CLI calls it before loading weights)."""
+    if count < 1:
+        raise ValueError(f"count must be >= 1, got {count}")
+    if not excerpt_tokens or min(excerpt_tokens) < 16:
+        raise ValueError(f"excerpt lengths must be >= 16 tokens, got {list(excerpt_tokens)}")
+    for name, share in (("sampled_share", sampled_share), ("prose_share", prose_share)):
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"{name} must be in [0, 1], got {share}")
+    if not 0.0 <= heldout_fraction < 1.0:
+        raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
 
 
 def document_kind(document: Document) -> str:
