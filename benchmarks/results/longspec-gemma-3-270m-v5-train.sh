@@ -4,11 +4,12 @@
 # standard library and books, answered greedy and sampled). Rows start with BOS; the
 # labels are the target's own greedy tokens; same recipe as v4 (fresh schedule at half
 # v3's peak rate). Rerun the same command to resume while RUNS (default: runs/ in the
-# repository) holds the run and the responses.
+# repository) holds the run; RESPONSES names the rows (default: the committed ones).
 cd "$(dirname "$0")/../.." || exit 1
 RUNS="${RUNS:-runs}"
+RESPONSES="${RESPONSES:-benchmarks/results/responses-gemma-3-270m/responses.jsonl}"  # the committed rows
 exec longspec train longspec \
-  --corpus "$RUNS"/responses-gemma-3-270m/responses.jsonl --heldout 0.05 \
+  --corpus "$RESPONSES" --heldout 0.05 \
   --shards "$RUNS"/longspec-gemma270m-v5/shards \
   --out "$RUNS"/longspec-gemma270m-v5 --feature-cache "$RUNS"/longspec-gemma270m-v5/features \
   --init-from src/longspec/weights/longspec-gemma-3-270m.safetensors \
