@@ -254,9 +254,10 @@ def test_first_tokens_and_continuing_tokens_are_counted_apart():
 
 
 def test_optimistic_rates_keep_an_unlucky_depth_in_play_and_fade_with_evidence():
-    """Three rejections at depth 6 of a chain accepted ~95% of the time above it must
-    not bury depth 6 for good: trees are chosen with mean + one posterior deviation,
-    which stays above the mean while the cell is thin and converges to it."""
+    """Three rejections at depth 6 (one a round, as a chain verifies it) of a chain
+    accepted ~95% of the time above it must not bury depth 6 for good: trees are chosen
+    with mean + one posterior deviation, which stays above the mean while the cell is
+    thin and converges to it, and the recent rejections fade in rounds without it."""
     table = AcceptanceTable(drafters=1)
     chain = Source(drafter=0, depth=1, rank=0)
     for depth in range(1, 6):
@@ -264,11 +265,16 @@ def test_optimistic_rates_keep_an_unlucky_depth_in_play_and_fade_with_evidence()
             table.record(Source(0, depth, 0), accepted=i != 0)
     for _ in range(3):
         table.record(Source(0, 6, 0), accepted=False)
+        table.end_round()
     mean, optimistic = table.rates()[0, :, 0, 0, 1], table.rates(optimistic=True)[0, :, 0, 0, 1]  # depths 2..6
     thin = np.sqrt(mean[5] * (1 - mean[5]) / (3 + AcceptanceTable.PRIOR_WEIGHT + 1))  # 3 observations + the prior's
     assert mean[5] < 0.6 and optimistic[5] == pytest.approx(mean[5] + AcceptanceTable.OPTIMISM * thin)
     assert optimistic[5] > mean[5] + 0.05
     assert (optimistic <= 1.0).all() and (optimistic >= mean).all()
+    buried = mean[5]
+    for _ in range(10):  # rounds that do not reach depth 6: the recent rejections fade
+        table.end_round()
+    assert table.rates()[0, 5, 0, 0, 1] > 2 * buried
     for _ in range(400):  # much evidence: the bonus fades
         table.record(Source(0, 6, 0), accepted=False)
     assert table.rates(optimistic=True)[0, 5, 0, 0, 1] - table.rates()[0, 5, 0, 0, 1] < 0.01
