@@ -115,3 +115,55 @@ def test_cli_writes_the_targets_own_responses_and_resumes(tmp_path, capsys):
     missing = argv[:argv.index("--model") + 1] + [str(tmp_path / "no-model")] + argv[argv.index("--model") + 2:]
     assert main(missing + ["--prompts", "0"]) == 2 and "count must be >= 1" in capsys.readouterr().err
     assert main(missing + ["--heldout", "1"]) == 2 and "heldout_fraction" in capsys.readouterr().err
+
+
+def test_task_prompts_are_served_as_bench_serves_them_and_skip_measured_items(tmp_path, capsys):
+    """`--task`: a benchmark task's items, each fitted to one of the context lengths it
+    reaches exactly as `longspec bench` fits it, answered with the target's own tokens;
+    items that a benchmark results file measured are never used."""
+    from longspec.bench.tasks import PromptFilter, load_longbench
+    from longspec.bench.tasks import build_prompts as bench_prompts
+    from longspec.cli.train_responses import task_prompts
+    from longspec.training.data import served_prefix
+
+    checkpoint = save_checkpoint(tmp_path / "tiny")
+    rows = [{"_id": f"news{i}", "input": "", "context": "".join(f"Story {i}, line {j}.\n" for j in range(2 + 3 * i))}
+            for i in range(6)]
+    task_file = tmp_path / "multi_news.jsonl"
+    task_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    measured = tmp_path / "results.jsonl"
+    measured.write_text(json.dumps({"kind": "header"}) + "\n" + "".join(
+        json.dumps({"kind": "run", "task": "multi_news", "item": item, "method": "ar"}) + "\n"
+        for item in ("news2", "news4", "news4")))
+    out = tmp_path / "out"
+    argv = ["train", "responses", "--model", str(checkpoint), "--dtype", "float64", "--task",
+            f"multi_news={task_file}", "--exclude-items-of", str(measured), "--context-lengths", "160", "220",
+            "--out", str(out), "--prompts", "10", "--max-new-tokens", "6", "--batch-rows", "2", "--seed", "1",
+            "--threads", "1"]
+    assert main(argv) == 0
+    written = [json.loads(line) for line in (out / "responses.jsonl").read_text().splitlines()]
+    model = longspec.load(checkpoint, dtype="float64")
+    items = {item.item_id: item for item in load_longbench(task_file, "multi_news")}
+    lengths = {i: len(model.tokenizer(item.text).input_ids) for i, item in items.items()}
+    expected = {i for i, n in lengths.items() if n >= 160} - {"news2", "news4"}
+    assert len(expected) >= 2 and {r["source"] for r in written} == {f"multi_news:{i}" for i in expected}
+    assert {r["sampled"] for r in written} == {False, True}
+    kept = [item for i, item in items.items() if i not in ("news2", "news4")]
+    order = [p.id for p in task_prompts(kept, model.tokenizer, lengths=[160, 220], count=10, sampled_share=0.5, seed=1)]
+    prefix = len(served_prefix(model.tokenizer))
+    for r in written:
+        item_id, length = r["id"].removeprefix("multi_news:").split("@")
+        assert lengths[item_id] >= int(length) and r["prompt_tokens"] == int(length)
+        served = bench_prompts([items[item_id]], model.tokenizer, PromptFilter(buckets=(int(length),)))[0].ids
+        sampling = dict(temperature=1.0, top_p=0.95, seed=1 + order.index(r["id"])) if r["sampled"] else {}
+        alone = model.generate(served, max_new_tokens=6, method="ar", **sampling)
+        assert r["response"] == alone.text  # the target's own tokens on exactly the prompt bench serves
+        assert r["text"] == model.tokenizer.decode(served.tolist()[prefix:] + alone.token_ids)
+    assert "2 items measured by the benchmark runs are left out" in capsys.readouterr().err
+
+    for bad, message in ((["--corpus", str(task_file)], "not both"),
+                         (["--exclude-items-of", str(tmp_path / "none.jsonl")], "not found"),
+                         (["--context-lengths", "0"], "positive token counts")):
+        assert main(argv + bad) == 2 and message in capsys.readouterr().err
+    measured.write_text(json.dumps({"kind": "header"}) + "\n")
+    assert main(argv) == 2 and "holds no benchmark runs" in capsys.readouterr().err

@@ -86,7 +86,8 @@ def add_parser(sub) -> None:
                    help="re-render report.md and plots from DIR/results.jsonl without running anything")
 
 
-def _data_dir(args) -> Path | None:
+def data_dir_of(args) -> Path | None:
+    """--data-dir, else $LONGSPEC_BENCH_DATA, else ../shared/data when it exists."""
     if args.data_dir is not None:
         return args.data_dir
     if os.environ.get(DATA_ENV):
@@ -173,7 +174,7 @@ def run(args) -> int:
     buckets = tuple(pick(args.context_buckets, preset.context_buckets if preset else ()))
     method_names = args.methods or our_method_names() + ["hf", "hf_pld"]
     # Everything cheap is checked before loading weights.
-    data_dir = _data_dir(args)
+    data_dir = data_dir_of(args)
     specs = [TaskSpec.parse(t, data_dir) for t in tasks]
     items = {spec: spec.load() for spec in specs}
     settings = _settings(args, preset)

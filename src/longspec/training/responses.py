@@ -14,6 +14,10 @@ not answered yet.
 
 Documents that the split holds out (`is_held_out` with the trainers' own fraction)
 are never used, so evaluation rows built from the same corpus stay unseen.
+
+Prompts may also come already tokenized (`ResponsePrompt.prompt_ids`): a workload's
+own prompts exactly as they are served, e.g. a benchmark task's items fitted to a
+context length (`longspec train responses --task`).
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ class ResponsePrompt:
     prompt: str
     chat: bool
     sampled: bool  # answered with the sampling settings (else greedy)
+    prompt_ids: tuple[int, ...] | None = None  # served as exactly these tokens (`prompt` is their text); None: encode `prompt`
 
 
 def build_prompts(documents: Iterable[Document], tokenizer, *, count: int, excerpt_tokens: Sequence[int],
@@ -180,15 +185,16 @@ def write_responses(model, prompts: Sequence[ResponsePrompt], out_path: Path, se
                     if not part:
                         continue
                     results = model.generate_batch(
-                        [p.prompt for _, p in part], max_rows=settings.batch_rows, method=settings.method,
+                        [list(p.prompt_ids) if p.prompt_ids else p.prompt for _, p in part], max_rows=settings.batch_rows, method=settings.method,
                         max_new_tokens=settings.max_new_tokens, chat=chat,
                         seed=[settings.seed + i for i, _ in part] if sampled else None,
                         temperature=settings.temperature if sampled else 0.0,
                         top_p=settings.top_p if sampled else None)
                     for (_, p), result in zip(part, results):
-                        prompt_ids = model.encode(p.prompt, chat=p.chat).tolist()
+                        prompt_ids = list(p.prompt_ids) if p.prompt_ids else model.encode(p.prompt, chat=p.chat).tolist()
                         text = model.tokenizer.decode(prompt_ids[prefix:] + result.token_ids)
-                        row = asdict(p) | {"prompt_tokens": len(prompt_ids), "response_tokens": len(result.token_ids),
+                        fields = {k: v for k, v in asdict(p).items() if k != "prompt_ids"}  # the text says it
+                        row = fields | {"prompt_tokens": len(prompt_ids), "response_tokens": len(result.token_ids),
                                            "response": result.text, "text": text}
                         f.write(json.dumps(row) + "\n")
                         f.flush()
