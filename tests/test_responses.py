@@ -167,3 +167,22 @@ def test_task_prompts_are_served_as_bench_serves_them_and_skip_measured_items(tm
         assert main(argv + bad) == 2 and message in capsys.readouterr().err
     measured.write_text(json.dumps({"kind": "header"}) + "\n")
     assert main(argv) == 2 and "holds no benchmark runs" in capsys.readouterr().err
+
+
+def test_committed_longbench_responses_use_no_item_a_committed_benchmark_measured():
+    """The in-domain training rows (the target's responses to LongBench prompts) must
+    leave out every Multi-News and LCC item that a committed benchmark run measured, so
+    drafters trained on them are measured on unseen items."""
+    from pathlib import Path
+
+    from longspec.bench.runner import load_rows
+
+    results = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+    rows = [json.loads(line) for line in
+            (results / "responses-longbench-gemma-3-270m" / "responses.jsonl").read_text().splitlines()]
+    used = {tuple(r["source"].split(":", 1)) for r in rows}
+    measured = {(r["task"], str(r["item"])) for path in results.glob("**/results*.jsonl")
+                for r in load_rows(path) if r.get("kind") == "run"}
+    longbench = {m for m in measured if m[0] in ("multi_news", "lcc")}
+    assert len(rows) >= 100 and {task for task, _ in used} == {"multi_news", "lcc"}
+    assert len(longbench) >= 6 and not used & longbench
