@@ -65,7 +65,7 @@ class ResponsePrompt:
     prompt: str
     chat: bool
     sampled: bool  # answered with the sampling settings (else greedy)
-    prompt_ids: tuple[int, ...] | None = None  # served as exactly these tokens (`prompt` is their text); None: encode `prompt`
+    prompt_ids: tuple[int, ...] | None = None  # served as exactly these tokens (`prompt`: their text); None: encode it
 
 
 def build_prompts(documents: Iterable[Document], tokenizer, *, count: int, excerpt_tokens: Sequence[int],
@@ -185,7 +185,8 @@ def write_responses(model, prompts: Sequence[ResponsePrompt], out_path: Path, se
                     if not part:
                         continue
                     results = model.generate_batch(
-                        [list(p.prompt_ids) if p.prompt_ids else p.prompt for _, p in part], max_rows=settings.batch_rows, method=settings.method,
+                        [list(p.prompt_ids) if p.prompt_ids else p.prompt for _, p in part],
+                        max_rows=settings.batch_rows, method=settings.method,
                         max_new_tokens=settings.max_new_tokens, chat=chat,
                         seed=[settings.seed + i for i, _ in part] if sampled else None,
                         temperature=settings.temperature if sampled else 0.0,
