@@ -243,3 +243,60 @@ def test_shipped_external_drafters_fit_the_embedded_gemma_and_stay_lossless(meth
     drafted = model.generate(prompt, max_new_tokens=24, ignore_eos=True, method=method)
     assert drafted.token_ids == greedy.token_ids
     assert drafted.stats.tau > 1.0  # the shipped drafter's tokens were accepted at least once
+
+
+def _cli_training(tmp_path, kind):
+    from tiny_models import save_checkpoint
+
+    checkpoint = save_checkpoint(tmp_path / "target", family="llama", max_position_embeddings=512)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    return checkpoint, ["train", kind, "--model", str(checkpoint), "--corpus", str(corpus), "--heldout", "0",
+                        "--dtype", "float32", "--seq-len", "32", "--batch-size", "2", "--save-every", "2", "--threads", "1"]
+
+
+@pytest.mark.parametrize("kind", ["mamba", "draft-model"])
+def test_init_from_continues_a_trained_drafter_with_its_architecture_and_vocabulary(tmp_path, kind):
+    from safetensors.torch import load_file
+
+    from longspec.cli.main import main
+
+    _, argv = _cli_training(tmp_path, kind)
+    first = tmp_path / "first"
+    assert main(argv + ["--out", str(first), "--hidden-size", "32", "--layers", "2", "--draft-vocab", "40",
+                        "--steps", "2"]) == 0
+    # Zero steps: the continued run's weights are the drafter it started from.
+    same = tmp_path / "same"
+    assert main(argv + ["--out", str(same), "--init-from", str(first), "--steps", "1", "--lr", "0"]) == 0
+    before, after = load_file(str(first / "model.safetensors")), load_file(str(same / "model.safetensors"))
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert torch.equal(VocabMap.load(same).target_ids, VocabMap.load(first).target_ids)
+    # Trained further, it moves, and resumes like any run.
+    further = tmp_path / "further"
+    assert main(argv + ["--out", str(further), "--init-from", str(first), "--steps", "2"]) == 0
+    moved = load_file(str(further / "model.safetensors"))
+    assert any(not torch.equal(before[k], moved[k]) for k in before)
+    assert main(argv + ["--out", str(further), "--init-from", str(first), "--steps", "3"]) == 0
+    assert len((further / "loss.csv").read_text().splitlines()) == 1 + 3
+
+
+def test_init_from_refusals_name_the_fix(tmp_path, capsys):
+    from longspec.cli.main import main
+
+    _, argv = _cli_training(tmp_path, "mamba")
+    mamba = tmp_path / "mamba"
+    assert main(argv + ["--out", str(mamba), "--hidden-size", "32", "--layers", "2", "--draft-vocab", "40",
+                        "--steps", "1"]) == 0
+    capsys.readouterr()
+    refusals = [
+        (argv + ["--out", str(tmp_path / "b"), "--init-from", str(mamba), "--layers", "3"],
+         "keeps the drafter's architecture and vocabulary: drop --layers"),
+        (argv + ["--out", str(tmp_path / "c"), "--init-from", str(tmp_path / "target")],
+         "is not a trained drafter (no longspec-vocab.json)"),
+        (["train", "draft-model"] + argv[2:] + ["--out", str(tmp_path / "d"), "--init-from", str(mamba)],
+         "holds a mamba model: continue it with `longspec train mamba`"),
+    ]
+    for command, message in refusals:
+        assert main(command) == 2
+        assert message in capsys.readouterr().err
+    assert not any((tmp_path / name / "model.safetensors").exists() for name in "bcd")
