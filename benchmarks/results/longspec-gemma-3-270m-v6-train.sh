@@ -9,18 +9,12 @@
 # 240 rows (`head -n 240` of it as RESPONSES reproduces that run); the committed file has 371.
 cd "$(dirname "$0")/../.." || exit 1
 RUNS="${RUNS:-runs}"
-# The draft this run continues: v3, shipped from commit c35e978 until v7 replaced it.
-V3="$RUNS"/longspec-gemma-3-270m-v3
-if [ ! -f "$V3".safetensors ]; then
-  mkdir -p "$RUNS" &&
-    git show c35e978:src/longspec/weights/longspec-gemma-3-270m.safetensors > "$V3".safetensors &&
-    git show c35e978:src/longspec/weights/longspec-gemma-3-270m.json > "$V3".json || exit 1
-fi
+V3=$(benchmarks/results/longspec-gemma-3-270m-v3-weights.sh "$RUNS") || exit 1  # the draft this run continues
 RESPONSES="${RESPONSES:-benchmarks/results/responses-longbench-gemma-3-270m/responses.jsonl}"  # the committed rows
 exec longspec train longspec \
   --corpus "$RESPONSES" --heldout 0.05 \
   --shards "$RUNS"/longspec-gemma270m-v6/shards \
   --out "$RUNS"/longspec-gemma270m-v6 --feature-cache "$RUNS"/longspec-gemma270m-v6/features \
-  --init-from "$V3".safetensors \
+  --init-from "$V3" \
   --max-rows 2000 --steps 1200 --seq-len 512 --batch-size 2 --lr 5e-4 --warmup 20 --save-every 25 \
   --gamma 5 --noisy --anchor-offset --labels target --bos --seed 0 --threads 1 --max-minutes 40 "$@"

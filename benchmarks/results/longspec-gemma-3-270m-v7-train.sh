@@ -12,19 +12,13 @@
 # src/longspec/weights/longspec-gemma-3-270m.safetensors` writes the shipped file.
 cd "$(dirname "$0")/../.." || exit 1
 RUNS="${RUNS:-runs}"
-# The draft this run continues: v3, shipped from commit c35e978 until v7 replaced it.
-V3="$RUNS"/longspec-gemma-3-270m-v3
-if [ ! -f "$V3".safetensors ]; then
-  mkdir -p "$RUNS" &&
-    git show c35e978:src/longspec/weights/longspec-gemma-3-270m.safetensors > "$V3".safetensors &&
-    git show c35e978:src/longspec/weights/longspec-gemma-3-270m.json > "$V3".json || exit 1
-fi
+V3=$(benchmarks/results/longspec-gemma-3-270m-v3-weights.sh "$RUNS") || exit 1  # the draft this run continues
 TASK_RESPONSES="${TASK_RESPONSES:-benchmarks/results/responses-longbench-gemma-3-270m/responses.jsonl}"
 GENERAL_RESPONSES="${GENERAL_RESPONSES:-benchmarks/results/responses-gemma-3-270m/responses.jsonl}"
 exec longspec train longspec \
   --corpus "$TASK_RESPONSES" --corpus "$GENERAL_RESPONSES" --heldout 0.05 \
   --shards "$RUNS"/longspec-gemma270m-v7/shards \
   --out "$RUNS"/longspec-gemma270m-v7 --feature-cache "$RUNS"/longspec-gemma270m-v7/features \
-  --init-from "$V3".safetensors \
+  --init-from "$V3" \
   --max-rows 2200 --steps 1100 --seq-len 512 --batch-size 2 --lr 5e-4 --warmup 20 --save-every 25 \
   --gamma 5 --noisy --anchor-offset --labels target --bos --seed 0 --threads 2 --max-minutes 62 "$@"
