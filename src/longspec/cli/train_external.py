@@ -92,7 +92,7 @@ def run(args) -> int:
         given = [_flag(name) for name, value in shape.items() if value is not None]
         if given:
             raise ValueError(f"--init-from keeps the drafter's architecture and vocabulary: drop {', '.join(given)}")
-        check_initial_drafter(args.init_from)
+        check_initial_drafter(args.init_from, args.architecture)  # before the target loads
     shape = {name: ARCHITECTURE_OPTIONS[args.architecture][name] if value is None else value for name, value in shape.items()}
     for name in ("steps", "seq_len", "batch_size"):
         if getattr(args, name) < 1:

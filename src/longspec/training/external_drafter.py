@@ -190,27 +190,29 @@ def cut_vocabulary(model, vocab: VocabMap, frequencies: torch.Tensor, keep: int,
     return VocabMap(vocab.target_ids[kept], vocab.target_vocab_size)
 
 
-def check_initial_drafter(directory: str | Path) -> None:
+def check_initial_drafter(directory: str | Path, architecture: str) -> None:
     """Before any weights load: `directory` holds a drafter as training writes it (the
-    model as `transformers` saves it, with its vocabulary map)."""
+    model as `transformers` saves it, with its vocabulary map), of `architecture`
+    ("mamba" or "draft-model")."""
+    from transformers import AutoConfig
+
     directory = Path(directory)
     missing = [name for name in ("config.json", WEIGHTS_NAME, VOCAB_FILE) if not (directory / name).is_file()]
     if missing:
         raise FileNotFoundError(f"--init-from {directory} is not a trained drafter (no {', '.join(missing)}); pass the "
                                 "directory `longspec train mamba|draft-model --out` wrote, or a shipped drafter's")
-
-
-def initial_drafter(directory: str | Path, architecture: str, target_config) -> tuple[torch.nn.Module, VocabMap]:
-    """A trained drafter to continue (float32) and its vocabulary, refused with the
-    reason when it is not of `architecture` ("mamba" or "draft-model") or does not fit
-    the target's vocabulary."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    check_initial_drafter(directory)
     model_type = AutoConfig.from_pretrained(str(directory)).model_type
     if (model_type == "mamba") != (architecture == "mamba"):
         other = "mamba" if model_type == "mamba" else "draft-model"
         raise ValueError(f"--init-from {directory} holds a {model_type} model: continue it with `longspec train {other}`")
+
+
+def initial_drafter(directory: str | Path, architecture: str, target_config) -> tuple[torch.nn.Module, VocabMap]:
+    """A trained drafter to continue (float32) and its vocabulary, refused with the
+    reason when it is not of `architecture` or does not fit the target's vocabulary."""
+    from transformers import AutoModelForCausalLM
+
+    check_initial_drafter(directory, architecture)
     vocab = VocabMap.load(directory)
     model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
     vocab.check_fits("drafter of --init-from", model.config.vocab_size, target_config)
