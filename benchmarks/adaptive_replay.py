@@ -5,6 +5,7 @@ bf16 near-ties that make the methods' own runs diverge.
     python benchmarks/adaptive_replay.py --record      # once: continuations to bench-out/replay/
     python benchmarks/adaptive_replay.py               # replay every variant over them
     python benchmarks/adaptive_replay.py --from-bench bench-out/full/results.jsonl  # a bench run's outputs
+    python benchmarks/adaptive_replay.py --measure-machine-now ...  # the machine changed since its cost was cached
 
 Recording runs the target (prompt lookup, greedy and sampled) on Multi-News and LCC
 prompts and keeps prompt and output ids. Replaying needs no target: each round, a
@@ -16,7 +17,10 @@ machine, the sequence's context bucket) plus the drafter's own measured time (pr
 and observe) plus a fixed engine overhead per round. Tokens per second are therefore a
 model of a run, built from measured parts, not a wall-clock run; `longspec bench`
 gives those. `auto` times its rounds by a clock that runs these modeled forwards too, so
-it sees the costs a real run would show it.
+it sees the costs a real run would show it. With `--measure-machine-now` the rounds cost
+forwards measured at the start of the replay while `auto` is given the cached
+measurement, as in a run on a machine that changed since (another tenant taking
+memory bandwidth): the case `auto`'s online cost fit is for.
 
 Each `auto` variant also reports its calibration: predicted / realised accepted tokens
 per round, summed over the rows of each setting and task (the adaptive issue's goal:
@@ -40,7 +44,8 @@ import torch
 import longspec
 from common import machine, write_results
 from longspec.bench.tasks import PromptFilter, TaskSpec, build_prompts
-from longspec.speculation.cost_model import ForwardCost, forward_cost_at
+from longspec.speculation.cost_model import DEFAULT_KS, ForwardCost, forward_cost_at, measure_forward_cost
+from longspec.speculation.drafters.adaptive.cost_fit import OnlineCostFit
 from longspec.speculation.drafters.adaptive.presets import make_auto
 from longspec.speculation.drafters.base import DraftContext
 from longspec.speculation.drafters.prompt_lookup import PromptLookupDrafter
@@ -77,6 +82,20 @@ def auto_over(components: str, *, depth_only: bool = False) -> Callable[[], obje
                 component.drafter = WithoutCopiedRuns(component.drafter)
         return drafter
     return make
+
+
+class OneFactorCostFit(OnlineCostFit):
+    """The cost correction before `OnlineCostFit`: one realised / measured ratio
+    scales the whole measured curve."""
+
+    def seconds(self, base: float, extra: float) -> float:
+        return self.level * (base + extra)
+
+
+def auto_one_cost_factor() -> object:
+    drafter = make_auto(components="pld")
+    drafter.cost_fit_type = OneFactorCostFit
+    return drafter
 
 
 def auto_one_timescale() -> object:
@@ -118,6 +137,7 @@ VARIANTS: dict[str, Callable[[], object]] = {
     "auto-pld-by-depth": auto_over("pld", depth_only=True),
     "auto-pld-one-timescale": auto_one_timescale,
     "auto-pld": auto_over("pld"),
+    "auto-pld-one-cost-factor": auto_one_cost_factor,
     "auto-pld-ngram": auto_over("pld,ngram"),
     "auto-pld-pooled-first": auto_pooled_first_token,
     "auto-before-continued-copies": auto_before_continued_copies,
@@ -175,10 +195,14 @@ def bench_rows(path: Path, data_dir: Path, tokenizer, method: str) -> list[dict]
              "prompt": prompts[(r["task"], r["item"], r["bucket"])], "output": r["output_ids"]} for r in runs]
 
 
-def replay(row: dict, make: Callable[[], object], cost_of: Callable[[int], ForwardCost], count_drafting: bool) -> dict:
+def replay(row: dict, make: Callable[[], object], cost_of: Callable[[int], ForwardCost], count_drafting: bool,
+           clock_cost_of: Callable[[int], ForwardCost] | None = None) -> dict:
+    """One variant over one row; rounds cost `clock_cost_of`'s forwards (by default the
+    measurement the controller itself is given, `cost_of`)."""
     tokens = torch.tensor(row["prompt"] + row["output"])
     committed = len(row["prompt"])
     cost = cost_of(committed)
+    machine_cost = (clock_cost_of or cost_of)(committed)
     drafter = make()
     clock = ModeledClock()
     if hasattr(drafter, "forward_cost"):
@@ -194,12 +218,13 @@ def replay(row: dict, make: Callable[[], object], cost_of: Callable[[int], Forwa
         # What verification accepts: how deep the tree follows the continuation (not timed).
         accepted, _ = walk_down(tree, 0, tokens[committed:].tolist())
         step = tokens[committed: committed + accepted + 1]
+        # The forward runs between propose and observe: `auto` times the round it verifies.
+        clock.advance(machine_cost.seconds_for(tree.size) + ROUND_OVERHEAD_S)
         start = time.perf_counter()
         drafter.observe(step)
         spent += time.perf_counter() - start
         drafting += spent
-        clock.advance(cost.seconds_for(tree.size) + ROUND_OVERHEAD_S)
-        seconds += cost.seconds_for(tree.size) + ROUND_OVERHEAD_S + (spent if count_drafting else 0.0)
+        seconds += machine_cost.seconds_for(tree.size) + ROUND_OVERHEAD_S + (spent if count_drafting else 0.0)
         rounds += 1
         committed += step.numel()
     new = len(row["output"])
@@ -228,6 +253,9 @@ def main() -> None:
     parser.add_argument("--without-drafting-time", action="store_true",
                         help="leave the drafters' own time out (the acceptance model alone)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the forward-cost measurement")
+    parser.add_argument("--measure-machine-now", action="store_true",
+                        help="rounds cost forwards measured now, while `auto` is given the cached measurement "
+                             "(as in a run on a machine that changed since it was measured)")
     parser.add_argument("--out", type=Path, default=Path("bench-out/adaptive_replay.jsonl"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -246,11 +274,20 @@ def main() -> None:
         cost = forward_cost_at(model, length)
         return costs.setdefault(cost.key["context"], cost)
 
+    now: dict[int, ForwardCost] = {}
+
+    def measured_now(length: int) -> ForwardCost:
+        context = cost_of(length).key["context"]
+        if context not in now:
+            now[context] = measure_forward_cost(model, context=context, ks=DEFAULT_KS)
+        return now[context]
+
+    clock_cost_of = measured_now if args.measure_machine_now else None
     results = []
     for row in rows:
         line = f"{row['task'][:10]:10s} {row['bucket']:6d} {row['item'][:8]} T={row['temperature']:g}"
         for name in args.variants:
-            measured = replay(row, VARIANTS[name], cost_of, not args.without_drafting_time)
+            measured = replay(row, VARIANTS[name], cost_of, not args.without_drafting_time, clock_cost_of)
             results.append({"task": row["task"], "bucket": row["bucket"], "item": row["item"],
                             "temperature": row["temperature"], "variant": name, **measured})
             line += f" | {name} {measured['tokens_per_s']:6.1f}"
@@ -268,6 +305,7 @@ def main() -> None:
     header = {"benchmark": "adaptive_replay", "machine": machine(), "rows": len(rows), "threads": args.threads,
               "drafting_time_counted": not args.without_drafting_time, "round_overhead_s": ROUND_OVERHEAD_S,
               "forward_cost_ms": {str(c): [round(1000 * s, 2) for s in cost.seconds] for c, cost in costs.items()},
+              "machine_forward_cost_ms": {str(c): [round(1000 * s, 2) for s in cost.seconds] for c, cost in now.items()},
               "time": time.ctime()}
     write_results(args.out, header, results)
 

@@ -16,8 +16,9 @@ Each round:
    conditional probabilities normalised to sum at most 1, since one child at most
    is accepted).
 3. The policy picks k, the number of best-ranked nodes to verify: the expected
-   tokens per second against the measured cost of a forward of k + 1 tokens
-   (`ThroughputPolicy`, the default) or UCB over node budgets (`UCBPolicy`).
+   tokens per second against the cost of a forward of k + 1 tokens, the cached
+   measurement refitted online to the realised rounds (`ThroughputPolicy`, the
+   default; `cost_fit.py`) or UCB over node budgets (`UCBPolicy`).
    k = 0 — plain decoding — is always a candidate, so speculation switches itself
    off where it does not pay.
 4. Every proposed node is measured, verified or not: the nodes left out of the
@@ -42,6 +43,7 @@ import torch
 
 from longspec.runtime.device import HOST
 from longspec.speculation.cost_model import ForwardCost, forward_cost_at
+from longspec.speculation.drafters.adaptive.cost_fit import OnlineCostFit
 from longspec.speculation.drafters.adaptive.merge import MergedTree, Source, merge_trees, subtree
 from longspec.speculation.drafters.adaptive.policies import ThroughputPolicy, TreePolicy
 from longspec.speculation.drafters.adaptive.unverified import UnverifiedNodes
@@ -190,6 +192,10 @@ class ControllerTelemetry:
     calls: dict[str, int] = field(default_factory=dict)
     credited_tokens: dict[str, int] = field(default_factory=dict)
     unavailable: dict[str, str] = field(default_factory=dict)  # components that do not fit the target, and why
+    # The realised verification time over the measured one (`OnlineCostFit`): of the
+    # forward's weight-bound base, and of what the tree's nodes add to it.
+    cost_scale_base: float = 1.0
+    cost_scale_extra: float = 1.0
 
     def as_dict(self) -> dict:
         rounds = max(self.rounds, 1)
@@ -200,6 +206,7 @@ class ControllerTelemetry:
             "realised_accepted_per_round": self.realised_accepted / rounds,
             "calls": dict(self.calls), "credited_tokens": dict(self.credited_tokens),
             "unavailable": dict(self.unavailable),
+            "cost_scale_base": self.cost_scale_base, "cost_scale_extra": self.cost_scale_extra,
         }
 
 
@@ -207,6 +214,7 @@ class AdaptiveDrafter:
     # Sizes its tree from the measured forward cost at the batch's width itself: a
     # batched engine's joint budget leaves its trees whole.
     sizes_tree_from_cost = True
+    cost_fit_type = OnlineCostFit  # how realised rounds correct the measured cost (a replay swaps it)
 
     def __init__(
         self,
@@ -231,6 +239,7 @@ class AdaptiveDrafter:
         self.clock = clock  # times rounds and components (a replay passes a clock that runs its modeled forwards)
         self.telemetry_state = ControllerTelemetry()
         self.table = AcceptanceTable(len(self.components))
+        self._cost_fit = self.cost_fit_type()
 
     # --------------------------------------------------------------- protocol
     def check_target(self, config) -> None:
@@ -262,7 +271,7 @@ class AdaptiveDrafter:
             if context.target is None:
                 raise ValueError("auto needs the target view to measure its forward cost (or pass forward_cost)")
             self.forward_cost = self._measured_cost(context)
-        self._time_scale = 1.0  # realised / predicted verification time, tracked online
+        self._cost_fit = self.cost_fit_type()  # the measured cost refitted to the realised rounds
         self._rows = 1  # sequences sharing the verification forward
         self._round: dict | None = None
         # Telemetry is per sequence; what was learned (acceptance, costs) carries over.
@@ -311,8 +320,7 @@ class AdaptiveDrafter:
         k = self.policy.choose(ranked, lambda k: drafted_s + self._verify_seconds(k))
         tree, kept = subtree(merged.tree, order[:k])
         self._round = {"start": start, "merged": merged, "agreement": agreement, "kept": kept, "called": called, "k": k,
-                       "predicted": sum(expected[n] for n in order[:k]), "measured_forward_s": self.forward_cost.seconds_for(self._rows * (k + 1)),
-                       "drafted_s": drafted_s, "order": order, "expected": expected, "tree": tree}
+                       "predicted": sum(expected[n] for n in order[:k]), "drafted_s": drafted_s, "order": order, "expected": expected, "tree": tree}
         return tree
 
     def widen(self, context: DraftContext, nodes: int) -> Tree:
@@ -365,11 +373,11 @@ class AdaptiveDrafter:
             component = self.components[index]
             previous = component.exclusive_gain
             component.exclusive_gain = gained if previous is None else (1 - _EMA) * previous + _EMA * gained
-        # The machine now against the cost model's measurement (load, context growth);
-        # in a batch the round's wall time spans the whole shared forward.
-        verify_s = max(seconds - round_["drafted_s"], 1e-9)
-        ratio = verify_s / max(round_["measured_forward_s"], 1e-9)
-        self._time_scale = (1 - _EMA) * self._time_scale + _EMA * min(max(ratio, 0.25), 4.0)
+        # The machine now against the cost model's measurement (load, a neighbour taking
+        # memory bandwidth, context growth); in a batch the round's wall time spans the
+        # whole shared forward, priced at the nodes this row verified.
+        base, whole = self._measured_forward(0), self._measured_forward(len(kept) - 1)
+        self._cost_fit.observe(base, whole - base, max(seconds - round_["drafted_s"], 1e-9))
         self.policy.update(round_["k"], int(committed.numel()), seconds, self._verify_seconds(0))
         t = self.telemetry_state
         t.rounds += 1
@@ -383,6 +391,7 @@ class AdaptiveDrafter:
         t = self.telemetry_state
         t.calls = {c.name: c.calls for c in self.components}
         t.credited_tokens = {c.name: c.credited for c in self.components}
+        t.cost_scale_base, t.cost_scale_extra = self._cost_fit.a, self._cost_fit.b
         return t.as_dict()
 
     def state_nbytes(self) -> int:
@@ -410,13 +419,16 @@ class AdaptiveDrafter:
     def _measured_cost(self, context: DraftContext) -> ForwardCost:
         return forward_cost_at(context.target.model, int(context.tokens.numel()))
 
-    def _measured_seconds(self, k: int) -> float:
-        """This row's share of a forward in which every row verifies k + 1 tokens
-        (in a batch, its nodes are priced at the batch's width, not alone)."""
-        return self.forward_cost.seconds_for(self._rows * (k + 1)) / self._rows
+    def _measured_forward(self, k: int) -> float:
+        """The measured seconds of a forward in which every row verifies k + 1 tokens."""
+        return self.forward_cost.seconds_for(self._rows * (k + 1))
 
     def _verify_seconds(self, k: int) -> float:
-        return self._time_scale * self._measured_seconds(k)
+        """This row's share of a forward in which every row verifies k + 1 tokens (in a
+        batch, its nodes are priced at the batch's width, not alone), as the machine
+        runs it now."""
+        base = self._measured_forward(0)
+        return self._cost_fit.seconds(base, self._measured_forward(k) - base) / self._rows
 
     @staticmethod
     def _time_call(component: _Component, elapsed: float) -> None:
