@@ -6,6 +6,7 @@ bf16 near-ties that make the methods' own runs diverge.
     python benchmarks/adaptive_replay.py               # replay every variant over them
     python benchmarks/adaptive_replay.py --from-bench bench-out/full/results.jsonl  # a bench run's outputs
     python benchmarks/adaptive_replay.py --measure-machine-now ...  # the machine changed since its cost was cached
+    python benchmarks/adaptive_replay.py --draw-cost ...  # sampled tokens' draws charged as the engine pays them
 
 Recording runs the target (prompt lookup, greedy and sampled) on Multi-News and LCC
 prompts and keeps prompt and output ids. Replaying needs no target: each round, a
@@ -20,7 +21,7 @@ gives those. `auto` times its rounds by a clock that runs these modeled forwards
 it sees the costs a real run would show it. With `--measure-machine-now` the rounds cost
 forwards measured at the start of the replay while `auto` is given the cached
 measurement, as in a run on a machine that changed since (another tenant taking
-memory bandwidth): the case `auto`'s online cost fit is for.
+memory bandwidth), which the cost fits of `adaptive_cost_fits.py` were tried for.
 
 Each `auto` variant also reports its calibration: predicted / realised accepted tokens
 per round, summed over the rows of each setting and task (the adaptive issue's goal:
@@ -42,14 +43,15 @@ from pathlib import Path
 import torch
 
 import longspec
+from adaptive_cost_fits import NodesOnlyCostFit, ThreeTermCostFit
 from common import machine, write_results
 from longspec.bench.tasks import PromptFilter, TaskSpec, build_prompts
 from longspec.speculation.cost_model import DEFAULT_KS, ForwardCost, forward_cost_at, measure_forward_cost
-from longspec.speculation.drafters.adaptive.cost_fit import OnlineCostFit
 from longspec.speculation.drafters.adaptive.presets import make_auto
 from longspec.speculation.drafters.base import DraftContext
 from longspec.speculation.drafters.prompt_lookup import PromptLookupDrafter
 from longspec.speculation.joint_budget import walk_down
+from longspec.speculation.processors import SamplingParams, processed_probs, sample
 from longspec.speculation.tree import Tree
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -84,18 +86,13 @@ def auto_over(components: str, *, depth_only: bool = False) -> Callable[[], obje
     return make
 
 
-class OneFactorCostFit(OnlineCostFit):
-    """The cost correction before `OnlineCostFit`: one realised / measured ratio
-    scales the whole measured curve."""
-
-    def seconds(self, base: float, extra: float) -> float:
-        return self.level * (base + extra)
-
-
-def auto_one_cost_factor() -> object:
-    drafter = make_auto(components="pld")
-    drafter.cost_fit_type = OneFactorCostFit
-    return drafter
+def auto_with_cost(cost_fit_type) -> Callable[[], object]:
+    """auto over pld whose measured forward cost is corrected by `cost_fit_type`."""
+    def make():
+        drafter = make_auto(components="pld")
+        drafter.cost_fit_type = cost_fit_type
+        return drafter
+    return make
 
 
 def auto_one_timescale() -> object:
@@ -137,7 +134,8 @@ VARIANTS: dict[str, Callable[[], object]] = {
     "auto-pld-by-depth": auto_over("pld", depth_only=True),
     "auto-pld-one-timescale": auto_one_timescale,
     "auto-pld": auto_over("pld"),
-    "auto-pld-one-cost-factor": auto_one_cost_factor,
+    "auto-pld-cost-fit": auto_with_cost(ThreeTermCostFit),
+    "auto-pld-nodes-only-cost-fit": auto_with_cost(NodesOnlyCostFit),
     "auto-pld-ngram": auto_over("pld,ngram"),
     "auto-pld-pooled-first": auto_pooled_first_token,
     "auto-before-continued-copies": auto_before_continued_copies,
@@ -159,7 +157,7 @@ def record(args) -> None:
                     result = model.generate(prompt.ids, max_new_tokens=args.new_tokens, method="pld", seed=0,
                                             ignore_eos=True, **sampling)
                     row = {"task": task, "bucket": prompt.bucket, "item": prompt.item_id, "temperature": temperature,
-                           "prompt": prompt.ids.tolist(), "output": result.token_ids}
+                           "sampling": sampling, "prompt": prompt.ids.tolist(), "output": result.token_ids}
                     out.write(json.dumps(row) + "\n")
                     print(task, prompt.bucket, prompt.item_id[:8], temperature, flush=True)
 
@@ -192,13 +190,30 @@ def bench_rows(path: Path, data_dir: Path, tokenizer, method: str) -> list[dict]
         for prompt in build_prompts(items, tokenizer, PromptFilter(buckets=buckets)):
             prompts[(task, prompt.item_id, prompt.bucket)] = prompt.ids.tolist()
     return [{"task": r["task"], "bucket": r["bucket"], "item": r["item"], "temperature": r["sampling"]["temperature"],
-             "prompt": prompts[(r["task"], r["item"], r["bucket"])], "output": r["output_ids"]} for r in runs]
+             "sampling": {k: v for k, v in r["sampling"].items() if v is not None}, "prompt": prompts[(r["task"], r["item"], r["bucket"])], "output": r["output_ids"]} for r in runs]
+
+
+def measured_draw_seconds(model, row: dict, tokens: int = 64) -> float:
+    """Seconds to draw one token of a sampled row on this machine: its processed
+    distribution over the whole vocabulary and the draw, timed over the target's own
+    logits for the first `tokens` tokens of its continuation (the engine pays it for every
+    committed token of a sampled sequence, whatever the method)."""
+    ids = torch.tensor(row["prompt"][-192:] + row["output"][:tokens])
+    with torch.inference_mode():
+        logits = model(ids.unsqueeze(0), model.new_cache(ids.numel() + 1)).logits[0, -tokens:]
+    params = SamplingParams(**row.get("sampling") or dict(temperature=row["temperature"], top_p=0.95, min_p=0.05))
+    generator = torch.Generator().manual_seed(0)
+    start = time.perf_counter()
+    for i in range(tokens):
+        sample(processed_probs(logits[i : i + 1], None, params), generator)
+    return (time.perf_counter() - start) / tokens
 
 
 def replay(row: dict, make: Callable[[], object], cost_of: Callable[[int], ForwardCost], count_drafting: bool,
-           clock_cost_of: Callable[[int], ForwardCost] | None = None) -> dict:
+           clock_cost_of: Callable[[int], ForwardCost] | None = None, draw_s: float = 0.0) -> dict:
     """One variant over one row; rounds cost `clock_cost_of`'s forwards (by default the
-    measurement the controller itself is given, `cost_of`)."""
+    measurement the controller itself is given, `cost_of`) and `draw_s` per committed
+    token of a sampled row (each one drawn from the processed distribution)."""
     tokens = torch.tensor(row["prompt"] + row["output"])
     committed = len(row["prompt"])
     cost = cost_of(committed)
@@ -219,12 +234,15 @@ def replay(row: dict, make: Callable[[], object], cost_of: Callable[[int], Forwa
         accepted, _ = walk_down(tree, 0, tokens[committed:].tolist())
         step = tokens[committed: committed + accepted + 1]
         # The forward runs between propose and observe: `auto` times the round it verifies.
-        clock.advance(machine_cost.seconds_for(tree.size) + ROUND_OVERHEAD_S)
+        verification = machine_cost.seconds_for(tree.size) + ROUND_OVERHEAD_S
+        if row["temperature"]:
+            verification += draw_s * step.numel()
+        clock.advance(verification)
         start = time.perf_counter()
         drafter.observe(step)
         spent += time.perf_counter() - start
         drafting += spent
-        seconds += machine_cost.seconds_for(tree.size) + ROUND_OVERHEAD_S + (spent if count_drafting else 0.0)
+        seconds += verification + (spent if count_drafting else 0.0)
         rounds += 1
         committed += step.numel()
     new = len(row["output"])
@@ -253,6 +271,9 @@ def main() -> None:
     parser.add_argument("--without-drafting-time", action="store_true",
                         help="leave the drafters' own time out (the acceptance model alone)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the forward-cost measurement")
+    parser.add_argument("--draw-cost", action="store_true",
+                        help="charge each committed token of a sampled row the time its draw takes on this machine "
+                             "(timed at the start), as the engine pays it")
     parser.add_argument("--measure-machine-now", action="store_true",
                         help="rounds cost forwards measured now, while `auto` is given the cached measurement "
                              "(as in a run on a machine that changed since it was measured)")
@@ -283,11 +304,13 @@ def main() -> None:
         return now[context]
 
     clock_cost_of = measured_now if args.measure_machine_now else None
+    sampled = [row for row in rows if row["temperature"]]
+    draw_s = measured_draw_seconds(model, sampled[0]) if args.draw_cost and sampled else 0.0
     results = []
     for row in rows:
         line = f"{row['task'][:10]:10s} {row['bucket']:6d} {row['item'][:8]} T={row['temperature']:g}"
         for name in args.variants:
-            measured = replay(row, VARIANTS[name], cost_of, not args.without_drafting_time, clock_cost_of)
+            measured = replay(row, VARIANTS[name], cost_of, not args.without_drafting_time, clock_cost_of, draw_s)
             results.append({"task": row["task"], "bucket": row["bucket"], "item": row["item"],
                             "temperature": row["temperature"], "variant": name, **measured})
             line += f" | {name} {measured['tokens_per_s']:6.1f}"
@@ -305,6 +328,7 @@ def main() -> None:
     header = {"benchmark": "adaptive_replay", "machine": machine(), "rows": len(rows), "threads": args.threads,
               "drafting_time_counted": not args.without_drafting_time, "round_overhead_s": ROUND_OVERHEAD_S,
               "forward_cost_ms": {str(c): [round(1000 * s, 2) for s in cost.seconds] for c, cost in costs.items()},
+              "draw_ms_per_sampled_token": round(1000 * draw_s, 3),
               "machine_forward_cost_ms": {str(c): [round(1000 * s, 2) for s in cost.seconds] for c, cost in now.items()},
               "time": time.ctime()}
     write_results(args.out, header, results)

@@ -20,6 +20,7 @@ import torch
 from longspec.speculation.cost_model import ForwardCost
 from longspec.speculation.drafters import NgramDrafter, PromptLookupDrafter
 from longspec.speculation.drafters.adaptive import AdaptiveDrafter, ThroughputPolicy, UCBPolicy, mamba_reward
+from longspec.speculation.drafters.adaptive.cost_fit import RealisedCostScale
 from longspec.speculation.drafters.adaptive.drafter import AcceptanceTable
 from longspec.speculation.drafters.adaptive.merge import Source
 from longspec.speculation.drafters.adaptive.unverified import UnverifiedNodes
@@ -463,3 +464,12 @@ def test_bad_names_and_incompatible_components_fail_before_work():
     prompt = random_ids(20, seed=2)[0]
     assert torch.equal(run(model, prompt, drafter, max_new_tokens=30, stats=stats), run(model, prompt, max_new_tokens=30))
     assert "longspec" in stats.controller["unavailable"] and "longspec" not in stats.controller["calls"]
+
+
+def test_the_measured_cost_is_scaled_to_the_realised_rounds_and_a_stall_is_clipped():
+    scale = RealisedCostScale()
+    for _ in range(40):
+        scale.observe(0.010, 0.004, 1.5 * 0.014)
+    assert scale.seconds(0.010, 0.020) == pytest.approx(1.5 * 0.030, rel=1e-3)
+    scale.observe(0.010, 0.0, 5.0)  # 500x the measurement: a preempted thread, not the machine
+    assert scale.telemetry()["cost_scale"] == pytest.approx(0.8 * 1.5 + 0.2 * 4.0, rel=1e-3)

@@ -1,65 +1,42 @@
-"""What a verification forward costs now: the cached measurement, refitted online.
+"""What a verification round costs now: the cached measurement, scaled online.
 
-The forward cost is measured once per machine, model and context, on an idle
-machine, and cached. The machine does not stay as it was measured: on a shared
-host another tenant can take memory bandwidth for minutes, and that slows the
-weight-bound part of a forward (reading every weight once, whatever the tree's
-size) far more than the compute-bound part that grows with the tree (measured on
-this project's 2-core VM, 1024-token context: one token 15.7 ms and sixteen
-41.2 ms when cached, 21.7 and 41.3 ms hours later). Scaling the whole curve by one
-factor, as a single realised / measured ratio does, then keeps the measured
-curve's shape: a 10-node chain stays priced 1.7x a 3-node tree where it now costs
-1.3x, and the controller verifies trees smaller than they should be.
+The forward cost is measured once per machine, model and context and cached; the
+machine then runs slower or faster than it was measured (other work on the cores,
+a neighbour taking memory bandwidth, the context growing within its bucket). The
+controller scales the measured curve by the realised / measured time of its recent
+rounds, one factor for every tree size.
 
-So a round's verification is predicted as a * base + b * extra: `base` the measured
-forward of the root alone, `extra` what the tree's nodes add to it in the
-measurement. a and b are fitted by least squares to the realised round times,
-recent rounds weighted most (`FADE`), with a prior that pulls both toward the
-realised / measured ratio of the last few rounds (one factor, as before). Rounds
-that all verify trees of one size cannot tell a from b; the prior then decides,
-and the fit is that single factor.
+Fitting the curve's shape as well — the weight-bound base and what the nodes add
+scaled apart, and the cost of each accepted token's draw told apart from both
+(`benchmarks/adaptive_cost_fits.py`) — was measured against this one factor on
+replayed bench outputs and did not pay (BENCHMARKS.md, "A cost fit per term"). The
+`cost_fit_type` of `AdaptiveDrafter` is where such alternatives plug in.
 """
 
 from __future__ import annotations
 
-import numpy as np
-
-# Realised times beyond these multiples of the measurement are clipped before they
-# are fitted: a stall (a page fault storm, a preempted thread) says nothing about
-# the curve, and one such round must not swing the fit.
-_CLIP = (0.25, 4.0)
+# Realised times beyond these multiples of the measurement are clipped: a stall (a
+# preempted thread, a page-fault storm) says nothing about the machine's speed, and
+# one such round must not swing the scale.
+CLIP = (0.25, 4.0)
 
 
-class OnlineCostFit:
-    FADE = 0.95  # share of the fitted statistics kept per round (the last ~20 rounds weigh most)
-    LEVEL_EMA = 0.2  # weight of the newest round in the one-factor ratio the prior pulls toward
-    PRIOR_ROUNDS = 0.1  # the prior's weight, in rounds of typical size
-    # A tree size never verified still gets this share of the base's prior weight, so
-    # b stays defined (and equal to the one factor) while speculation is off.
-    MIN_EXTRA_SHARE = 0.01
+class RealisedCostScale:
+    EMA = 0.2  # weight of the newest round
 
     def __init__(self) -> None:
-        self.level = 1.0  # moving average of realised / measured
-        self.a = self.b = 1.0
-        self._gram = np.zeros((2, 2))  # faded Σ x xᵀ, x = (base, extra)
-        self._moment = np.zeros(2)  # faded Σ x · realised
-        self._weight = 0.0  # faded number of rounds
+        self.scale = 1.0  # moving average of realised / measured
 
     def seconds(self, base: float, extra: float) -> float:
-        """Predicted seconds of a forward measured at `base` + `extra`."""
-        return self.a * base + self.b * extra
+        """Predicted seconds of a forward measured at `base` (the root alone) plus
+        `extra` (what the tree's nodes add to it)."""
+        return self.scale * (base + extra)
 
-    def observe(self, base: float, extra: float, realised: float) -> None:
-        """One verification forward measured at `base` + `extra` took `realised` seconds."""
-        measured = max(base + max(extra, 0.0), 1e-12)
-        ratio = min(max(realised / measured, _CLIP[0]), _CLIP[1])
-        self.level = (1 - self.LEVEL_EMA) * self.level + self.LEVEL_EMA * ratio
-        x = np.array([base, max(extra, 0.0)])
-        self._gram = self.FADE * self._gram + np.outer(x, x)
-        self._moment = self.FADE * self._moment + x * (ratio * measured)
-        self._weight = self.FADE * self._weight + 1.0
-        typical = np.diag(self._gram) / self._weight
-        prior = self.PRIOR_ROUNDS * np.maximum(typical, self.MIN_EXTRA_SHARE * typical[0])
-        a, b = np.linalg.solve(self._gram + np.diag(prior), self._moment + prior * self.level)
-        self.a = float(min(max(a, _CLIP[0]), _CLIP[1]))
-        self.b = float(min(max(b, _CLIP[0]), _CLIP[1]))
+    def observe(self, base: float, extra: float, realised: float, accepted: int = 0) -> None:
+        """One round whose forward was measured at `base` + `extra` took `realised`
+        seconds and accepted `accepted` speculative tokens."""
+        ratio = realised / max(base + extra, 1e-12)
+        self.scale = (1 - self.EMA) * self.scale + self.EMA * min(max(ratio, CLIP[0]), CLIP[1])
+
+    def telemetry(self) -> dict:
+        return {"cost_scale": self.scale}

@@ -17,8 +17,8 @@ Each round:
    is accepted).
 3. The policy picks k, the number of best-ranked nodes to verify: the expected
    tokens per second against the cost of a forward of k + 1 tokens, the cached
-   measurement refitted online to the realised rounds (`ThroughputPolicy`, the
-   default; `cost_fit.py`) or UCB over node budgets (`UCBPolicy`).
+   measurement scaled to the realised rounds (`ThroughputPolicy`, the default;
+   `cost_fit.py`) or UCB over node budgets (`UCBPolicy`).
    k = 0 — plain decoding — is always a candidate, so speculation switches itself
    off where it does not pay.
 4. Every proposed node is measured, verified or not: the nodes left out of the
@@ -43,7 +43,7 @@ import torch
 
 from longspec.runtime.device import HOST
 from longspec.speculation.cost_model import ForwardCost, forward_cost_at
-from longspec.speculation.drafters.adaptive.cost_fit import OnlineCostFit
+from longspec.speculation.drafters.adaptive.cost_fit import RealisedCostScale
 from longspec.speculation.drafters.adaptive.merge import MergedTree, Source, merge_trees, subtree
 from longspec.speculation.drafters.adaptive.policies import ThroughputPolicy, TreePolicy
 from longspec.speculation.drafters.adaptive.unverified import UnverifiedNodes
@@ -140,11 +140,18 @@ class AcceptanceTable:
         if self._rates is None:
             m, w = self.PRIOR_WEIGHT, self.RECENT_PRIOR_WEIGHT
             rate = (self.accepted.sum(axis=1) + 1.0) / (self.proposed.sum(axis=1) + 2.0)  # pooled over levels
+            # Each level's whole-sequence rate is shrunk toward the previous level's rate,
+            # its recent rate toward that: composed, rate_d = offset_d + slope_d * rate_(d-1),
+            # computed for every cell at once; only the walk down the levels is a loop.
+            whole_weight = 1.0 / (self.proposed + m)
+            recent_weight = 1.0 / (self.recent_proposed + w)
+            offset = (self.recent_accepted + w * self.accepted * whole_weight) * recent_weight
+            slope = (w * m) * whole_weight * recent_weight
             mean = np.empty_like(self.accepted)
-            for d in range(self.accepted.shape[1]):  # each level shrunk toward the previous one
-                whole = (self.accepted[:, d] + m * rate) / (self.proposed[:, d] + m)
-                rate = (self.recent_accepted[:, d] + w * whole) / (self.recent_proposed[:, d] + w)
+            for d in range(self.accepted.shape[1]):
+                rate = offset[:, d] + slope[:, d] * rate
                 mean[:, d] = rate
+            np.clip(mean, 0.0, 1.0, out=mean)  # a rate of 1 can round just above it
             # The cell's Beta posterior has proposed + m observations (prior included).
             deviation = np.sqrt(mean * (1.0 - mean) / (self.proposed + m + 1.0))
             self._rates = (mean, np.minimum(mean + self.OPTIMISM * deviation, 1.0))
@@ -192,10 +199,7 @@ class ControllerTelemetry:
     calls: dict[str, int] = field(default_factory=dict)
     credited_tokens: dict[str, int] = field(default_factory=dict)
     unavailable: dict[str, str] = field(default_factory=dict)  # components that do not fit the target, and why
-    # The realised verification time over the measured one (`OnlineCostFit`): of the
-    # forward's weight-bound base, and of what the tree's nodes add to it.
-    cost_scale_base: float = 1.0
-    cost_scale_extra: float = 1.0
+    cost: dict = field(default_factory=dict)  # how the realised rounds correct the measured cost
 
     def as_dict(self) -> dict:
         rounds = max(self.rounds, 1)
@@ -206,7 +210,7 @@ class ControllerTelemetry:
             "realised_accepted_per_round": self.realised_accepted / rounds,
             "calls": dict(self.calls), "credited_tokens": dict(self.credited_tokens),
             "unavailable": dict(self.unavailable),
-            "cost_scale_base": self.cost_scale_base, "cost_scale_extra": self.cost_scale_extra,
+            **self.cost,
         }
 
 
@@ -214,7 +218,7 @@ class AdaptiveDrafter:
     # Sizes its tree from the measured forward cost at the batch's width itself: a
     # batched engine's joint budget leaves its trees whole.
     sizes_tree_from_cost = True
-    cost_fit_type = OnlineCostFit  # how realised rounds correct the measured cost (a replay swaps it)
+    cost_fit_type = RealisedCostScale  # how realised rounds correct the measured cost (a replay swaps it)
 
     def __init__(
         self,
@@ -271,7 +275,7 @@ class AdaptiveDrafter:
             if context.target is None:
                 raise ValueError("auto needs the target view to measure its forward cost (or pass forward_cost)")
             self.forward_cost = self._measured_cost(context)
-        self._cost_fit = self.cost_fit_type()  # the measured cost refitted to the realised rounds
+        self._cost_fit = self.cost_fit_type()  # the measured cost scaled to the realised rounds
         self._rows = 1  # sequences sharing the verification forward
         self._round: dict | None = None
         # Telemetry is per sequence; what was learned (acceptance, costs) carries over.
@@ -373,11 +377,12 @@ class AdaptiveDrafter:
             component = self.components[index]
             previous = component.exclusive_gain
             component.exclusive_gain = gained if previous is None else (1 - _EMA) * previous + _EMA * gained
-        # The machine now against the cost model's measurement (load, a neighbour taking
-        # memory bandwidth, context growth); in a batch the round's wall time spans the
-        # whole shared forward, priced at the nodes this row verified.
+        # The machine now against the cost model's measurement (load, context growth);
+        # in a batch the round's wall time spans the whole shared forward, priced at the
+        # nodes this row verified.
         base, whole = self._measured_forward(0), self._measured_forward(len(kept) - 1)
-        self._cost_fit.observe(base, whole - base, max(seconds - round_["drafted_s"], 1e-9))
+        self._cost_fit.observe(base, whole - base, max(seconds - round_["drafted_s"], 1e-9),
+                              len(accepted_nodes))
         self.policy.update(round_["k"], int(committed.numel()), seconds, self._verify_seconds(0))
         t = self.telemetry_state
         t.rounds += 1
@@ -391,7 +396,7 @@ class AdaptiveDrafter:
         t = self.telemetry_state
         t.calls = {c.name: c.calls for c in self.components}
         t.credited_tokens = {c.name: c.credited for c in self.components}
-        t.cost_scale_base, t.cost_scale_extra = self._cost_fit.a, self._cost_fit.b
+        t.cost = self._cost_fit.telemetry()
         return t.as_dict()
 
     def state_nbytes(self) -> int:
