@@ -1,6 +1,6 @@
 """Alternatives to `auto`'s one-factor cost scale, kept for the replay
 (`adaptive_replay.py`'s `auto-pld-cost-fit` and `auto-pld-nodes-only-cost-fit`):
-measured against it and left out (BENCHMARKS.md, "A cost fit per term").
+measured against it and left out (BENCHMARKS.md, "`auto`'s cost correction").
 
 The forward cost is measured once, on an idle machine, and cached. The machine does
 not stay as it was measured: on this project's 2-core VM, 1024-token context, one
@@ -10,7 +10,7 @@ keeps the measured curve's shape. `ThreeTermCostFit` models a round's verificati
 as a * base + b * extra + c * accepted: `base` the measured forward of the root
 alone, `extra` what the tree's nodes add to it in the measurement, `accepted` the
 speculative tokens the round accepted (under sampling each is drawn from the
-processed distribution over the whole vocabulary, ~2.5-3.4 ms a token here; a fit
+processed distribution over the whole vocabulary, 2.3-3.4 ms a token here; a fit
 without that term, `NodesOnlyCostFit`, charges it to the nodes: 2.5-2.7x their
 measured cost on sampled AIME and Spec-Bench rows, where `auto` then verified 4-5
 nodes and fell behind prompt lookup's 10). a, b and c are fitted by least squares

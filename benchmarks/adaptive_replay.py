@@ -190,15 +190,17 @@ def bench_rows(path: Path, data_dir: Path, tokenizer, method: str) -> list[dict]
         for prompt in build_prompts(items, tokenizer, PromptFilter(buckets=buckets)):
             prompts[(task, prompt.item_id, prompt.bucket)] = prompt.ids.tolist()
     return [{"task": r["task"], "bucket": r["bucket"], "item": r["item"], "temperature": r["sampling"]["temperature"],
-             "sampling": {k: v for k, v in r["sampling"].items() if v is not None}, "prompt": prompts[(r["task"], r["item"], r["bucket"])], "output": r["output_ids"]} for r in runs]
+             "sampling": {k: v for k, v in r["sampling"].items() if v is not None},
+             "prompt": prompts[(r["task"], r["item"], r["bucket"])], "output": r["output_ids"]} for r in runs]
 
 
-def measured_draw_seconds(model, row: dict, tokens: int = 64) -> float:
+def measured_draw_seconds(model, row: dict, tokens: int = 64, context: int = 192) -> float:
     """Seconds to draw one token of a sampled row on this machine: its processed
     distribution over the whole vocabulary and the draw, timed over the target's own
-    logits for the first `tokens` tokens of its continuation (the engine pays it for every
-    committed token of a sampled sequence, whatever the method)."""
-    ids = torch.tensor(row["prompt"][-192:] + row["output"][:tokens])
+    logits for the first `tokens` tokens of its continuation after `context` prompt
+    tokens, one forward (the engine pays it for every committed token of a sampled
+    sequence, whatever the method)."""
+    ids = torch.tensor(row["prompt"][-context:] + row["output"][:tokens])
     with torch.inference_mode():
         logits = model(ids.unsqueeze(0), model.new_cache(ids.numel() + 1)).logits[0, -tokens:]
     params = SamplingParams(**row.get("sampling") or dict(temperature=row["temperature"], top_p=0.95, min_p=0.05))
@@ -329,7 +331,8 @@ def main() -> None:
               "drafting_time_counted": not args.without_drafting_time, "round_overhead_s": ROUND_OVERHEAD_S,
               "forward_cost_ms": {str(c): [round(1000 * s, 2) for s in cost.seconds] for c, cost in costs.items()},
               "draw_ms_per_sampled_token": round(1000 * draw_s, 3),
-              "machine_forward_cost_ms": {str(c): [round(1000 * s, 2) for s in cost.seconds] for c, cost in now.items()},
+              "machine_forward_cost_ms": {str(c): [round(1000 * s, 2) for s in cost.seconds]
+                                          for c, cost in now.items()},
               "time": time.ctime()}
     write_results(args.out, header, results)
 

@@ -324,7 +324,8 @@ class AdaptiveDrafter:
         k = self.policy.choose(ranked, lambda k: drafted_s + self._verify_seconds(k))
         tree, kept = subtree(merged.tree, order[:k])
         self._round = {"start": start, "merged": merged, "agreement": agreement, "kept": kept, "called": called, "k": k,
-                       "predicted": sum(expected[n] for n in order[:k]), "drafted_s": drafted_s, "order": order, "expected": expected, "tree": tree}
+                       "predicted": sum(expected[n] for n in order[:k]), "drafted_s": drafted_s, "order": order,
+                       "expected": expected, "tree": tree}
         return tree
 
     def widen(self, context: DraftContext, nodes: int) -> Tree:
