@@ -27,5 +27,9 @@ def train_rank(rank: int, world: int, port: int, target_file: str, tokens_file: 
         trainer = LongSpecTrainer(target, torch.load(tokens_file), out_dir, options, draft_config=config, progress=False)
         trainer.train()
         torch.save(trainer.draft.state_dict(), os.path.join(result_dir, f"rank{rank}.pt"))
+        # Both ranks reach the teardown together: a rank that tears down gloo while the
+        # other still holds its connections can abort that one ("terminate called
+        # without an active exception", seen once in a parallel test run).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
