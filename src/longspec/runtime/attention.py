@@ -18,7 +18,8 @@ CPU, the native few-query kernel (`kernels/few_query_attention.cpp`) for up to
 flash kernel otherwise (`flash_attention`, also the whole CPU path when native kernels
 are off); on a GPU, the Triton tree kernel for a tree over an
 unmasked prefix (one pass, no merge) and `sdpa_attention` otherwise (PyTorch's
-scaled-dot-product kernels, which pick flash / memory-efficient / math per device).
+scaled-dot-product kernels, which pick flash / memory-efficient / math per device;
+cuDNN's is left out, see `scaled_dot_product`).
 
 Shapes: q [B, Hq, T, D]; k_prefix/v_prefix [B, Hkv, P, D] (P may be 0);
 prefix_mask [T, P] or None (all visible); k_new/v_new [B, Hkv, T, D] or None
@@ -30,6 +31,7 @@ Hq must be a multiple of Hkv (grouped-query attention); K/V are never repeated.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import logging
@@ -37,6 +39,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from longspec.runtime.native import avx512_bf16_ops
 
@@ -248,7 +251,7 @@ def _grouped_sdpa(q, k, v, mask, scale):
     group = Hq // Hkv
     stacked = q.reshape(B, Hkv, group * T, D)
     additive = None if mask is None else mask.bias(q.dtype, group)
-    out = F.scaled_dot_product_attention(stacked, k, v, attn_mask=additive, scale=scale).reshape(B, Hq, T, D)
+    out = scaled_dot_product(stacked, k, v, additive, scale).reshape(B, Hq, T, D)
     if mask is not None and mask.has_empty_rows:  # rows that see no key: 0, not NaN
         out = out.masked_fill(mask.head_broadcast(mask.empty_rows).unsqueeze(-1), 0.0)
     return out
@@ -290,8 +293,23 @@ def biased_attention(q, k, v, bias, scale):
             stacked, k, v, 0.0, False, attn_mask=additive, scale=scale
         )
     else:
-        out = F.scaled_dot_product_attention(stacked, k, v, attn_mask=additive, scale=scale)
+        out = scaled_dot_product(stacked, k, v, additive, scale)
     return out.reshape(B, Hq, T, D).masked_fill(empty.view(1, Hq, T, 1), 0.0)
+
+
+# cuDNN's attention builds an execution graph for every new shape, and a decode step
+# has one more key than the last: on an H100 the graph builds took 76% of the host
+# time of Gemma-shaped decode steps (3 ms per attention call, profiled). The other
+# backends need no per-shape plan. Compiled static steps keep fixed shapes and all
+# backends.
+SHAPE_VARYING_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+
+
+def scaled_dot_product(q, k, v, attn_mask, scale):
+    """PyTorch's `scaled_dot_product_attention`, on a GPU without cuDNN's backend."""
+    backends = sdpa_kernel(list(SHAPE_VARYING_BACKENDS)) if q.is_cuda else contextlib.nullcontext()
+    with backends:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
 
 
 def merge_partial_attention(out_a, lse_a, out_b, lse_b):

@@ -460,9 +460,12 @@ class Decoder(nn.Module):
 
     def _rope(self, positions: torch.Tensor, sliding: bool):
         """cos and a sign-folded sin [T, D] in the activation dtype, computed in
-        float32 as `transformers` does ([B, 1, T, D] for per-row positions [B, T])."""
+        float32 as `transformers` does ([B, 1, T, D] for per-row positions [B, T]).
+        A float64 model computes them in float64: float32 cos/sin round differently
+        by device (1e-7 apart between CPU and CUDA), which float64 runs must not inherit."""
         inv_freq = getattr(self, f"inv_freq_{'sliding' if sliding else 'full'}")
-        freqs = positions.float().unsqueeze(-1) * inv_freq
+        compute = torch.promote_types(self.dtype, torch.float32)
+        freqs = positions.to(compute).unsqueeze(-1) * inv_freq.to(compute)
         scaling = self.rope_scaling[sliding]
         cos = (torch.cat([freqs, freqs], dim=-1).cos() * scaling).to(self.dtype)
         sin = (torch.cat([freqs, freqs], dim=-1).sin() * scaling).to(self.dtype)

@@ -66,6 +66,11 @@ def _run_defining(config: dict) -> dict:
     return {"chained": True, "prefix_tokens": 0, **{k: v for k, v in config.items() if k != "max_minutes"}}
 
 
+def training_dtype(target) -> torch.dtype:
+    """The heads' weights and the loss: float32, or the target's dtype where it is wider."""
+    return torch.promote_types(target.dtype, torch.float32)
+
+
 def lr_factor(step: int, config: HeadsTrainingConfig) -> float:
     if step < config.warmup_steps:
         return (step + 1) / config.warmup_steps
@@ -99,7 +104,7 @@ def heads_loss(target, heads: TokenSwiftHeads, windows: torch.Tensor, rows: torc
     losses, accuracies = [], []
     for i in range(hidden.shape[2]):
         labels = windows[:, rows + i + 2]  # head i+1 predicts the token i+2 ahead
-        logits = decode_logits(target, hidden[:, :, i]).float()
+        logits = decode_logits(target, hidden[:, :, i]).to(training_dtype(target))
         losses.append(F.cross_entropy(logits.flatten(0, 1), labels.flatten()))
         accuracies.append((logits.argmax(-1) == labels).float().mean().item())
     return torch.stack(losses).mean(), [l.item() for l in losses], accuracies
@@ -138,7 +143,10 @@ def train_heads(target, data: torch.Tensor, out_dir: Path, config: HeadsTraining
     if train.shape[0] < config.batch_size:
         raise ValueError(f"only {train.shape[0]} training windows for batch size {config.batch_size}; add data")
     torch.manual_seed(config.seed)
-    heads = TokenSwiftHeads.for_target(target.config, config.num_heads, target_name, config.chained).to(target.device)
+    # Heads train in float32 at least (a bf16 target's heads keep float32 weights) and in
+    # float64 for a float64 target, whose runs are then equal across devices to rounding.
+    heads = TokenSwiftHeads.for_target(target.config, config.num_heads, target_name, config.chained).to(
+        target.device, training_dtype(target))
     optimizer = torch.optim.AdamW(heads.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, config))
     start_step = 0

@@ -145,12 +145,14 @@ class MambaStepper:
     def _reference_prompt(self, ids: torch.Tensor) -> tuple[torch.Tensor, MambaState]:
         """The model's own forward (e.g. `mamba-ssm`'s kernels on a GPU), its cache read out."""
         out = self.model(ids.unsqueeze(0), use_cache=True)
-        cache = out.cache
+        # `transformers` names the output's cache `cache` from 5.2x on, `cache_params` before;
+        # its per-layer states are read the same way in both.
+        cache = out.cache if "cache" in out else out.cache_params
         conv, ssm = [], []
-        for index in range(len(self.layers)):
-            window = cache.get_conv_state(index, state_idx=0)  # [1, D, K]: the last K inputs
+        for layer in cache.layers[: len(self.layers)]:
+            window = layer.conv_states[0]  # [1, D, K]: the last K inputs
             conv.append(window[..., 1:].to(self.dtype).contiguous())
-            ssm.append(cache.get_recurrent_state(index, state_idx=0).to(self.dtype).contiguous())
+            ssm.append(layer.recurrent_states[0].to(self.dtype).contiguous())
         return out.logits[0, -1].float(), MambaState(conv, ssm)
 
     def step(self, state: MambaState, tokens: torch.Tensor) -> torch.Tensor:
