@@ -152,7 +152,8 @@ def measure_shape(name: str, config, args, device: torch.device) -> dict:
         "shape": name, "device": device_name(device), "dtype": args.dtype, "build_s": built_s,
         "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
         "ar_tokens_per_s": ar.decode_tokens_per_s, "oracle_tokens_per_s": spec.decode_tokens_per_s,
-        "oracle_tau": spec.tau, "oracle_first_difference": first_difference, "batch_tokens_per_s": batches, "forward_seconds": costs, "compiled": compiled,
+        "oracle_tau": spec.tau, "oracle_first_difference": first_difference, "batch_tokens_per_s": batches,
+        "forward_seconds": costs, "compiled": compiled,
     }
 
 
@@ -253,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--skip-tests", action="store_true")
-    parser.add_argument("--profile", action="store_true", help="also write each shape's operator profile of decode steps")
+    parser.add_argument("--profile", action="store_true",
+                        help="also write each shape's operator profile of decode steps")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="also measure compiled static steps (default: on a GPU only)")
     parser.add_argument("--out", type=Path, default=Path("bench-out/gpu_check"))
