@@ -15,6 +15,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from longspec.speculation import processors
 from longspec.speculation.processors import (
     SamplingParams,
     greedy_tokens,
@@ -274,15 +275,20 @@ def test_sample_passes_a_chi_square_test_with_zero_mass_tokens() -> None:
     assert chisquare(counts[support].double().numpy(), expected.numpy()).pvalue > 1e-3
 
 
-def test_sample_draws_by_inverse_cdf_and_never_a_zero_mass_token(monkeypatch) -> None:
+@pytest.mark.parametrize("native_draw", [True, False])
+def test_sample_draws_by_inverse_cdf_and_never_a_zero_mass_token(monkeypatch, native_draw: bool) -> None:
     """The draw is the first token whose cumulative mass exceeds u * total; a uniform
     whose product rounds up to the total still lands on a token with mass (u = 1
-    forces that branch); malformed rows are refused instead of drawn from."""
+    forces that branch); malformed rows are refused instead of drawn from. Both the
+    native draw and the PyTorch path."""
+    if not native_draw:
+        monkeypatch.setattr(processors, "native_ops", lambda: None)
     probs = torch.tensor([[0.0, 0.3, 0.0, 0.7, 0.0, 0.0]], dtype=torch.float64)
-    for u, expected in ((0.0, 1), (0.29, 1), (0.31, 3), (1.0 - 2.0**-53, 3), (1.0, 3)):
-        monkeypatch.setattr(torch, "rand", lambda *a, u=u, **k: torch.full((1, 1), u, dtype=torch.float64))
-        assert int(sample(probs, torch.Generator())[0]) == expected, u
-    monkeypatch.undo()
+    for dtype in (torch.float64, torch.float32):
+        for u, expected in ((0.0, 1), (0.29, 1), (0.31, 3), (1.0 - 2.0**-53, 3), (1.0, 3)):
+            with monkeypatch.context() as m:
+                m.setattr(torch, "rand", lambda *a, u=u, **k: torch.full((1, 1), u, dtype=torch.float64))
+                assert int(sample(probs.to(dtype), torch.Generator())[0]) == expected, (u, dtype)
     for bad in ([[0.0, 0.0]], [[float("nan"), 1.0]], [[-0.1, 1.1]], [[float("inf"), 1.0]]):
         with pytest.raises(ValueError, match="non-negative"):
             sample(torch.tensor(bad))

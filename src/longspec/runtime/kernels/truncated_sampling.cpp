@@ -1,0 +1,327 @@
+// Truncation sampling over a whole vocabulary, one row at a time: the distribution that
+// top-k, then top-p, then min-p leave (processors.processed_probs), and the inverse-CDF
+// draw from a distribution (processors.sample).
+//
+// In PyTorch each step is a pass over the 262k-token row with its own dispatch (three
+// softmaxes, a growing top-k, masks, a float64 cumulative sum): 2-3 ms a sampled token on
+// this project's CPUs, where a decode forward costs 16-21 ms, and a verifier pays it at
+// every accepted node. Every one of the three warpers keeps a prefix of the row sorted by
+// score (ties at the cut kept), so the kept tokens lie among the few within some margin
+// of the best score: they are collected in one vectorised pass and sorted alone. Only
+// top-p without top-k needs the normaliser over every token (one vectorised exp pass).
+//
+// truncated_probs(scores f32 [N, V], top_k, top_p, min_p) -> probs f32 [N, V]
+//   top_k <= 0, top_p >= 1 and min_p <= 0 switch a warper off. Semantics are the torch
+//   path's (TopK-, TopP-, MinPLogitsWarper with min_tokens_to_keep=1, then a softmax);
+//   probabilities are computed in double from float32 scores, so they agree with it to
+//   float rounding and a token whose fate sits on a cut within rounding may differ.
+// draw_rows(probs f32|f64 [N, V], u f64 [N]) -> tokens int64 [N]
+//   The first token whose float64 running sum exceeds u * total (the torch path's
+//   cumsum + searchsorted(right=True), the same sums in the same order, so the same token
+//   bit for bit); a draw equal to the total goes to the last token with mass. -1 marks a
+//   row that is not a distribution (negative, NaN or infinite entries, zero total).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#define LONGSPEC_AVX512 __attribute__((target("avx512f")))
+
+namespace {
+
+struct Candidate {
+  float score;
+  int32_t index;
+};
+
+bool has_avx512f() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f");
+}
+
+// ------------------------------------------------------------------ row passes
+
+float scalar_row_max(const float* s, int64_t V) {
+  float best = -std::numeric_limits<float>::infinity();
+  for (int64_t v = 0; v < V; ++v) {
+    if (std::isnan(s[v])) return s[v];
+    best = std::max(best, s[v]);
+  }
+  return best;
+}
+
+LONGSPEC_AVX512 float avx512_row_max(const float* s, int64_t V) {
+  const int64_t full = V / 16 * 16;
+  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __mmask16 nan = 0;
+  for (int64_t v = 0; v < full; v += 16) {
+    const __m512 x = _mm512_loadu_ps(s + v);
+    nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    best = _mm512_max_ps(best, x);
+  }
+  if (nan) return std::numeric_limits<float>::quiet_NaN();
+  float answer = _mm512_reduce_max_ps(best);
+  for (int64_t v = full; v < V; ++v) {
+    if (std::isnan(s[v])) return s[v];
+    answer = std::max(answer, s[v]);
+  }
+  return answer;
+}
+
+// exp(x) for x <= 0 (a score minus the row's best): Cody-Waite reduction by ln 2 and
+// Cephes' degree-6 polynomial, ~1 ulp; below -87.3 (and -inf) the result is 0.
+LONGSPEC_AVX512 __m512 exp_nonpositive(__m512 x) {
+  const __m512 low = _mm512_set1_ps(-87.3f);
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, low, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, low);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), _mm512_scalef_ps(p, n));
+}
+
+// sum over the row of exp(s - top), in double (float lanes, folded every 1024 tokens).
+LONGSPEC_AVX512 double avx512_exp_sum(const float* s, int64_t V, float top) {
+  const int64_t full = V / 16 * 16;
+  const __m512 shift = _mm512_set1_ps(top);
+  double total = 0.0;
+  for (int64_t block = 0; block < full; block += 1024) {
+    const int64_t end = std::min(full, block + 1024);
+    __m512 lanes = _mm512_setzero_ps();
+    for (int64_t v = block; v < end; v += 16)
+      lanes = _mm512_add_ps(lanes, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + v), shift)));
+    total += _mm512_reduce_add_ps(lanes);
+  }
+  for (int64_t v = full; v < V; ++v) total += std::exp(static_cast<double>(s[v]) - top);
+  return total;
+}
+
+double scalar_exp_sum(const float* s, int64_t V, float top) {
+  double total = 0.0;
+  for (int64_t v = 0; v < V; ++v) total += std::exp(static_cast<double>(s[v]) - top);
+  return total;
+}
+
+LONGSPEC_AVX512 void avx512_collect(const float* s, int64_t V, float threshold, std::vector<Candidate>& out) {
+  const int64_t full = V / 16 * 16;
+  const __m512 bound = _mm512_set1_ps(threshold);
+  for (int64_t v = 0; v < full; v += 16) {
+    __mmask16 above = _mm512_cmp_ps_mask(_mm512_loadu_ps(s + v), bound, _CMP_GE_OQ);
+    while (above) {
+      const int lane = __builtin_ctz(above);
+      out.push_back({s[v + lane], static_cast<int32_t>(v + lane)});
+      above &= above - 1;
+    }
+  }
+  for (int64_t v = full; v < V; ++v)
+    if (s[v] >= threshold) out.push_back({s[v], static_cast<int32_t>(v)});
+}
+
+void scalar_collect(const float* s, int64_t V, float threshold, std::vector<Candidate>& out) {
+  for (int64_t v = 0; v < V; ++v)
+    if (s[v] >= threshold) out.push_back({s[v], static_cast<int32_t>(v)});
+}
+
+// ------------------------------------------------------------------ one row
+
+struct Warpers {
+  int64_t top_k;  // <= 0: off
+  double top_p;   // >= 1: off
+  double min_p;   // <= 0: off
+};
+
+// The first `n` candidates and every later one tied with the n-th (a warper's cut keeps ties).
+int64_t with_ties(const std::vector<Candidate>& c, int64_t n) {
+  const float cut = c[n - 1].score;
+  while (n < static_cast<int64_t>(c.size()) && c[n].score >= cut) ++n;
+  return n;
+}
+
+void truncate_row(const float* s, float* out, int64_t V, const Warpers& w, bool vector, std::vector<Candidate>& c) {
+  const float top = vector ? avx512_row_max(s, V) : scalar_row_max(s, V);
+  TORCH_CHECK(std::isfinite(top), "truncated_probs: a row's best score is not finite (", top, ")");
+  const bool top_k_on = w.top_k > 0 && w.top_k < V, top_p_on = w.top_p < 1.0, min_p_on = w.min_p > 0.0;
+  // Top-p's mass is relative to every token top-k left; without top-k, the whole row.
+  const double everything = top_p_on && !top_k_on ? (vector ? avx512_exp_sum(s, V, top) : scalar_exp_sum(s, V, top)) : 0.0;
+  // Min-p keeps exp(score - top) >= min_p: nothing below log(min_p) (widened past rounding)
+  // survives, whatever the warpers before it did. Without it, widen until enough is held.
+  double margin = min_p_on ? -std::log(w.min_p) + 1e-3 : 8.0;
+  int64_t n;
+  while (true) {
+    c.clear();
+    const float threshold = std::isfinite(margin) ? static_cast<float>(top - margin) : -std::numeric_limits<float>::infinity();
+    if (vector) avx512_collect(s, V, threshold, c); else scalar_collect(s, V, threshold, c);
+    const bool all = c.size() == static_cast<size_t>(V) || !std::isfinite(margin);
+    std::sort(c.begin(), c.end(), [](const Candidate& a, const Candidate& b) {
+      return a.score > b.score || (a.score == b.score && a.index < b.index);
+    });
+    n = static_cast<int64_t>(c.size());
+    bool enough;
+    if (all) {
+      enough = true;
+    } else if (top_k_on) {  // the top-k set held, every later warper only shortens it
+      enough = n >= w.top_k;
+    } else if (min_p_on) {
+      enough = true;
+    } else if (top_p_on) {  // the held ranks must reach past the nucleus's last rank
+      double held = 0.0;
+      for (int64_t i = 0; i + 1 < n; ++i) held += std::exp(static_cast<double>(c[i].score) - top);
+      enough = held / everything >= w.top_p;
+    } else {
+      enough = false;  // no warper: every token
+    }
+    if (enough) break;
+    margin = margin > 1e3 ? std::numeric_limits<double>::infinity() : 2.0 * margin;
+  }
+  // c[0..n) holds, best first, every token that can survive; each warper shortens the prefix.
+  std::vector<double> weight(n);
+  for (int64_t i = 0; i < n; ++i) weight[i] = std::exp(static_cast<double>(c[i].score) - top);
+  double mass = everything;
+  if (top_k_on && n >= w.top_k) {
+    n = with_ties(c, w.top_k);
+    mass = 0.0;
+    for (int64_t i = 0; i < n; ++i) mass += weight[i];
+  }
+  if (top_p_on) {
+    // Keep rank r while the ranks above it hold less than top_p; if every held rank
+    // qualifies, top-p keeps them all (and tokens min-p removes anyway).
+    double above = 0.0;
+    int64_t kept = 0;
+    while (kept < n && above < w.top_p) above += weight[kept++] / mass;
+    n = with_ties(c, std::max<int64_t>(kept, 1));
+  }
+  if (min_p_on) {
+    int64_t kept = 1;  // the best token always stays (weight 1)
+    while (kept < n && weight[kept] >= w.min_p) ++kept;
+    n = with_ties(c, kept);
+  }
+  double total = 0.0;
+  for (int64_t i = 0; i < n; ++i) total += weight[i];
+  for (int64_t i = 0; i < n; ++i) out[c[i].index] = static_cast<float>(weight[i] / total);
+}
+
+at::Tensor truncated_probs(const at::Tensor& scores, int64_t top_k, double top_p, double min_p) {
+  TORCH_CHECK(scores.scalar_type() == at::kFloat && scores.dim() == 2 && scores.is_contiguous(),
+              "scores: contiguous float32 [rows, V]");
+  TORCH_CHECK(scores.size(1) > 0 && scores.size(1) <= std::numeric_limits<int32_t>::max(), "1 <= V < 2^31");
+  TORCH_CHECK(top_p > 0.0 && min_p <= 1.0, "top_p in (0, 1] (>= 1: off), min_p <= 1 (<= 0: off)");
+  const int64_t rows = scores.size(0), V = scores.size(1);
+  at::Tensor out = at::zeros({rows, V}, scores.options());
+  const float* s = scores.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const bool vector = has_avx512f();
+  const Warpers w{top_k, top_p, min_p};
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<Candidate> candidates;
+    for (int64_t r = begin; r < end; ++r) truncate_row(s + r * V, o + r * V, V, w, vector, candidates);
+  });
+  return out;
+}
+
+// ------------------------------------------------------------------ the draw
+
+// Blocks of 16 entries that are all zero leave a float64 running sum exactly as it was, so
+// they are skipped; the rest is summed in order, as torch's cumsum does.
+template <typename T>
+int64_t draw_row(const T* p, int64_t V, double u) {
+  double total = 0.0;
+  int64_t last_with_mass = -1;
+  for (int64_t v = 0; v < V; ++v) {
+    const double x = static_cast<double>(p[v]);
+    if (!(x >= 0.0) || std::isinf(x)) return -1;  // negative or NaN or infinite
+    if (x > 0.0) total += x, last_with_mass = v;
+  }
+  if (!(total > 0.0) || !std::isfinite(total)) return -1;
+  const double target = u * total;
+  double running = 0.0;
+  for (int64_t v = 0; v <= last_with_mass; ++v) {
+    running += static_cast<double>(p[v]);
+    if (running > target) return v;
+  }
+  return last_with_mass;
+}
+
+LONGSPEC_AVX512 int64_t avx512_draw_row_f32(const float* p, int64_t V, double u) {
+  const int64_t full = V / 16 * 16;
+  const __m512 zero = _mm512_setzero_ps();
+  // Pass 1: validity (no negative, NaN or infinite entry) and the total over the nonzero blocks.
+  __mmask16 bad = 0;
+  double total = 0.0;
+  int64_t last_with_mass = -1;
+  for (int64_t v = 0; v < full; v += 16) {
+    const __m512 x = _mm512_loadu_ps(p + v);
+    bad |= _mm512_cmp_ps_mask(x, zero, _CMP_NGE_UQ);  // x < 0 or NaN
+    bad |= _mm512_cmp_ps_mask(_mm512_abs_ps(x), _mm512_set1_ps(std::numeric_limits<float>::infinity()), _CMP_EQ_OQ);
+    if (_mm512_cmp_ps_mask(x, zero, _CMP_NEQ_UQ)) {
+      for (int64_t i = v; i < v + 16; ++i)
+        if (p[i] != 0.0f) total += static_cast<double>(p[i]), last_with_mass = i;
+    }
+  }
+  if (bad) return -1;
+  for (int64_t v = full; v < V; ++v) {
+    const double x = static_cast<double>(p[v]);
+    if (!(x >= 0.0) || std::isinf(x)) return -1;
+    if (x > 0.0) total += x, last_with_mass = v;
+  }
+  if (!(total > 0.0) || !std::isfinite(total)) return -1;
+  const double target = u * total;
+  double running = 0.0;
+  for (int64_t v = 0; v <= last_with_mass; v += 16) {
+    const int64_t end = std::min(last_with_mass + 1, v + 16);
+    if (end == v + 16 && !_mm512_cmp_ps_mask(_mm512_loadu_ps(p + v), zero, _CMP_NEQ_UQ)) continue;
+    for (int64_t i = v; i < end; ++i) {
+      running += static_cast<double>(p[i]);
+      if (p[i] != 0.0f && running > target) return i;
+    }
+  }
+  return last_with_mass;
+}
+
+at::Tensor draw_rows(const at::Tensor& probs, const at::Tensor& u) {
+  TORCH_CHECK((probs.scalar_type() == at::kFloat || probs.scalar_type() == at::kDouble) && probs.dim() == 2 &&
+                  probs.is_contiguous(), "probs: contiguous float32 or float64 [rows, V]");
+  TORCH_CHECK(u.scalar_type() == at::kDouble && u.dim() == 1 && u.size(0) == probs.size(0) && u.is_contiguous(),
+              "u: contiguous float64 [rows]");
+  const int64_t rows = probs.size(0), V = probs.size(1);
+  at::Tensor out = at::empty({rows}, probs.options().dtype(at::kLong));
+  int64_t* tokens = out.data_ptr<int64_t>();
+  const double* draws = u.data_ptr<double>();
+  const bool vector = has_avx512f();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      if (probs.scalar_type() == at::kDouble)
+        tokens[r] = draw_row(probs.data_ptr<double>() + r * V, V, draws[r]);
+      else if (vector)
+        tokens[r] = avx512_draw_row_f32(probs.data_ptr<float>() + r * V, V, draws[r]);
+      else
+        tokens[r] = draw_row(probs.data_ptr<float>() + r * V, V, draws[r]);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(longspec_native, m) {
+  m.def("truncated_probs(Tensor scores, int top_k, float top_p, float min_p) -> Tensor");
+  m.impl("truncated_probs", c10::DispatchKey::CPU, TORCH_FN(truncated_probs));
+  m.def("draw_rows(Tensor probs, Tensor u) -> Tensor");
+  m.impl("draw_rows", c10::DispatchKey::CPU, TORCH_FN(draw_rows));
+}
