@@ -141,6 +141,14 @@ void scalar_collect(const float* s, int64_t V, float threshold, std::vector<Cand
 
 // ------------------------------------------------------------------ one row
 
+// Tokens first collected lie within this many nats of the best (weights down to e^-8 =
+// 3e-4 of its own), where the nuclei of real next-token distributions end; flatter rows
+// double it until the kept set is held, and past kLastFiniteMargin take every token.
+constexpr double kFirstMargin = 8.0;
+constexpr double kLastFiniteMargin = 1e3;
+// Widens min-p's exact margin, -log(min_p), past the rounding of a float32 threshold.
+constexpr double kRoundingSlack = 1e-3;
+
 struct Warpers {
   int64_t top_k;  // <= 0: off
   double top_p;   // >= 1: off
@@ -162,7 +170,7 @@ void truncate_row(const float* s, float* out, int64_t V, const Warpers& w, bool 
   const double everything = top_p_on && !top_k_on ? (vector ? avx512_exp_sum(s, V, top) : scalar_exp_sum(s, V, top)) : 0.0;
   // Min-p keeps exp(score - top) >= min_p: nothing below log(min_p) (widened past rounding)
   // survives, whatever the warpers before it did. Without it, widen until enough is held.
-  double margin = min_p_on ? -std::log(w.min_p) + 1e-3 : 8.0;
+  double margin = min_p_on ? -std::log(w.min_p) + kRoundingSlack : kFirstMargin;
   int64_t n;
   while (true) {
     c.clear();
@@ -188,7 +196,7 @@ void truncate_row(const float* s, float* out, int64_t V, const Warpers& w, bool 
       enough = false;  // no warper: every token
     }
     if (enough) break;
-    margin = margin > 1e3 ? std::numeric_limits<double>::infinity() : 2.0 * margin;
+    margin = margin > kLastFiniteMargin ? std::numeric_limits<double>::infinity() : 2.0 * margin;
   }
   // c[0..n) holds, best first, every token that can survive; each warper shortens the prefix.
   std::vector<double> weight(n);
