@@ -248,7 +248,8 @@ def model32():
 
 
 @pytest.mark.skipif(native_ops() is None, reason="native kernels unavailable here (reason logged)")
-@pytest.mark.parametrize("drafter", [None, SampledChainDrafter, CartesianDrafter], ids=["ar", "chain-q", "deterministic-tree"])
+@pytest.mark.parametrize("drafter", [None, SampledChainDrafter, CartesianDrafter],
+                         ids=["ar", "chain-q", "deterministic-tree"])
 def test_native_truncated_sampling_follows_the_target_distribution(model32, drafter):
     """float32 logits take the native top-p/min-p kernel and draw (float64, above, the
     PyTorch path): the verifiers stay lossless over the distribution it defines."""

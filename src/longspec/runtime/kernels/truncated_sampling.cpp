@@ -169,14 +169,16 @@ void truncate_row(const float* s, float* out, int64_t V, const Warpers& w, bool 
   TORCH_CHECK(std::isfinite(top), "truncated_probs: a row's best score is not finite (", top, ")");
   const bool top_k_on = w.top_k > 0 && w.top_k < V, top_p_on = w.top_p < 1.0, min_p_on = w.min_p > 0.0;
   // Top-p's mass is relative to every token top-k left; without top-k, the whole row.
-  const double everything = top_p_on && !top_k_on ? (vector ? avx512_exp_sum(s, V, top) : scalar_exp_sum(s, V, top)) : 0.0;
+  const double everything =
+      top_p_on && !top_k_on ? (vector ? avx512_exp_sum(s, V, top) : scalar_exp_sum(s, V, top)) : 0.0;
   // Min-p keeps exp(score - top) >= min_p: nothing below log(min_p) (widened past rounding)
   // survives, whatever the warpers before it did. Without it, widen until enough is held.
   double margin = min_p_on ? -std::log(w.min_p) + kRoundingSlack : kFirstMargin;
   int64_t n;
   while (true) {
     c.clear();
-    const float threshold = std::isfinite(margin) ? static_cast<float>(top - margin) : -std::numeric_limits<float>::infinity();
+    const float threshold =
+        std::isfinite(margin) ? static_cast<float>(top - margin) : -std::numeric_limits<float>::infinity();
     if (vector) avx512_collect(s, V, threshold, c); else scalar_collect(s, V, threshold, c);
     const bool all = c.size() == static_cast<size_t>(V) || !std::isfinite(margin);
     std::sort(c.begin(), c.end(), [](const Candidate& a, const Candidate& b) {
