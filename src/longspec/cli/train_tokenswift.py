@@ -31,6 +31,22 @@ def add_parser(sub) -> None:
     p.add_argument("--independent-heads", action="store_true",
                    help="Medusa-style heads, each on the target's state alone (method medusa), instead of "
                         "TokenSwift's residual chain")
+    cached = p.add_argument_group(
+        "from cached features", "train on the target features a `longspec train longspec` run cached (its "
+        "--feature-cache directories: BOS-first rows, the target's hidden states and labels), without running the "
+        "target; every position of every row trains")
+    cached.add_argument("--feature-cache", type=Path, action="append", default=[],
+                        help="a feature cache directory (repeatable); replaces --data/--stdlib-files")
+    cached.add_argument("--labels", choices=["self", "data"], default="self",
+                        help="which rows of the caches: the target's own greedy labels (self-distilled) or the data's")
+    cached.add_argument("--loss-vocab", type=int, default=32768,
+                        help="the loss scores this many most frequent training labels (the full vocabulary costs "
+                             "more; positions labelled outside it are left out)")
+    cached.add_argument("--heldout-shards", type=Path, action="append", default=[],
+                        help="token shards (of `longspec train longspec --shards`) whose held-out split measures "
+                             "the heads' top-1 accuracy over the full vocabulary (repeatable)")
+    cached.add_argument("--heldout-rows", type=int, default=0,
+                        help="without --heldout-shards: cached rows held out to measure it")
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--max-minutes", type=float, default=None, help="stop and save after this much wall time")
     p.add_argument("--seed", type=int, default=0)
@@ -38,6 +54,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    if args.feature_cache:
+        return run_from_features(args)
     from longspec.api import parse_dtype
     from longspec.cli.paths import check_output_directory
     from longspec.runtime.loading import load_target
@@ -65,5 +83,46 @@ def run(args) -> int:
     data_key = digest({"files": files_fingerprint(files), "tokenizer": tokenizer_fingerprint(target.tokenizer)})
     train_heads(target.model, data, args.out, config, resume=args.resume, target_name=str(target.source),
                 log=lambda line: print(line, flush=True), data_key=data_key)
+    print(f"heads written to {args.out / HEADS_FILE}")
+    return 0
+
+
+def run_from_features(args) -> int:
+    import torch
+
+    from longspec.api import parse_dtype
+    from longspec.cli.paths import check_output_directory
+    from longspec.runtime.loading import load_target
+    from longspec.training.data import load_split, prefixed_rows, served_prefix
+    from longspec.training.tokenswift_heads import HEADS_FILE
+    from longspec.training.tokenswift_heads_cached import (
+        CachedHeadsConfig, features_of_rows, read_feature_caches, train_heads_from_features)
+
+    if args.data or args.stdlib_files:
+        raise ValueError("--feature-cache trains on cached features: drop --data/--stdlib-files (or the caches)")
+    config = CachedHeadsConfig(
+        steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
+        num_heads=args.num_heads, chained=not args.independent_heads, loss_vocab=args.loss_vocab,
+        heldout_rows=0 if args.heldout_shards else args.heldout_rows, eval_every=args.eval_every,
+        save_every=args.eval_every, max_minutes=args.max_minutes, seed=args.seed)
+    check_output_directory(args.out)
+    target = load_target(args.model, dtype=parse_dtype(args.dtype), device=args.device)
+    rows = read_feature_caches(args.feature_cache, target.model, args.labels)
+    print(f"{len(rows)} cached rows of {rows.labels.shape[1]} tokens ({args.labels} labels) "
+          f"from {len(args.feature_cache)} caches", flush=True)
+    heldout = None
+    if args.heldout_shards:
+        if target.tokenizer is None:
+            raise ValueError(f"{target.source} has no tokenizer; --heldout-shards rows start with its served prefix")
+        prefix = served_prefix(target.tokenizer)
+        if len(prefix) != rows.prefix_tokens:
+            raise ValueError(f"the caches' rows start with {rows.prefix_tokens} prefix tokens, this tokenizer's "
+                             f"served prefix has {len(prefix)}: the held-out rows would not look like the cached ones")
+        ids = torch.cat([prefixed_rows(load_split(d, "heldout"), rows.labels.shape[1], prefix)
+                         for d in args.heldout_shards])
+        heldout = features_of_rows(target.model, ids, len(prefix), args.labels)
+    train_heads_from_features(target.model, rows, args.out, config, resume=args.resume,
+                              target_name=str(target.source), log=lambda line: print(line, flush=True),
+                              heldout=heldout)
     print(f"heads written to {args.out / HEADS_FILE}")
     return 0
