@@ -28,6 +28,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("heads", type=Path, nargs="+", help="heads .safetensors files")
     parser.add_argument("--shards", type=Path, nargs="+", required=True, help="token shards with a held-out split")
+    parser.add_argument("--labels", nargs="+", choices=["self", "data"], default=["self", "data"],
+                        help="the target's greedy tokens, the data's, or both")
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=None)
@@ -41,7 +43,7 @@ def main() -> None:
     results = []
     for shards in args.shards:
         ids = prefixed_rows(load_split(shards, "heldout"), args.seq_len, prefix)
-        for kind in ("self", "data"):
+        for kind in args.labels:
             rows = features_of_rows(target, ids, len(prefix), kind)
             for path in args.heads:
                 heads = TokenSwiftHeads.load(path, target.config).to(torch.float32)
