@@ -103,8 +103,9 @@ def read_feature_caches(directories: list[Path], target, label_kind: str = "self
         stored = json.loads(key_file.read_text())
         key = stored.get("key") or {}
         if key.get("target") != fingerprint:
-            raise ValueError(f"the feature cache {directory} was computed for another target (weights or dtype) than "
-                             "this one: load the target it was made with (--model, --dtype), or make a cache for this one")
+            raise ValueError(f"the feature cache {directory} was computed for another target (weights or dtype) "
+                             "than this one: load the target it was made with (--model, --dtype), or make a cache "
+                             "for this one")
         if key.get("features", 0) < _FIRST_VERSION_WITH_HIDDEN or key.get("features", 0) > FEATURES_VERSION:
             raise ValueError(f"the feature cache {directory} has layout version {key.get('features')}, without the "
                              f"target's hidden states this trainer reads (needs {_FIRST_VERSION_WITH_HIDDEN}.."
