@@ -110,6 +110,14 @@ def heads_loss(target, heads: TokenSwiftHeads, windows: torch.Tensor, rows: torc
     return torch.stack(losses).mean(), [l.item() for l in losses], accuracies
 
 
+def restore_run(state: dict, heads: TokenSwiftHeads, optimizer, scheduler) -> int:
+    """Load a checkpoint's heads, optimizer and schedule; return its step."""
+    heads.load_state_dict(state["heads"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    return state["step"]
+
+
 def sample_rows(T: int, count: int, gamma: int, generator: torch.Generator, first: int = 0) -> torch.Tensor:
     """`count` distinct positions in [first, T - gamma - 1): each has γ + 1 tokens after it."""
     usable = T - gamma - 1 - first
@@ -160,10 +168,7 @@ def train_heads(target, data: torch.Tensor, out_dir: Path, config: HeadsTraining
         if data_key is not None and state.get("data_key") != data_key:
             raise ValueError(f"cannot resume: {state_path} was trained on other data files or another tokenizer; "
                              "resume with the same --data/--stdlib-files and model, or start a new --out")
-        heads.load_state_dict(state["heads"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        start_step = state["step"]
+        start_step = restore_run(state, heads, optimizer, scheduler)
     elif state_path.exists():
         raise ValueError(f"{out_dir} already holds a training run; pass --resume or choose another --out")
 

@@ -40,7 +40,8 @@ from longspec.speculation.drafters.tokenswift.heads import TokenSwiftHeads
 from longspec.training.data import most_frequent_ids
 from longspec.training.fingerprint import digest, target_fingerprint
 from longspec.training.longspec_features import FEATURES_VERSION, IGNORE, FeatureCache, target_features
-from longspec.training.tokenswift_heads import CURVE_FILE, HEADS_FILE, STATE_FILE, lr_factor, training_dtype
+from longspec.training.tokenswift_heads import (
+    CURVE_FILE, HEADS_FILE, STATE_FILE, lr_factor, restore_run, training_dtype)
 
 _ROW_FILE = re.compile(r"row(\d+)-(self|data)-(aoi|plain)\.safetensors")
 # The feature layout that first stored the target's hidden states.
@@ -252,10 +253,7 @@ def train_heads_from_features(target, rows: FeatureRows, out_dir: Path, config: 
         if state.get("defining") != defining:
             raise ValueError(f"cannot resume: {state_path} was written with other settings or feature caches "
                              f"({state.get('defining')}); resume with the same ones or start a new --out")
-        heads.load_state_dict(state["heads"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        start_step = state["step"]
+        start_step = restore_run(state, heads, optimizer, scheduler)
     elif state_path.exists():
         raise ValueError(f"{out_dir} already holds a training run; pass --resume or choose another --out")
 
