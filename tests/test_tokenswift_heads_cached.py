@@ -145,3 +145,6 @@ def test_cli_refuses_feature_caches_with_text_data(tmp_path, capsys):
     assert main(["train", "tokenswift", "--feature-cache", str(tmp_path), "--data", str(tmp_path),
                  "--out", str(tmp_path / "out")]) == 2
     assert "drop --data" in capsys.readouterr().err
+    assert main(["train", "tokenswift", "--feature-cache", str(tmp_path), "--seq-len", "512", "--no-bos",
+                 "--out", str(tmp_path / "out")]) == 2
+    assert "--seq-len, --no-bos shape text windows" in capsys.readouterr().err

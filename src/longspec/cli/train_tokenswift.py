@@ -8,6 +8,9 @@ from pathlib import Path
 
 from longspec.cli.options import add_device_argument
 
+DEFAULT_SEQ_LEN = 256  # tokens per text window
+DEFAULT_ROWS = 16  # positions decoded per text window
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("tokenswift", help="train TokenSwift multi-token heads on a frozen target")
@@ -20,8 +23,8 @@ def add_parser(sub) -> None:
     add_device_argument(p)
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--rows-per-window", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN)
+    p.add_argument("--rows-per-window", type=int, default=DEFAULT_ROWS)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup-steps", type=int, default=20)
     p.add_argument("--num-heads", type=int, default=3)
@@ -100,6 +103,12 @@ def run_from_features(args) -> int:
 
     if args.data or args.stdlib_files:
         raise ValueError("--feature-cache trains on cached features: drop --data/--stdlib-files (or the caches)")
+    fixed_by_cache = [name for name, value, default in (("--seq-len", args.seq_len, DEFAULT_SEQ_LEN),
+                                                        ("--rows-per-window", args.rows_per_window, DEFAULT_ROWS),
+                                                        ("--no-bos", not args.bos, False)) if value != default]
+    if fixed_by_cache:
+        raise ValueError(f"{', '.join(fixed_by_cache)} shape text windows; with --feature-cache the cached rows fix "
+                         "their length and prefix and every position trains: drop them")
     config = CachedHeadsConfig(
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
         num_heads=args.num_heads, chained=not args.independent_heads, loss_vocab=args.loss_vocab,
