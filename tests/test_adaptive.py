@@ -195,6 +195,58 @@ def test_rates_follow_the_recent_rounds_and_fall_back_on_the_whole_sequence():
     assert unused.rate(source) == pytest.approx(0.5)
 
 
+def reference_rates(table: AcceptanceTable) -> np.ndarray:
+    """The table's posterior means walked cell by cell down every level (no shortcut)."""
+    m, w = table.PRIOR_WEIGHT, table.RECENT_PRIOR_WEIGHT
+    prior = np.array([[table.FLAT_PRIOR, table.COPY_CONTINUES_PRIOR if copying else table.FLAT_PRIOR]
+                      for copying in table.copying])[:, None, None]  # [drafters, 1, 1, continues, 2]
+    rate = (table.accepted.sum(axis=1) + prior[..., 0]) / (table.proposed.sum(axis=1) + prior.sum(axis=-1))
+    means = np.empty_like(table.accepted)
+    for level in range(table.accepted.shape[1]):
+        whole = (table.accepted[:, level] + m * rate) / (table.proposed[:, level] + m)
+        rate = (table.recent_accepted[:, level] + w * whole) / (table.recent_proposed[:, level] + w)
+        means[:, level] = rate
+    return np.clip(means, 0.0, 1.0)
+
+
+def test_rates_stop_walking_at_the_deepest_measured_level_and_equal_the_full_walk():
+    table = AcceptanceTable(drafters=2)
+    table.note_copying(1)
+    rng = np.random.default_rng(0)
+    assert np.allclose(table.rates(), reference_rates(table), rtol=0, atol=1e-15)  # nothing measured
+    for i in range(300):
+        source = Source(int(rng.integers(0, 2)), int(rng.integers(1, 14)), int(rng.integers(0, 3)),
+                        int(rng.integers(0, 20)))
+        table.record(source, accepted=bool(rng.random() < 0.7), agreed=bool(rng.random() < 0.2))
+        if i % 7 == 0:
+            table.end_round()
+    assert np.allclose(table.rates(), reference_rates(table), rtol=0, atol=1e-12)
+
+
+def test_a_fresh_table_expects_a_started_copy_to_go_on():
+    """Before a sequence has measured anything, a first token is a coin flip, but a node
+    continuing a copy (prompt lookup) starts from the prior that copies keep going
+    (replayed full preset, Spec-Bench and AIME outputs: 0.81-0.99 of them were accepted),
+    so a fresh request verifies a long copy early instead of growing its trees from
+    2-node chains while the first copies are accepted whole (BENCHMARKS.md, "A fresh
+    request's prior"). A drafter that does not copy keeps the flat prior."""
+    copier = CopiedRuns()
+    drafter = AdaptiveDrafter([("copy", copier), ("model", ReferenceChain(torch.arange(100), 4))],
+                              forward_cost=cheap_trees_cost(0.1), clock=FakeClock())
+    context = DraftContext(tokens=torch.zeros(4, dtype=torch.long), max_nodes=24)
+    drafter.begin(context)
+    drafter.propose(context)  # the copier's tree carries copied runs
+    table = drafter.table
+    accepted, rejected = AcceptanceTable.COPY_CONTINUES_PRIOR
+    assert table.rate(Source(0, depth=1, rank=0, run=5)) == pytest.approx(0.5)
+    continuing = [table.rate(Source(0, depth=d, rank=0, run=5 + d)) for d in range(2, 12)]
+    assert continuing == pytest.approx([accepted / (accepted + rejected)] * 10)
+    assert [table.rate(Source(1, depth=d, rank=0)) for d in range(1, 12)] == pytest.approx([0.5] * 11)
+    for _ in range(30):  # evidence outweighs the prior
+        table.record(Source(0, depth=2, rank=0, run=7), accepted=False)
+    assert table.rate(Source(0, depth=2, rank=0, run=7)) < 0.2
+
+
 class CopiedRuns:
     """A copying drafter's chain of `length` tokens whose first node extends a copied
     run of `run` tokens (set by the caller before each round)."""

@@ -12,7 +12,8 @@ Each round:
    costs ever less.
 2. It merges the trees (equal paths become one node) and estimates each node's
    probability of acceptance as a path product of per-(drafter, depth or copied
-   run, sibling rank) acceptance rates learned online (Beta(1, 1) prior; siblings'
+   run, sibling rank) acceptance rates learned online (a flat prior, but one that
+   expects a started copy to go on for the continuing nodes of copies; siblings'
    conditional probabilities normalised to sum at most 1, since one child at most
    is accepted).
 3. The policy picks k, the number of best-ranked nodes to verify: the expected
@@ -72,7 +73,7 @@ class AcceptanceTable:
     depth (replayed on held-out continuations: 3% more tokens per second than by depth
     alone). Each level's cell is shrunk toward the previous level's rate (one token
     shallower, or a run one token shorter), and level 1 toward the drafter's rate
-    pooled over levels (Beta(1, 1)-smoothed): along a chain that keeps matching,
+    pooled over levels (smoothed by `FLAT_PRIOR` or `COPY_CONTINUES_PRIOR`): along a chain that keeps matching,
     acceptance stays high, so a level that was rarely reached starts from the highest
     measured level before it — not from 1/2, and not from the pooled rate, which level
     1 (the hardest token, right after a bonus) dominates. That is what lets the deep
@@ -119,6 +120,16 @@ class AcceptanceTable:
     RETAINED = 0.85  # share of its recent counts a cell keeps at the end of each round
     RECENT_PRIOR_WEIGHT = 0.5  # pseudo-observations of the whole-sequence rate in the recent one
     SEPARATE_FIRST_TOKEN = True  # depth-1 nodes and nodes continuing a speculative parent in cells apart
+    # Pseudo-counts (accepted, rejected) of the rate pooled over levels that level 1 is
+    # shrunk toward: a coin flip, except for the nodes of a copying drafter (`Tree.
+    # copied_runs`) that continue a speculative parent: a started copy goes on — measured
+    # 0.81-0.99 of them accepted on the replayed full preset, Spec-Bench and AIME outputs;
+    # the low end, worth ten observations. With the flat prior there, a fresh request's
+    # first copies were verified 2-6 tokens at a time while prompt lookup's 10-token
+    # chains were accepted whole (sampled Multi-News 2k: 3 rounds more in the first 50
+    # tokens; BENCHMARKS.md, "A fresh request's prior").
+    FLAT_PRIOR = (1.0, 1.0)
+    COPY_CONTINUES_PRIOR = (8.0, 2.0)
 
     def __init__(self, drafters: int, max_level: int = 32, max_rank: int = 4) -> None:
         # [drafter, level, rank, agreed, continues a speculative parent]
@@ -126,6 +137,7 @@ class AcceptanceTable:
         self.proposed = np.zeros_like(self.accepted)
         self.recent_accepted = np.zeros_like(self.accepted)  # the same counts, fading each round
         self.recent_proposed = np.zeros_like(self.accepted)
+        self.copying = np.zeros(drafters, dtype=bool)  # drafters seen proposing copies (`note_copying`)
         self._rates: tuple[np.ndarray, np.ndarray] | None = None  # (mean, optimistic); None once a count changed
 
     def cell(self, source: Source, agreed: bool) -> tuple[int, int, int, int, int]:
@@ -139,7 +151,8 @@ class AcceptanceTable:
         or the optimistic rates trees are chosen with."""
         if self._rates is None:
             m, w = self.PRIOR_WEIGHT, self.RECENT_PRIOR_WEIGHT
-            rate = (self.accepted.sum(axis=1) + 1.0) / (self.proposed.sum(axis=1) + 2.0)  # pooled over levels
+            prior = self._priors()
+            rate = (self.accepted.sum(axis=1) + prior[..., 0]) / (self.proposed.sum(axis=1) + prior.sum(axis=-1))
             # Each level's whole-sequence rate is shrunk toward the previous level's rate,
             # its recent rate toward that: composed, rate_d = offset_d + slope_d * rate_(d-1),
             # computed for every cell at once; only the walk down the levels is a loop.
@@ -148,14 +161,32 @@ class AcceptanceTable:
             offset = (self.recent_accepted + w * self.accepted * whole_weight) * recent_weight
             slope = (w * m) * whole_weight * recent_weight
             mean = np.empty_like(self.accepted)
-            for d in range(self.accepted.shape[1]):
+            # Levels above the deepest one measured keep the rate below them (no counts:
+            # offset 0, slope 1), so the walk stops there.
+            measured = np.flatnonzero(self.proposed.any(axis=(0, 2, 3, 4)))
+            top = int(measured[-1]) + 1 if measured.size else 0
+            for d in range(top):
                 rate = offset[:, d] + slope[:, d] * rate
                 mean[:, d] = rate
+            mean[:, top:] = rate[:, None]
             np.clip(mean, 0.0, 1.0, out=mean)  # a rate of 1 can round just above it
             # The cell's Beta posterior has proposed + m observations (prior included).
             deviation = np.sqrt(mean * (1.0 - mean) / (self.proposed + m + 1.0))
             self._rates = (mean, np.minimum(mean + self.OPTIMISM * deviation, 1.0))
         return self._rates[int(optimistic)]
+
+    def _priors(self) -> np.ndarray:
+        """[drafters, 1, 1, continues, (accepted, rejected)] pseudo-counts of the pooled rates."""
+        prior = np.empty((len(self.copying), 1, 1, 2, 2))
+        prior[..., 0, :] = self.FLAT_PRIOR
+        prior[..., 1, :] = np.where(self.copying[:, None], self.COPY_CONTINUES_PRIOR, self.FLAT_PRIOR)[:, None, None]
+        return prior
+
+    def note_copying(self, drafter: int) -> None:
+        """The drafter proposes copies of earlier text: its continuing nodes take the copy prior."""
+        if not self.copying[drafter]:
+            self.copying[drafter] = True
+            self._rates = None
 
     def rate(self, source: Source, agreed: bool = False) -> float:
         return float(self.rates()[self.cell(source, agreed)])
@@ -311,6 +342,8 @@ class AdaptiveDrafter:
             component.rounds_out = 0
             called.append(index)
             trees.append((index, tree))
+            if tree.copied_runs is not None:
+                self.table.note_copying(index)
             if not expensive:
                 cheap_nodes += tree.size - 1
         merged = merge_trees(context.root, trees)
