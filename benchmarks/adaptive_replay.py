@@ -119,6 +119,14 @@ def auto_before_continued_copies() -> object:
     return drafter
 
 
+def auto_flat_prior() -> object:
+    """auto over pld before the copy prior: the continuing nodes of copies start from a
+    flat prior, as first tokens do."""
+    drafter = make_auto(components="pld")
+    drafter.table.COPY_CONTINUES_PRIOR = drafter.table.FLAT_PRIOR
+    return drafter
+
+
 def auto_pld_chain(num_tokens: int, continue_copies: bool) -> Callable[[], object]:
     """auto over a prompt lookup offering copies of up to `num_tokens` tokens, which
     stop at the sequence's end or (`continue_copies`) continue into their own draft."""
@@ -139,6 +147,7 @@ VARIANTS: dict[str, Callable[[], object]] = {
     "auto-pld-ngram": auto_over("pld,ngram"),
     "auto-pld-pooled-first": auto_pooled_first_token,
     "auto-before-continued-copies": auto_before_continued_copies,
+    "auto-pld-flat-prior": auto_flat_prior,
     # Lookup lengths (auto-pld10: the fixed method's copies, auto's before; auto-pld
     # itself offers 12 tokens that continue into their own draft).
     **{f"auto-pld{n}{'-continue' if c else ''}": auto_pld_chain(n, c) for n in (10, 12, 16, 24) for c in (False, True)},

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from longspec.speculation.drafters.tokenswift.heads import TokenSwiftHeads
-from longspec.training.fingerprint import target_fingerprint
+from longspec.training.data import prefixed_rows
+from longspec.training.fingerprint import target_fingerprint, tokens_fingerprint
 from longspec.training.longspec_features import FEATURES_VERSION, IGNORE, FeatureCache, target_features
 from longspec.training.tokenswift_heads_cached import (
     CachedHeadsConfig, head_labels, heldout_accuracy, loss_over, map_labels, read_feature_caches,
@@ -35,6 +36,16 @@ def _cache(directory, target, rows: torch.Tensor, self_distill: bool, **key_over
     for index, row in enumerate(rows):
         name = f"row{index}-{'self' if self_distill else 'data'}-plain"
         cache.get_or_compute(name, lambda row=row: target_features(target, row, positions, (0,), self_distill))
+    return directory
+
+
+def _shards(directory, stream: torch.Tensor):
+    """Token shards as `longspec train longspec --shards` writes them: one train shard."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True)
+    save_file({"tokens": stream.to(torch.int32)}, str(directory / "train-00000.safetensors"))
+    (directory / "index.json").write_text(json.dumps({"shards": {"train": ["train-00000.safetensors"], "heldout": []}}))
     return directory
 
 
@@ -139,6 +150,37 @@ def test_caches_of_another_target_layout_or_shape_are_refused(tmp_path):
         read_feature_caches([tmp_path], target, "self")
 
 
+def test_cache_shards_give_every_cached_row_its_tokens_and_data_labels(tmp_path):
+    """A cache of self-distilled rows and the shards its run cut them from: each row's
+    tokens are found by its row number (a sample of the stream's rows, as --max-rows
+    caches them), data labels are the next tokens, the hidden states are the same rows'."""
+    target = tiny_decoder("llama")
+    stream = (torch.arange(60) * 5 % 13 * 7 + 3) % 128
+    rows = prefixed_rows(stream, 12, [BOS])  # 5 rows: BOS + 11 tokens
+    key = {"features": FEATURES_VERSION, "target": target_fingerprint(target), "layers": [0], "seq_len": 12,
+           "seed": 0, "row_prefix": [BOS], "tokens": tokens_fingerprint(stream)}
+    cache = FeatureCache(tmp_path / "c", key=key)
+    positions = torch.arange(12)
+    for number in (3, 1):
+        cache.get_or_compute(f"row{number}-self-plain",
+                             lambda row=rows[number]: target_features(target, row, positions, (0,), True))
+    shards = _shards(tmp_path / "s", stream)
+    data = read_feature_caches([tmp_path / "c"], target, "data", [shards])
+    assert data.label_kind == "data" and torch.equal(data.ids, rows[[1, 3]])
+    assert torch.equal(data.labels[:, :-1], rows[[1, 3], 1:]) and (data.labels[:, -1] == IGNORE).all()
+    distilled = read_feature_caches([tmp_path / "c"], target, "self", [shards])
+    assert torch.equal(distilled.hidden, data.hidden) and torch.equal(distilled.ids, data.ids)
+    fresh = target_features(target, rows[3], positions, (), True)  # row 3's own forward
+    assert torch.equal(distilled.labels[1], fresh["labels"]) and torch.equal(distilled.hidden[1], fresh["hidden"])
+    assert data.sources != read_feature_caches([tmp_path / "c"], target, "self").sources  # a resume tells them apart
+    with pytest.raises(ValueError, match="not the token stream"):
+        read_feature_caches([tmp_path / "c"], target, "data", [_shards(tmp_path / "other", stream.flip(0))])
+    with pytest.raises(ValueError, match="2 shard directories for 1 feature caches"):
+        read_feature_caches([tmp_path / "c"], target, "data", [shards, shards])
+    with pytest.raises(ValueError, match="--cache-shards"):  # without shards, the self rows have no data labels
+        read_feature_caches([tmp_path / "c"], target, "data")
+
+
 def test_cli_refuses_feature_caches_with_text_data(tmp_path, capsys):
     from longspec.cli.main import main
 
@@ -148,3 +190,9 @@ def test_cli_refuses_feature_caches_with_text_data(tmp_path, capsys):
     assert main(["train", "tokenswift", "--feature-cache", str(tmp_path), "--seq-len", "512", "--no-bos",
                  "--out", str(tmp_path / "out")]) == 2
     assert "--seq-len, --no-bos shape text windows" in capsys.readouterr().err
+    assert main(["train", "tokenswift", "--cache-shards", str(tmp_path), "--data", str(tmp_path),
+                 "--out", str(tmp_path / "out")]) == 2
+    assert "pass those too" in capsys.readouterr().err
+    assert main(["train", "tokenswift", "--feature-cache", str(tmp_path), "--cache-shards", str(tmp_path),
+                 "--cache-shards", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    assert "2 --cache-shards for 1 --feature-cache" in capsys.readouterr().err

@@ -40,8 +40,13 @@ def add_parser(sub) -> None:
         "target; every position of every row trains")
     cached.add_argument("--feature-cache", type=Path, action="append", default=[],
                         help="a feature cache directory (repeatable); replaces --data/--stdlib-files")
+    cached.add_argument("--cache-shards", type=Path, action="append", default=[],
+                        help="the token shards each --feature-cache was cut from (its run's --shards), one per "
+                             "cache in the same order: the rows' tokens, from which --labels data labels every "
+                             "cached row")
     cached.add_argument("--labels", choices=["self", "data"], default="self",
-                        help="which rows of the caches: the target's own greedy labels (self-distilled) or the data's")
+                        help="the target's own greedy labels (self-distilled) or the data's next tokens (from the "
+                             "caches' data rows, or from --cache-shards)")
     cached.add_argument("--loss-vocab", type=int, default=32768,
                         help="the loss scores this many most frequent training labels (the full vocabulary costs "
                              "more; positions labelled outside it are left out)")
@@ -57,6 +62,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    if args.cache_shards and not args.feature_cache:
+        raise ValueError("--cache-shards name the token streams of --feature-cache directories: pass those too")
     if args.feature_cache:
         return run_from_features(args)
     from longspec.api import parse_dtype
@@ -103,6 +110,9 @@ def run_from_features(args) -> int:
 
     if args.data or args.stdlib_files:
         raise ValueError("--feature-cache trains on cached features: drop --data/--stdlib-files (or the caches)")
+    if args.cache_shards and len(args.cache_shards) != len(args.feature_cache):
+        raise ValueError(f"{len(args.cache_shards)} --cache-shards for {len(args.feature_cache)} --feature-cache: give "
+                         "each cache the --shards of the run that made it, in the same order")
     fixed_by_cache = [name for name, value, default in (("--seq-len", args.seq_len, DEFAULT_SEQ_LEN),
                                                         ("--rows-per-window", args.rows_per_window, DEFAULT_ROWS),
                                                         ("--no-bos", not args.bos, False)) if value != default]
@@ -116,7 +126,7 @@ def run_from_features(args) -> int:
         save_every=args.eval_every, max_minutes=args.max_minutes, seed=args.seed)
     check_output_directory(args.out)
     target = load_target(args.model, dtype=parse_dtype(args.dtype), device=args.device)
-    rows = read_feature_caches(args.feature_cache, target.model, args.labels)
+    rows = read_feature_caches(args.feature_cache, target.model, args.labels, args.cache_shards or None)
     print(f"{len(rows)} cached rows of {rows.labels.shape[1]} tokens ({args.labels} labels) "
           f"from {len(args.feature_cache)} caches", flush=True)
     heldout = None

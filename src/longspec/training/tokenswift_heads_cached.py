@@ -37,8 +37,8 @@ from safetensors import safe_open
 from longspec.runtime.device import HOST
 from longspec.speculation.drafters.longspec.model import chunked_cross_entropy
 from longspec.speculation.drafters.tokenswift.heads import TokenSwiftHeads
-from longspec.training.data import most_frequent_ids
-from longspec.training.fingerprint import digest, target_fingerprint
+from longspec.training.data import load_split, most_frequent_ids, prefixed_rows
+from longspec.training.fingerprint import digest, target_fingerprint, tokens_fingerprint
 from longspec.training.longspec_features import FEATURES_VERSION, IGNORE, FeatureCache, target_features
 from longspec.training.tokenswift_heads import (
     CURVE_FILE, HEADS_FILE, STATE_FILE, lr_factor, restore_run, training_dtype)
@@ -80,23 +80,36 @@ class FeatureRows:
     label_kind: str  # "self" (the target's greedy tokens) or "data"
     prefix_tokens: int  # positions at the start of every row holding the served prefix (BOS)
     sources: list[str]  # one digest per cache: what a resumed run must read again
+    ids: torch.Tensor | None = None  # [N, T] the rows' tokens, where their shards were given
 
     def __len__(self) -> int:
         return self.hidden.shape[0]
 
 
-def read_feature_caches(directories: list[Path], target, label_kind: str = "self") -> FeatureRows:
+def read_feature_caches(directories: list[Path], target, label_kind: str = "self",
+                        shards: list[Path] | None = None) -> FeatureRows:
     """Every row with `label_kind` labels from the LongSpec feature caches `directories`.
+
+    `shards`: the token shards each cache's rows were cut from (its run's `--shards`), one
+    per cache in the same order. With them the rows' tokens are read too, and data labels
+    (each position's next token) come from the tokens for every cached row: a row's
+    hidden states do not depend on its label kind, so caches of self-distilled rows
+    serve both.
+
     Refused before reading a row: a cache of another target (weights, dtype), one
     without hidden states (an older layout), caches of different row lengths or row
-    prefixes, or no rows of the wanted kind."""
+    prefixes, shards that are not a cache's token stream, or no rows of the wanted kind."""
     if label_kind not in ("self", "data"):
         raise ValueError(f"label_kind must be 'self' or 'data', got {label_kind!r}")
     if not directories:
         raise ValueError("no feature caches given")
+    if shards is not None and len(shards) != len(directories):
+        raise ValueError(f"{len(shards)} shard directories for {len(directories)} feature caches: give each cache "
+                         "the --shards of the run that made it, in the same order")
     fingerprint = target_fingerprint(target)
-    keys, files = [], []
-    for directory in directories:
+    keys, files = [], []  # files: (row file, the cache's index) per row
+    streams = []  # per cache: its token stream, where shards were given
+    for number, directory in enumerate(directories):
         key_file = Path(directory) / FeatureCache.KEY_FILE
         if not key_file.is_file():
             raise FileNotFoundError(f"{directory} is not a feature cache (no {FeatureCache.KEY_FILE}); give the "
@@ -111,27 +124,53 @@ def read_feature_caches(directories: list[Path], target, label_kind: str = "self
             raise ValueError(f"the feature cache {directory} has layout version {key.get('features')}, without the "
                              f"target's hidden states this trainer reads (needs {_FIRST_VERSION_WITH_HIDDEN}.."
                              f"{FEATURES_VERSION}); recompute it with this longspec")
-        mine = sorted((int(m.group(1)), p) for p in Path(directory).iterdir()
-                      if (m := _ROW_FILE.fullmatch(p.name)) and m.group(2) == label_kind)
+        if shards is not None:
+            stream = load_split(shards[number], "train")
+            if tokens_fingerprint(stream) != key.get("tokens"):
+                raise ValueError(f"the shards {shards[number]} are not the token stream the feature cache {directory} "
+                                 "was cut from (another corpus, tokenizer or order): give each cache the --shards of "
+                                 "the run that made it, in the same order")
+            streams.append(stream)
+        # With the tokens at hand, data labels are read off them for rows of either kind.
+        kinds = ("self", "data") if shards is not None and label_kind == "data" else (label_kind,)
+        mine = {}
+        for p in Path(directory).iterdir():
+            if (m := _ROW_FILE.fullmatch(p.name)) and m.group(2) in kinds:
+                mine.setdefault(int(m.group(1)), p)
         keys.append(key)
-        files.extend(path for _, path in mine)
+        files.extend((path, number, row) for row, path in sorted(mine.items()))
     shapes = {(k.get("seq_len"), tuple(k.get("row_prefix") or ())) for k in keys}
     if len(shapes) > 1:
         raise ValueError(f"the feature caches hold rows of different lengths or prefixes {sorted(shapes)}; "
                          "train on caches of one --seq-len and row prefix")
     if not files:
-        raise ValueError(f"the feature caches hold no rows with {label_kind!r} labels "
-                         f"(their rows are named row<N>-<self|data>-...); pass the other label kind")
+        hint = (" or give each cache its run's token shards (--cache-shards), which give every row data labels"
+                if label_kind == "data" and shards is None else "")
+        raise ValueError(f"the feature caches hold no rows with {label_kind!r} labels (their rows are named "
+                         f"row<N>-<self|data>-...); pass the other label kind{hint}")
     seq_len, prefix = shapes.pop()
+    rows_of = [prefixed_rows(stream, seq_len, prefix) for stream in streams]
     hidden, labels = None, torch.empty((len(files), seq_len), dtype=torch.long, device=HOST)
-    for index, path in enumerate(files):
+    ids = torch.empty_like(labels) if shards is not None else None
+    for index, (path, number, row_number) in enumerate(files):
         with safe_open(str(path), "pt") as row:
             h = row.get_tensor("hidden")
             if hidden is None:
                 hidden = torch.empty((len(files), *h.shape), dtype=h.dtype, device=HOST)
             hidden[index] = h
-            labels[index] = row.get_tensor("labels")
-    return FeatureRows(hidden, labels, label_kind, len(prefix), [stored_digest(d) for d in directories])
+            if ids is None or label_kind == "self":
+                labels[index] = row.get_tensor("labels")
+        if ids is not None:
+            ids[index] = rows_of[number][row_number]
+    if ids is not None and label_kind == "data":
+        labels = next_token_labels(ids)
+    sources = [stored_digest(d) for d in directories] + (["labels from the shards' tokens"] if shards else [])
+    return FeatureRows(hidden, labels, label_kind, len(prefix), sources, ids)
+
+
+def next_token_labels(ids: torch.Tensor) -> torch.Tensor:
+    """[N, T] data labels of rows `ids`: each position's next token, IGNORE at the last."""
+    return torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], IGNORE)], dim=1)
 
 
 def features_of_rows(target, ids: torch.Tensor, prefix_tokens: int, label_kind: str = "self") -> FeatureRows:
