@@ -139,15 +139,18 @@ def test_garbage_components_switch_speculation_off_and_an_oracle_gets_deep_trees
     reference = run(model, prompt, max_new_tokens=400)
     # Each extra node costs 10% of a forward (a CPU-like knee): a node must be
     # accepted more often than that to pay.
+    # A frozen clock: the synthetic costs alone size the trees (with the real one, a
+    # loaded machine's slow proposals and forwards would move the decisions).
     garbage = AdaptiveDrafter([("garbage", ReferenceChain(reference, prompt.numel(), garbage=True))],
-                              forward_cost=cheap_trees_cost(0.1))
+                              forward_cost=cheap_trees_cost(0.1), clock=FakeClock())
     stats = GenerationStats()
     assert torch.equal(run(model, prompt, garbage, max_new_tokens=400, stats=stats), reference)
     telemetry = stats.controller
     assert telemetry["speculation_off_rounds"] >= 0.8 * telemetry["rounds"], telemetry
 
     oracle = AdaptiveDrafter([("garbage", ReferenceChain(reference, prompt.numel(), garbage=True)),
-                              ("oracle", ReferenceChain(reference, prompt.numel()))], forward_cost=cheap_trees_cost())
+                              ("oracle", ReferenceChain(reference, prompt.numel()))], forward_cost=cheap_trees_cost(),
+                             clock=FakeClock())
     stats = GenerationStats()
     assert torch.equal(run(model, prompt, oracle, max_new_tokens=400, stats=stats), reference)
     assert stats.tau > 6 and stats.controller["speculation_off_rounds"] == 0
@@ -413,8 +416,10 @@ def test_a_drafter_that_runs_a_model_is_asked_only_where_the_lookups_found_nothi
     prompt = random_ids(20, seed=6)[0]
     reference = run(model, prompt, max_new_tokens=120)
     costly = CountingModelDrafter(reference, prompt.numel())
+    # A frozen clock: on a loaded machine a real one can time the lookup's Python call
+    # above a fifth of the synthetic 10 ms forward, i.e. as expensive as the model.
     drafter = AdaptiveDrafter([("lookup", ReferenceChain(reference, prompt.numel())), ("model", costly)],
-                              forward_cost=cheap_trees_cost())
+                              forward_cost=cheap_trees_cost(), clock=FakeClock())
     assert torch.equal(run(model, prompt, drafter, max_new_tokens=120), reference)
     assert costly.calls == 0  # the cheap oracle proposes every round
     costly = CountingModelDrafter(reference, prompt.numel())
@@ -471,12 +476,12 @@ def test_expensive_trees_are_cut_to_the_knee():
     prompt = random_ids(20, seed=6)[0]
     reference = run(model, prompt, max_new_tokens=200)
     cheap = AdaptiveDrafter([("oracle", ReferenceChain(reference, prompt.numel(), length=20))],
-                            forward_cost=cheap_trees_cost(0.02))
+                            forward_cost=cheap_trees_cost(0.02), clock=FakeClock())  # the costs alone decide
     costly = AdaptiveDrafter([("oracle", ReferenceChain(reference, prompt.numel(), length=20))],
                              # Each extra token costs 4 forwards: more than a whole plain round even after the
                              # controller scales the synthetic costs to this tiny model (down to 1/4) and adds the
                              # drafting time every round pays, so no tree pays even when every node is accepted.
-                             forward_cost=cheap_trees_cost(4.0))
+                             forward_cost=cheap_trees_cost(4.0), clock=FakeClock())
     for drafter, check in ((cheap, lambda t: t["mean_nodes"] > 10), (costly, lambda t: t["mean_nodes"] < 1.5)):
         stats = GenerationStats()
         assert torch.equal(run(model, prompt, drafter, max_new_tokens=200, stats=stats), reference)
