@@ -217,6 +217,10 @@ def main() -> None:
     if bad:
         parser.error(f"--runs takes VARIANT:LABELS, a variant of {list(VARIANTS)} and labels self or data; got {bad}")
     labels = {"self": rows.labels, "data": next_token_labels(rows.ids)}
+    header = {"benchmark": "tokenswift_heads_conditioned", "machine": machine(), "threads": args.threads,
+              "caches": [str(c) for c in args.feature_cache], "heldout": [str(h) for h in args.heldout_shards],
+              "training_rows": len(rows), "heldout_rows": {k: len(v) for k, v in heldout.items()},
+              "loss_vocab": args.loss_vocab, "time": time.ctime()}
     results = []
     for variant, label_kind in runs:
         started = time.perf_counter()
@@ -228,12 +232,7 @@ def main() -> None:
         results.append({"variant": variant, "labels": label_kind, "steps": args.steps, "batch_size": args.batch_size,
                         "train_seconds": round(seconds, 1), "parameters": parameters, "heldout": measured})
         print(json.dumps(results[-1]), flush=True)
-    header = {"benchmark": "tokenswift_heads_conditioned", "machine": machine(), "threads": args.threads,
-              "caches": [str(c) for c in args.feature_cache], "heldout": [str(h) for h in args.heldout_shards],
-              "training_rows": len(rows), "heldout_rows": {k: len(v) for k, v in heldout.items()},
-              "loss_vocab": args.loss_vocab,
-              "time": time.ctime()}
-    write_results(args.out, header, results)
+        write_results(args.out, header, results)  # after every run: a long sweep keeps what it finished
 
 
 if __name__ == "__main__":
