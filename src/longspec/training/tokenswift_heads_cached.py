@@ -107,7 +107,7 @@ def read_feature_caches(directories: list[Path], target, label_kind: str = "self
         raise ValueError(f"{len(shards)} shard directories for {len(directories)} feature caches: give each cache "
                          "the --shards of the run that made it, in the same order")
     fingerprint = target_fingerprint(target)
-    keys, files = [], []  # files: (row file, the cache's index) per row
+    keys, files = [], []  # files: (row file, index of its cache, row number in its stream)
     streams = []  # per cache: its token stream, where shards were given
     for number, directory in enumerate(directories):
         key_file = Path(directory) / FeatureCache.KEY_FILE
