@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -100,11 +101,19 @@ class OracleDrafter:
 
 
 def decode_rate(model, prompt: torch.Tensor, new_tokens: int, drafter=None) -> tuple[list[int], GenerationStats]:
+    """The tokens and the run's stats; `stats.round_ms` holds each round's wall time after
+    the first (which also pays first-use costs: ~15 ms on an H100 in a fresh process)."""
     engine = SpeculativeEngine(model, EngineOptions(progress=False))
     stats = GenerationStats()
-    tokens = [t for new in engine.generate(prompt, max_new_tokens=new_tokens, drafter=drafter, stats=stats)
-              for t in new.tolist()]
+    tokens, round_ms, last = [], [], None
+    for new in engine.generate(prompt, max_new_tokens=new_tokens, drafter=drafter, stats=stats):
+        tokens += new.tolist()  # a host copy: the round has finished on the device
+        now = time.perf_counter()
+        if last is not None:
+            round_ms.append(1e3 * (now - last))
+        last = now
     synchronize(model.device)
+    stats.round_ms = round_ms
     return tokens, stats
 
 
@@ -140,7 +149,7 @@ def measure_shape(name: str, config, args, device: torch.device) -> dict:
     first_difference = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), None)
     if args.profile:
         write_profile(model, prompt[:256], args.out / f"profile-{name}.txt")
-    compiled = compiled_rates(model, prompt, reference, args) if args.compile else None
+    compiled = compiled_rates(name, model, prompt, reference, args) if args.compile else None
     batch_throughput(model, prompt[:64], 4, max(args.batch_sizes))  # warm-up: batched shapes and masks
     batches = {rows: batch_throughput(model, prompt, args.new_tokens, rows) for rows in args.batch_sizes}
     costs = {}
@@ -153,23 +162,34 @@ def measure_shape(name: str, config, args, device: torch.device) -> dict:
         "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
         "ar_tokens_per_s": ar.decode_tokens_per_s, "oracle_tokens_per_s": spec.decode_tokens_per_s,
         "oracle_tau": spec.tau, "oracle_first_difference": first_difference, "batch_tokens_per_s": batches,
-        "forward_seconds": costs, "compiled": compiled,
+        "forward_seconds": costs, "compiled": compiled, "ar_split": round_split(ar), "oracle_split": round_split(spec),
     }
 
 
-def write_profile(model, prompt: torch.Tensor, path: Path, steps: int = 6) -> None:
-    """Where a few decode steps spend host and device time, by operator (torch.profiler)."""
+def write_profile(model, prompt: torch.Tensor, path: Path, steps: int = 6, drafter=None) -> None:
+    """Where a few decode steps (or speculation rounds, with `drafter`) spend host and
+    device time, by operator (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if model.device.type == "cuda" else [])
     with profile(activities=activities) as prof:
-        decode_rate(model, prompt, steps)
+        decode_rate(model, prompt, steps, drafter)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(prof.key_averages().table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=60))
-    print(f"profile of {steps} decode steps: {path}", flush=True)
+    print(f"profile of {steps} new tokens{' (speculation)' if drafter else ''}: {path}", flush=True)
 
 
-def compiled_rates(model, prompt: torch.Tensor, reference: list[int], args) -> dict:
+def round_split(stats: GenerationStats) -> dict:
+    """Milliseconds per round (per token for AR) drafting, in the forward + verification,
+    and in bookkeeping (means), and the median round's wall time: where a round's time
+    goes when the forward is cheap, and its steady cost without first-use outliers."""
+    rounds = max(stats.target_forwards, 1)
+    return {"rounds": stats.target_forwards, "draft_ms": 1e3 * stats.draft_s / rounds,
+            "verify_ms": 1e3 * stats.verify_s / rounds, "bookkeeping_ms": 1e3 * stats.bookkeeping_s / rounds,
+            "median_round_ms": statistics.median(stats.round_ms) if stats.round_ms else None}
+
+
+def compiled_rates(name: str, model, prompt: torch.Tensor, reference: list[int], args) -> dict:
     """AR, the oracle chain and a forward of the largest tree through compiled static
     steps, then the model back to eager. Equality with the eager tokens is reported,
     not required: in bf16 two kernels may round a near-tie apart (the float32 tests
@@ -186,11 +206,15 @@ def compiled_rates(model, prompt: torch.Tensor, reference: list[int], args) -> d
     ar_tokens, ar = decode_rate(model, prompt, args.new_tokens)
     oracle_tokens, spec = decode_rate(model, prompt, args.new_tokens,
                                       OracleDrafter(reference, args.prompt_tokens, args.oracle_tokens))
+    if args.profile:
+        oracle = OracleDrafter(reference, args.prompt_tokens, args.oracle_tokens)
+        write_profile(model, prompt, args.out / f"profile-oracle-compiled-{name}.txt", args.new_tokens, oracle)
     result = {
         "buckets": buckets, "compile_s": compile_s, "failure": model.static_steps.failure,
         "ar_tokens_per_s": ar.decode_tokens_per_s, "oracle_tokens_per_s": spec.decode_tokens_per_s,
         "equal_to_eager": ar_tokens == reference and oracle_tokens == reference,
         "forward_seconds": {context: {k: cost.seconds_for(k) for k in cost.ks}},
+        "ar_split": round_split(ar), "oracle_split": round_split(spec),
     }
     model.compile_steps(False)
     return result
