@@ -29,6 +29,18 @@ from tiny_models import FAMILIES, random_ids, tiny_pair
 
 OPS = native.avx512_bf16_ops()
 needs_kernel = pytest.mark.skipif(OPS is None, reason="native bf16 kernels unavailable here (reason logged)")
+LINEAR_OPS = native.bf16_linear_ops()
+needs_linear = pytest.mark.skipif(LINEAR_OPS is None, reason="no native bf16 product on this CPU (reason logged)")
+AVX2 = native.native_ops() is not None and native.native_ops().bf16_linear_avx2_supported()
+
+
+def products():
+    """The product this CPU runs, and the AVX2 path where it is not that one (a CPU with
+    AVX-512 BF16 takes it only here): each must pass every product test."""
+    ops = [pytest.param("bf16_packed_linear", marks=needs_linear, id="native")]
+    if AVX2 and OPS is not None:
+        ops.append(pytest.param("bf16_packed_linear_avx2", id="avx2"))
+    return ops
 needs_library = pytest.mark.skipif(native.native_ops() is None, reason="native kernels unavailable here (reason logged)")
 
 
@@ -38,11 +50,11 @@ def bf16_ulp(values: torch.Tensor) -> torch.Tensor:
     return torch.pow(2.0, exponent - 7)
 
 
-@needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16, 17, 40])
+@pytest.mark.parametrize("product", products())
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 17, 40])
 @pytest.mark.parametrize("inner", [40, 63, 640, 2048])  # 63: an odd inner size, padded by the packing
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_tiled_products_are_within_one_ulp_of_the_exact_result(rows, inner, with_bias):
+def test_tiled_products_are_within_one_ulp_of_the_exact_result(product, rows, inner, with_bias):
     generator = torch.Generator().manual_seed(rows * 1000 + inner + with_bias)
     x = torch.randn(rows, inner, generator=generator).bfloat16()
     weight = torch.randn(301, inner, generator=generator).bfloat16()  # 301: not a whole number of 16-column blocks
@@ -50,40 +62,52 @@ def test_tiled_products_are_within_one_ulp_of_the_exact_result(rows, inner, with
     packed = prepack(weight)
     assert packed.tiles is not None and packed.onednn is None  # the tiled copy replaces oneDNN's
     exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
-    ours = OPS.bf16_packed_linear(x, packed.tiles, weight.shape[0], bias)
+    ours = getattr(native.native_ops(), product)(x, packed.tiles, weight.shape[0], bias)
     assert ours.dtype == torch.bfloat16 and ours.shape == (rows, 301)
     assert ((ours.double() - exact).abs() <= bf16_ulp(exact)).all()
 
 
-@needs_kernel
-def test_a_row_gets_the_same_bits_from_the_tiled_kernel_alone_or_with_others():
+@pytest.mark.parametrize("product", products())
+def test_a_row_gets_the_same_bits_from_the_tiled_kernel_alone_or_with_others(product):
     """Each output is one float32 sum in the same order whatever the tile: a batch row's
     products are bit-identical to that row's alone."""
     generator = torch.Generator().manual_seed(8)
     x = torch.randn(19, 640, generator=generator).bfloat16()
     weight = torch.randn(1000, 640, generator=generator).bfloat16()
     tiles = prepack(weight).tiles
-    together = OPS.bf16_packed_linear(x, tiles, 1000, None)
-    for rows in (slice(0, 1), slice(4, 6), slice(3, 7), slice(5, 13), slice(2, 19)):
-        assert torch.equal(OPS.bf16_packed_linear(x[rows].contiguous(), tiles, 1000, None), together[rows])
+    run = getattr(native.native_ops(), product)
+    together = run(x, tiles, 1000, None)
+    for rows in (slice(0, 1), slice(4, 6), slice(3, 7), slice(5, 13), slice(2, 19), slice(0, 12), slice(6, 18)):
+        assert torch.equal(run(x[rows].contiguous(), tiles, 1000, None), together[rows])
 
 
-@needs_kernel
+@pytest.mark.skipif(not AVX2, reason="no AVX2 with FMA on this CPU")
+def test_the_avx2_product_rounds_nan_and_infinity_like_a_bf16_linear_layer():
+    weight = torch.tensor([[1.0, 0.0], [1.0, 1.0], [0.0, 1.0], [1.0, -1.0]]).bfloat16()
+    x = torch.tensor([[float("inf"), 1.0], [float("nan"), 2.0], [3.0, 2.0**-9 * 3]]).bfloat16()
+    ours = native.native_ops().bf16_packed_linear_avx2(x, prepack(weight, native_kernels=True).tiles, 4, None)
+    reference = F.linear(x.float(), weight.float()).bfloat16()
+    assert torch.equal(ours.isnan(), reference.isnan())
+    assert torch.equal(ours[~ours.isnan()], reference[~reference.isnan()])
+
+
+@needs_linear
 def test_packed_linear_sends_every_row_count_to_the_tiled_kernel(monkeypatch):
     weight = torch.randn(64, 32).bfloat16()
     packed = prepack(weight)
-    assert packed.tiles is not None and prepack(weight, native_kernels=False).tiles is None
+    fallback = prepack(weight, native_kernels=False)  # oneDNN's copy, or None where oneDNN declines
+    assert packed.tiles is not None and (fallback is None or fallback.tiles is None)
     for rows in (0, 1, 3, 4, 300):
         x = torch.randn(1, rows, 32).bfloat16()
         out = packed_linear(x, weight, packed)
         assert out.shape == (1, rows, 64)
         exact = F.linear(x.double(), weight.double())
         assert ((out.double() - exact).abs() <= bf16_ulp(exact)).all()
-        assert torch.equal(out[0], OPS.bf16_packed_linear(x[0], packed.tiles, 64, None))
+        assert torch.equal(out[0], LINEAR_OPS.bf16_packed_linear(x[0], packed.tiles, 64, None))
 
 
-def test_without_avx512_bf16_products_go_to_onednn(monkeypatch):
-    monkeypatch.setattr("longspec.runtime.linear.avx512_bf16_ops", lambda: None)
+def test_without_a_native_product_products_go_to_onednn(monkeypatch):
+    monkeypatch.setattr("longspec.runtime.linear.bf16_linear_ops", lambda: None)
     weight = torch.randn(64, 32).bfloat16()
     packed = prepack(weight)
     assert packed is None or packed.tiles is None
@@ -218,7 +242,7 @@ def test_a_failed_build_falls_back_to_onednn_with_the_reason_logged(monkeypatch,
         assert native.native_ops.__wrapped__() is None
     assert "could not be built" in caplog.text and "c++: not found" in caplog.text
     monkeypatch.setattr(native, "native_ops", native.native_ops.__wrapped__)
-    monkeypatch.setattr("longspec.runtime.linear.avx512_bf16_ops", native.avx512_bf16_ops.__wrapped__)
+    monkeypatch.setattr("longspec.runtime.linear.bf16_linear_ops", native.bf16_linear_ops.__wrapped__)
     weight = torch.randn(16, 8).bfloat16()
     packed = prepack(weight)
     assert packed is None or packed.tiles is None

@@ -6,6 +6,9 @@ forward asks of it.
   decode step) streams the weight at the core's read bandwidth, about twice oneDNN's rate;
   4-16 rows (a batch of decode steps, a verified chain) run 1.1-1.8x oneDNN's blocked
   product, hundreds (prefill) level with it.
+- On CPUs with AVX2 and FMA but not AVX-512 BF16: the same kernel and packed copy through
+  float32 FMAs. There oneDNN's bf16 product has no native instructions: a 4-16 row
+  product costs several times a one-row one, which every verified tree pays.
 - Elsewhere: oneDNN with the weight prepacked into its blocked layout, about 1.3-1.6x
   faster than PyTorch's default bf16 product.
 - Anything none handles (other dtypes, other devices, builds without them) keeps the
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from longspec.runtime.native import avx512_bf16_ops
+from longspec.runtime.native import bf16_linear_ops
 
 
 @dataclass(frozen=True)
@@ -32,7 +35,7 @@ def prepack(weight: torch.Tensor, *, native_kernels: bool = True) -> PackedWeigh
     """The prepared forms of a [out, in] bf16 CPU weight, or None where none applies."""
     if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
         return None
-    ops = avx512_bf16_ops() if native_kernels and weight.is_contiguous() else None
+    ops = bf16_linear_ops() if native_kernels and weight.is_contiguous() else None
     if ops is not None:
         return PackedWeight(onednn=None, tiles=ops.bf16_pack_weight(weight.detach()))
     onednn = _onednn_prepack(weight)
@@ -45,7 +48,7 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | 
         return F.linear(x, weight, bias)
     if packed.tiles is not None:
         flat = x.reshape(-1, x.shape[-1]).contiguous()
-        out = avx512_bf16_ops().bf16_packed_linear(flat, packed.tiles, weight.shape[0], bias)
+        out = bf16_linear_ops().bf16_packed_linear(flat, packed.tiles, weight.shape[0], bias)
         return out.view(*x.shape[:-1], weight.shape[0])
     if packed.onednn is not None:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed.onednn, bias, "none", [], "")

@@ -67,12 +67,27 @@ def kernels_identity() -> str:
 
 @functools.cache
 def avx512_bf16_ops():
-    """The native ops whose kernels need AVX-512 BF16 (bf16 products, few-query
-    attention), or None where the library or the instruction set is missing."""
+    """The native ops whose kernels need AVX-512 BF16 (few-query and ordered attention),
+    or None where the library or the instruction set is missing."""
     ops = native_ops()
     if ops is None:
         return None
     if not ops.avx512_bf16_supported():
-        log.warning("this CPU lacks AVX-512 BF16: bf16 linear layers use oneDNN and attention PyTorch's flash kernel")
+        log.warning("this CPU lacks AVX-512 BF16: attention runs PyTorch's flash kernel, and a token verified in a "
+                    "tree may round differently from the same token decoded alone")
+        return None
+    return ops
+
+
+@functools.cache
+def bf16_linear_ops():
+    """The native ops whose bf16 product (`bf16_packed_linear`) runs on this CPU: AVX-512
+    BF16 dot products, or float32 FMAs over the same packed weight on AVX2 CPUs; None
+    where the library or both instruction sets are missing."""
+    ops = native_ops()
+    if ops is None:
+        return None
+    if not ops.bf16_linear_supported():
+        log.warning("this CPU has neither AVX-512 BF16 nor AVX2 with FMA: bf16 linear layers use oneDNN")
         return None
     return ops

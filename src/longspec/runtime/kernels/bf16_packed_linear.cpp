@@ -8,10 +8,16 @@
 // packed layout puts 16 output columns in the lanes of one register, so a register tile of
 // rows x column blocks is built from broadcast pairs of x and never reduced across lanes.
 // Measured (BENCHMARKS.md): one row at the rate of a row-streaming matvec (which it
-// replaced), 1.1-1.8x oneDNN's blocked product at 4-16 rows, level with it at hundreds. Only
-// the kernels are compiled for AVX-512; the rest of the library is baseline x86-64, so
-// `avx512_bf16_supported()` can be asked on any CPU. Every output is one float32 sum over k
-// in the same order whatever the tile, so a row gets the same bits alone or in a batch.
+// replaced), 1.1-1.8x oneDNN's blocked product at 4-16 rows, level with it at hundreds.
+//
+// CPUs with AVX2 and FMA but no AVX-512 BF16 run the same packed weight through float32
+// FMAs: a bf16 weight pair becomes two float32 vectors by a shift and a mask, x is widened
+// to float32 once per call. There oneDNN's bf16 product has no native instructions and a
+// 16-row product costs ~13 one-row products (BENCHMARKS.md), which makes every verified
+// tree expensive. Only the kernels are compiled for their instruction sets; the rest of
+// the library is baseline x86-64, so the `*_supported()` queries can be asked on any CPU.
+// On either path every output is one float32 sum over k in the same order whatever the
+// tile, so a row gets the same bits alone or in a batch.
 //
 // Packed layout: [ceil(N / 16), ceil(K / 2), 16, 2]. Block j, pair p holds, in lane i, the
 // weight pair (w[16 j + i, 2 p], w[16 j + i, 2 p + 1]), zero past N or K: one 64-byte load
@@ -52,8 +58,9 @@ inline int32_t pair_at(const uint16_t* x, int64_t k) {
 
 // Rows [0, R) of x (K padded to even) times column blocks [block, block + B).
 template <int R, int B>
-LONGSPEC_AVX512_BF16 void tile(const uint16_t* x, int64_t x_stride, const uint16_t* packed, int64_t pairs,
+LONGSPEC_AVX512_BF16 void tile(const void* x_any, int64_t x_stride, const uint16_t* packed, int64_t pairs,
                                const uint16_t* bias, uint16_t* y, int64_t N, int64_t block) {
+  const uint16_t* x = static_cast<const uint16_t*>(x_any);
   __m512 acc[R][B];
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
@@ -80,7 +87,7 @@ LONGSPEC_AVX512_BF16 void tile(const uint16_t* x, int64_t x_stride, const uint16
   }
 }
 
-using Tile = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, const uint16_t*, uint16_t*, int64_t, int64_t);
+using Tile = void (*)(const void*, int64_t, const uint16_t*, int64_t, const uint16_t*, uint16_t*, int64_t, int64_t);
 
 struct Tiles {
   Tile wide;    // `blocks` column blocks at once
@@ -111,6 +118,123 @@ Tiles tiles_for(int64_t rows, bool two_tiles) {
   }
 }
 
+// ---------------------------------------------------------------- AVX2 + FMA
+constexpr int64_t kAvx2RowTile = 6;  // 16 ymm registers: 2 per row and block + 4 temporaries
+constexpr int64_t kSumPairs = 32;    // weight pairs per partial sum
+
+// Blocks per tile (each 16 columns, two 8-lane halves): enough accumulators to hide the
+// FMA latency at one row, as many as fit at more.
+constexpr int avx2_blocks_for(int rows) { return rows == 1 ? 4 : rows == 2 ? 3 : rows == 3 ? 2 : 1; }
+
+#define LONGSPEC_AVX2_FMA __attribute__((target("avx2,fma")))
+
+// float32 -> bf16, round to nearest even (NaN stays a quiet NaN), 8 lanes.
+LONGSPEC_AVX2_FMA inline __m128i to_bf16(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  rounded = _mm256_blendv_epi8(rounded, _mm256_or_si256(bits, _mm256_set1_epi32(0x400000)), nan);
+  const __m256i high = _mm256_srli_epi32(rounded, 16);
+  return _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1));
+}
+
+// Rows [0, R) of x (float32, K padded to even) times column blocks [block, block + B).
+template <int R, int B>
+LONGSPEC_AVX2_FMA void tile_avx2(const void* x_any, int64_t x_stride, const uint16_t* packed, int64_t pairs,
+                                 const uint16_t* bias, uint16_t* y, int64_t N, int64_t block) {
+  const float* x = static_cast<const float*>(x_any);
+  // Two-level sum: `acc` holds the products of up to kSumPairs pairs, then joins `total`.
+  // A single float32 chain over K = 640-2048 products loses up to ~2e-6 of a large partial
+  // sum, more than one bf16 ulp of a small result; blocks of 64 products keep the error
+  // near a blocked BLAS's. The order depends on k alone, not on the tile.
+  __m256 acc[R][2 * B], total[R][2 * B];
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2 * B; ++h) acc[r][h] = total[r][h] = _mm256_setzero_ps();
+  const uint16_t* w = packed + block * pairs * 2 * kColumns;
+  const int64_t block_stride = pairs * 2 * kColumns;
+  const __m256i odd_half = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t p = 0; p < pairs; ++p) {
+    if (p % kSumPairs == 0 && p) {
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < 2 * B; ++h) {
+          total[r][h] = _mm256_add_ps(total[r][h], acc[r][h]);
+          acc[r][h] = _mm256_setzero_ps();
+        }
+    }
+    for (int h = 0; h < 2 * B; ++h) {
+      // Lanes 8 (h % 2) .. 8 (h % 2) + 7 of block h / 2: per lane the pair (w[n, 2p], w[n, 2p + 1]).
+      const __m256i v = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(w + (h / 2) * block_stride + p * 2 * kColumns + (h % 2) * (kColumns / 2) * 2));
+      const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+      const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(v, odd_half));
+      for (int r = 0; r < R; ++r) {
+        acc[r][h] = _mm256_fmadd_ps(even, _mm256_broadcast_ss(x + r * x_stride + 2 * p), acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(odd, _mm256_broadcast_ss(x + r * x_stride + 2 * p + 1), acc[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2 * B; ++h) acc[r][h] = _mm256_add_ps(total[r][h], acc[r][h]);
+  for (int b = 0; b < B; ++b) {
+    const int64_t n0 = (block + b) * kColumns;
+    const int64_t left = N - n0 < kColumns ? N - n0 : kColumns;
+    uint16_t bias_bits[kColumns] = {};
+    if (bias) std::memcpy(bias_bits, bias + n0, left * sizeof(uint16_t));
+    const __m256 add_lo = _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bias_bits))), 16));
+    const __m256 add_hi = _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bias_bits + 8))), 16));
+    for (int r = 0; r < R; ++r) {
+      alignas(32) uint16_t out[kColumns];
+      _mm_store_si128(reinterpret_cast<__m128i*>(out), to_bf16(_mm256_add_ps(acc[r][2 * b], add_lo)));
+      _mm_store_si128(reinterpret_cast<__m128i*>(out + 8), to_bf16(_mm256_add_ps(acc[r][2 * b + 1], add_hi)));
+      std::memcpy(y + r * N + n0, out, left * sizeof(uint16_t));
+    }
+  }
+}
+
+template <int R>
+Tiles avx2_tiles_of(bool two_tiles) {
+  constexpr int wide = avx2_blocks_for(R), tall = avx2_blocks_for(kAvx2RowTile);
+  if (two_tiles) return {tile_avx2<R, tall>, tile_avx2<R, 1>, tall};
+  return {tile_avx2<R, wide>, tile_avx2<R, 1>, wide};
+}
+
+Tiles avx2_tiles_for(int64_t rows, bool two_tiles) {
+  switch (rows) {
+    case 1: return avx2_tiles_of<1>(two_tiles);
+    case 2: return avx2_tiles_of<2>(two_tiles);
+    case 3: return avx2_tiles_of<3>(two_tiles);
+    case 4: return avx2_tiles_of<4>(two_tiles);
+    case 5: return avx2_tiles_of<5>(two_tiles);
+    default: return avx2_tiles_of<6>(two_tiles);
+  }
+}
+
+bool avx512_bf16_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+}
+
+bool avx2_fma_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+// The instruction set a product runs on: its row tile and its tiles.
+struct Isa {
+  int64_t row_tile;
+  Tiles (*tiles_for)(int64_t rows, bool two_tiles);
+  bool float_x;  // x widened to float32 before the tiles (the AVX2 path)
+};
+
+constexpr Isa kAvx512Bf16{kRowTile, tiles_for, false};
+constexpr Isa kAvx2Fma{kAvx2RowTile, avx2_tiles_for, true};
+
+bool linear_supported() { return avx512_bf16_supported() || avx2_fma_supported(); }
+
 at::Tensor pack(const at::Tensor& weight) {
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 && weight.is_contiguous(),
               "a contiguous [N, K] bf16 weight");
@@ -127,7 +251,8 @@ at::Tensor pack(const at::Tensor& weight) {
   return packed;
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const std::optional<at::Tensor>& bias) {
+at::Tensor linear_on(const Isa& on, const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                     const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "bf16 inputs only");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "contiguous x [M, K]");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kColumns && packed.size(3) == 2 && packed.is_contiguous(),
@@ -141,17 +266,21 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, cons
   }
   // An odd K reads one pair past each row: give x a zero column.
   at::Tensor xe = K % 2 ? at::constant_pad_nd(x, {0, 1}) : x;
+  if (on.float_x) xe = xe.to(at::kFloat);
   const int64_t stride = xe.size(1);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
-  const auto* xs = reinterpret_cast<const uint16_t*>(xe.data_ptr());
+  const auto* xs = static_cast<const char*>(xe.data_ptr());
+  const int64_t x_bytes = xe.element_size();
   const auto* ws = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   auto* ys = reinterpret_cast<uint16_t*>(y.data_ptr());
-  // Row tiles of up to 8 rows; each task walks its column groups for every row tile, so a
-  // group's weight (a few blocks x K values) is read from memory once and from cache after.
-  const bool many = M > kRowTile;
-  const int64_t full_tiles = M / kRowTile, rest = M % kRowTile;
-  const Tiles full = tiles_for(many ? kRowTile : M, many), tail = tiles_for(rest ? rest : 1, many);
+  // Row tiles of up to 8 (AVX2: 6) rows; each task walks its column groups for every row
+  // tile, so a group's weight (a few blocks x K values) is read from memory once and from
+  // cache after.
+  const int64_t row_tile = on.row_tile;
+  const bool many = M > row_tile;
+  const int64_t full_tiles = M / row_tile, rest = M % row_tile;
+  const Tiles full = on.tiles_for(many ? row_tile : M, many), tail = on.tiles_for(rest ? rest : 1, many);
   const int64_t row_tiles = many ? full_tiles + (rest ? 1 : 0) : 1;
   const int64_t group = full.blocks, groups = (blocks + group - 1) / group;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
@@ -159,8 +288,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, cons
       const int64_t first = g * group, count = blocks - first < group ? blocks - first : group;
       for (int64_t t = 0; t < row_tiles; ++t) {
         const Tiles& tiles = many && t == full_tiles ? tail : full;
-        const uint16_t* xt = xs + t * kRowTile * stride;
-        uint16_t* yt = ys + t * kRowTile * N;
+        const void* xt = xs + t * row_tile * stride * x_bytes;
+        uint16_t* yt = ys + t * row_tile * N;
         if (count == group) {
           tiles.wide(xt, stride, ws, pairs, bias_bits, yt, N, first);
         } else {
@@ -172,18 +301,29 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, cons
   return y;
 }
 
-bool supported() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+// The product on the best instruction set of this CPU.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const std::optional<at::Tensor>& bias) {
+  static const bool avx512 = avx512_bf16_supported();
+  TORCH_CHECK(avx512 || avx2_fma_supported(), "bf16_packed_linear needs AVX-512 BF16 or AVX2 with FMA");
+  return linear_on(avx512 ? kAvx512Bf16 : kAvx2Fma, x, packed, N, bias);
+}
+
+// The AVX2 path on any CPU that has it (tests: CPUs with AVX-512 BF16 never take it otherwise).
+at::Tensor linear_avx2(const at::Tensor& x, const at::Tensor& packed, int64_t N, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(avx2_fma_supported(), "bf16_packed_linear_avx2 needs AVX2 with FMA");
+  return linear_on(kAvx2Fma, x, packed, N, bias);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(longspec_native, m) {
-  m.def("avx512_bf16_supported() -> bool", &supported);
+  m.def("avx512_bf16_supported() -> bool", &avx512_bf16_supported);
+  m.def("bf16_linear_supported() -> bool", &linear_supported);
+  m.def("bf16_linear_avx2_supported() -> bool", &avx2_fma_supported);
   m.def("bf16_pack_weight(Tensor weight) -> Tensor");
   m.impl("bf16_pack_weight", c10::DispatchKey::CPU, TORCH_FN(pack));
   m.def("bf16_packed_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.impl("bf16_packed_linear", c10::DispatchKey::CPU, TORCH_FN(linear));
+  m.def("bf16_packed_linear_avx2(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
+  m.impl("bf16_packed_linear_avx2", c10::DispatchKey::CPU, TORCH_FN(linear_avx2));
 }
