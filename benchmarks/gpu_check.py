@@ -100,9 +100,10 @@ class OracleDrafter:
         return Tree.chain(context.root, self.reference[done : done + min(self.length, context.max_nodes)])
 
 
-def decode_rate(model, prompt: torch.Tensor, new_tokens: int, drafter=None) -> tuple[list[int], GenerationStats]:
-    """The tokens and the run's stats; `stats.round_ms` holds each round's wall time after
-    the first (which also pays first-use costs: ~15 ms on an H100 in a fresh process)."""
+def decode_rate(model, prompt: torch.Tensor, new_tokens: int, drafter=None
+                ) -> tuple[list[int], GenerationStats, list[float]]:
+    """The tokens, the run's stats and each round's wall time in ms after the first (which
+    also pays first-use costs: ~15 ms on an H100 in a fresh process)."""
     engine = SpeculativeEngine(model, EngineOptions(progress=False))
     stats = GenerationStats()
     tokens, round_ms, last = [], [], None
@@ -113,8 +114,7 @@ def decode_rate(model, prompt: torch.Tensor, new_tokens: int, drafter=None) -> t
             round_ms.append(1e3 * (now - last))
         last = now
     synchronize(model.device)
-    stats.round_ms = round_ms
-    return tokens, stats
+    return tokens, stats, round_ms
 
 
 def batch_throughput(model, prompt: torch.Tensor, new_tokens: int, rows: int) -> float:
@@ -140,9 +140,9 @@ def measure_shape(name: str, config, args, device: torch.device) -> dict:
     prompt = torch.randint(0, config.vocab_size, (args.prompt_tokens,), generator=torch.Generator().manual_seed(1),
                            device=HOST)
     decode_rate(model, prompt[:64], 8)  # warm-up: kernels, allocator, Triton compilation
-    reference, ar = decode_rate(model, prompt, args.new_tokens)
+    reference, ar, ar_rounds = decode_rate(model, prompt, args.new_tokens)
     oracle = OracleDrafter(reference, args.prompt_tokens, args.oracle_tokens)
-    tokens, spec = decode_rate(model, prompt, args.new_tokens, oracle)
+    tokens, spec, spec_rounds = decode_rate(model, prompt, args.new_tokens, oracle)
     # Reported, not required: in bf16 a many-token and a one-token forward may round a
     # near-tie of random weights apart (the device tests prove identity in float64); past
     # such a token the oracle's chain stops matching, which τ shows.
@@ -162,7 +162,8 @@ def measure_shape(name: str, config, args, device: torch.device) -> dict:
         "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
         "ar_tokens_per_s": ar.decode_tokens_per_s, "oracle_tokens_per_s": spec.decode_tokens_per_s,
         "oracle_tau": spec.tau, "oracle_first_difference": first_difference, "batch_tokens_per_s": batches,
-        "forward_seconds": costs, "compiled": compiled, "ar_split": round_split(ar), "oracle_split": round_split(spec),
+        "forward_seconds": costs, "compiled": compiled, "ar_split": round_split(ar, ar_rounds),
+        "oracle_split": round_split(spec, spec_rounds),
     }
 
 
@@ -179,14 +180,14 @@ def write_profile(model, prompt: torch.Tensor, path: Path, steps: int = 6, draft
     print(f"profile of {steps} new tokens{' (speculation)' if drafter else ''}: {path}", flush=True)
 
 
-def round_split(stats: GenerationStats) -> dict:
+def round_split(stats: GenerationStats, round_ms: list[float]) -> dict:
     """Milliseconds per round (per token for AR) drafting, in the forward + verification,
     and in bookkeeping (means), and the median round's wall time: where a round's time
     goes when the forward is cheap, and its steady cost without first-use outliers."""
     rounds = max(stats.target_forwards, 1)
     return {"rounds": stats.target_forwards, "draft_ms": 1e3 * stats.draft_s / rounds,
             "verify_ms": 1e3 * stats.verify_s / rounds, "bookkeeping_ms": 1e3 * stats.bookkeeping_s / rounds,
-            "median_round_ms": statistics.median(stats.round_ms) if stats.round_ms else None}
+            "median_round_ms": statistics.median(round_ms) if round_ms else None}
 
 
 def compiled_rates(name: str, model, prompt: torch.Tensor, reference: list[int], args) -> dict:
@@ -203,8 +204,8 @@ def compiled_rates(name: str, model, prompt: torch.Tensor, reference: list[int],
     compile_s = time.perf_counter() - started
     context = min(args.contexts)
     cost = measure_forward_cost(model, context=context, ks=(1, largest), repeats=args.repeats)
-    ar_tokens, ar = decode_rate(model, prompt, args.new_tokens)
-    oracle_tokens, spec = decode_rate(model, prompt, args.new_tokens,
+    ar_tokens, ar, ar_rounds = decode_rate(model, prompt, args.new_tokens)
+    oracle_tokens, spec, spec_rounds = decode_rate(model, prompt, args.new_tokens,
                                       OracleDrafter(reference, args.prompt_tokens, args.oracle_tokens))
     if args.profile:
         oracle = OracleDrafter(reference, args.prompt_tokens, args.oracle_tokens)
@@ -214,7 +215,7 @@ def compiled_rates(name: str, model, prompt: torch.Tensor, reference: list[int],
         "ar_tokens_per_s": ar.decode_tokens_per_s, "oracle_tokens_per_s": spec.decode_tokens_per_s,
         "equal_to_eager": ar_tokens == reference and oracle_tokens == reference,
         "forward_seconds": {context: {k: cost.seconds_for(k) for k in cost.ks}},
-        "ar_split": round_split(ar), "oracle_split": round_split(spec),
+        "ar_split": round_split(ar, ar_rounds), "oracle_split": round_split(spec, spec_rounds),
     }
     model.compile_steps(False)
     return result

@@ -12,9 +12,9 @@
 //
 // CPUs with AVX2 and FMA but no AVX-512 BF16 run the same packed weight through float32
 // FMAs: a bf16 weight pair becomes two float32 vectors by a shift and a mask, x is widened
-// to float32 once per call. There oneDNN's bf16 product has no native instructions and a
-// 16-row product costs ~13 one-row products (BENCHMARKS.md), which makes every verified
-// tree expensive. Only the kernels are compiled for their instruction sets; the rest of
+// to float32 once per call. There PyTorch's bf16 product has no native instructions (and
+// oneDNN declines to prepack the weights): a 16-row product costs 11-15 one-row products
+// (BENCHMARKS.md, "AVX2 CPUs"), which makes every verified tree expensive. Only the kernels are compiled for their instruction sets; the rest of
 // the library is baseline x86-64, so the `*_supported()` queries can be asked on any CPU.
 // On either path every output is one float32 sum over k in the same order whatever the
 // tile, so a row gets the same bits alone or in a batch.
