@@ -29,6 +29,7 @@ from tiny_models import FAMILIES, random_ids, tiny_pair
 
 OPS = native.avx512_bf16_ops()
 needs_kernel = pytest.mark.skipif(OPS is None, reason="native bf16 kernels unavailable here (reason logged)")
+needs_library = pytest.mark.skipif(native.native_ops() is None, reason="native kernels unavailable here (reason logged)")
 LINEAR_OPS = native.bf16_linear_ops()
 needs_linear = pytest.mark.skipif(LINEAR_OPS is None, reason="no native bf16 product on this CPU (reason logged)")
 AVX2 = native.native_ops() is not None and native.native_ops().bf16_linear_avx2_supported()
@@ -41,7 +42,6 @@ def products():
     if AVX2 and OPS is not None:
         ops.append(pytest.param("bf16_packed_linear_avx2", id="avx2"))
     return ops
-needs_library = pytest.mark.skipif(native.native_ops() is None, reason="native kernels unavailable here (reason logged)")
 
 
 def bf16_ulp(values: torch.Tensor) -> torch.Tensor:
