@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from common import machine, write_results
-from longspec.runtime.native import avx512_bf16_ops
+from longspec.runtime.native import attention_ops
 from longspec.runtime.ordered_keys import FULL_CHUNK_POSITIONS, RING_CHUNK_POSITIONS, prefix_then_pending
 
 BASELINE_LIBRARY = "longspec_baseline_attention"
@@ -71,9 +71,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    ops = avx512_bf16_ops()
+    ops = attention_ops()
     if ops is None:
-        raise SystemExit("the native kernels are unavailable on this machine (AVX-512 BF16 and a compiler needed)")
+        raise SystemExit("the native kernels are unavailable on this machine (AVX-512 BF16 or AVX2, and a compiler needed)")
     baseline = baseline_kernel(args.baseline_source) if args.baseline_source else None
     group = args.query_heads // args.kv_heads
     scale = args.head_dim**-0.5

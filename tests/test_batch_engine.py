@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from longspec.runtime.batch_cache import BatchKVCache
-from longspec.runtime.native import avx512_bf16_ops
+from longspec.runtime.native import attention_ops
 from longspec.speculation import batch_engine
 from longspec.speculation.cost_model import ForwardCost
 from longspec.speculation.drafters.draft_model import DraftModelDrafter
@@ -110,7 +110,7 @@ def test_batched_tree_forward_matches_single_rows(family, packed):
         assert batch.lengths[: len(lengths)].tolist() == [s.length for s in singles]
 
 
-@pytest.mark.skipif(avx512_bf16_ops() is None, reason="the native bf16 kernels need AVX-512 BF16")
+@pytest.mark.skipif(attention_ops() is None, reason="the native bf16 kernels need AVX-512 BF16 or AVX2")
 def test_packed_rows_are_the_same_bits_as_padded_rows():
     """In bf16 through the native kernels a row's products do not depend on how many
     rows share them, so skipping the padding changes no bit of the real tokens."""

@@ -1,6 +1,7 @@
 """Speculative decoding in bfloat16 returns plain decoding's tokens bit for bit.
 
-Where the native kernels serve the target (a CPU with AVX-512 BF16), a token's forward
+Where the native kernels serve the target (a CPU with AVX-512 BF16, or AVX2 with FMA),
+a token's forward
 is the same arithmetic whatever else the forward holds: the products give a row the
 same bits alone or beside others (`runtime.linear`), and attention reads keys listed by
 position (`runtime.ordered_keys`), so a token verified inside a tree, beside siblings
@@ -18,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from longspec.runtime.native import avx512_bf16_ops
+from longspec.runtime.native import attention_ops
 from longspec.speculation.batch_engine import BatchEngine, BatchOptions
 from longspec.speculation.drafters import NgramDrafter, PromptLookupDrafter
 from longspec.speculation.engine import EngineOptions, SpeculativeEngine
@@ -28,7 +29,7 @@ from test_engine_exact import DIVERSE, Run, assert_same_caches
 from test_engine_greedy import OracleGarbageDrafter
 from tiny_models import random_ids, tiny_decoder
 
-pytestmark = pytest.mark.skipif(avx512_bf16_ops() is None, reason="native bf16 kernels unavailable here (reason logged)")
+pytestmark = pytest.mark.skipif(attention_ops() is None, reason="native bf16 kernels unavailable here (reason logged)")
 
 # Full and sliding layers; full layers only; sliding layers only.
 BF16_FAMILIES = ("gemma3", "llama", "mistral")

@@ -27,8 +27,9 @@ from longspec.runtime.model import RMSNorm
 from test_runtime_equivalence import run_chunks
 from tiny_models import FAMILIES, random_ids, tiny_pair
 
-OPS = native.avx512_bf16_ops()
+OPS = native.attention_ops()
 needs_kernel = pytest.mark.skipif(OPS is None, reason="native bf16 kernels unavailable here (reason logged)")
+AVX512_BF16 = native.native_ops() is not None and native.native_ops().avx512_bf16_supported()
 needs_library = pytest.mark.skipif(native.native_ops() is None, reason="native kernels unavailable here (reason logged)")
 LINEAR_OPS = native.bf16_linear_ops()
 needs_linear = pytest.mark.skipif(LINEAR_OPS is None, reason="no native bf16 product on this CPU (reason logged)")
@@ -39,8 +40,36 @@ def products():
     """The product this CPU runs, and the AVX2 path where it is not that one (a CPU with
     AVX-512 BF16 takes it only here): each must pass every product test."""
     ops = [pytest.param("bf16_packed_linear", marks=needs_linear, id="native")]
-    if AVX2 and OPS is not None:
+    if AVX2 and AVX512_BF16:
         ops.append(pytest.param("bf16_packed_linear_avx2", id="avx2"))
+    return ops
+
+
+class Avx2Attention:
+    """The native ops with the attention kernels on their AVX2 path."""
+
+    def __init__(self, ops):
+        self.ops = ops
+
+    def few_query_attention(self, *args):
+        return self.ops.few_query_attention_avx2(*args)
+
+    def ordered_attention(self, *args):
+        return self.ops.ordered_attention_avx2(*args)
+
+
+@pytest.fixture(params=["native", "avx2"])
+def attention_kernel(request, monkeypatch):
+    """The attention kernels this CPU runs, and their AVX2 path where it is not that one
+    (a CPU with AVX-512 BF16 takes it only here): each must pass every attention test."""
+    if OPS is None:
+        pytest.skip("native bf16 kernels unavailable here (reason logged)")
+    if request.param == "native":
+        return OPS
+    if not (AVX2 and AVX512_BF16):
+        pytest.skip("the AVX2 path is the native one on this CPU, or it has no AVX2")
+    ops = Avx2Attention(OPS)
+    monkeypatch.setattr("longspec.runtime.attention.attention_ops", lambda: ops)
     return ops
 
 
@@ -121,7 +150,9 @@ def test_without_a_native_product_products_go_to_onednn(monkeypatch):
 @pytest.mark.parametrize("head_dim", [32, 256])
 @pytest.mark.parametrize("mask", ["none", "shared", "per_row"])
 @pytest.mark.parametrize("queries", [1, 3, 9, 17])
-def test_few_query_attention_is_within_one_ulp_of_the_exact_result(rows, kv_heads, group, keys, head_dim, mask, queries):
+def test_few_query_attention_is_within_one_ulp_of_the_exact_result(
+    attention_kernel, rows, kv_heads, group, keys, head_dim, mask, queries
+):
     generator = torch.Generator().manual_seed(rows * 7 + keys + head_dim + queries)
     q = torch.randn(rows, kv_heads * group, queries, head_dim, generator=generator).bfloat16()
     # K/V as the cache hands them over: a view of the first `keys` slots of a larger buffer.
@@ -149,7 +180,7 @@ def test_few_query_attention_is_within_one_ulp_of_the_exact_result(rows, kv_head
 
 
 @needs_kernel
-def test_few_query_attention_merges_a_prefix_and_a_tree_part():
+def test_few_query_attention_merges_a_prefix_and_a_tree_part(attention_kernel):
     """The two parts of Hybrid Tree Attention, each through the kernel, merged by their
     log-sum-exps, equal one attention over both under the combined mask."""
     generator = torch.Generator().manual_seed(11)
@@ -167,7 +198,7 @@ def test_few_query_attention_merges_a_prefix_and_a_tree_part():
 
 
 @needs_kernel
-def test_few_query_attention_of_a_row_that_sees_no_key_is_zero():
+def test_few_query_attention_of_a_row_that_sees_no_key_is_zero(attention_kernel):
     q = torch.randn(2, 4, 1, 64).bfloat16()
     k, v = torch.randn(2, 2, 300, 64).bfloat16(), torch.randn(2, 2, 300, 64).bfloat16()
     visible = torch.ones(2, 1, 300, dtype=torch.bool)
@@ -280,17 +311,17 @@ def test_greedy_argmax_fallback_without_the_library(monkeypatch):
         assert torch.equal(processors._argmax(x), x.float().argmax(dim=-1))
 
 
-def ordered_call(q, k, v, slots, positions, visible, chunk, shared=0):
+def ordered_call(ops, q, k, v, slots, positions, visible, chunk, shared=0):
     """The native `ordered_attention` of one row (slots/positions [N], visible [T, N - shared] or None)."""
     count = torch.tensor([slots.numel()])
-    return OPS.ordered_attention(q, k, v, slots.unsqueeze(0), positions.unsqueeze(0), count, torch.tensor([shared]),
+    return ops.ordered_attention(q, k, v, slots.unsqueeze(0), positions.unsqueeze(0), count, torch.tensor([shared]),
                                  None if visible is None else visible.unsqueeze(0).contiguous(), chunk, 0.125)
 
 
 @needs_kernel
 @pytest.mark.parametrize("chunk", [64, 128, 512])
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_ordered_attention_gives_a_query_the_same_bits_whatever_else_the_call_holds(chunk, threads):
+def test_ordered_attention_gives_a_query_the_same_bits_whatever_else_the_call_holds(attention_kernel, chunk, threads):
     """A query at position p over keys 0..p: alone with the keys in slot order, against
     the same query inside a tree call (shuffled slots, siblings it does not see at the
     same positions, other queries, more threads)."""
@@ -313,13 +344,16 @@ def test_ordered_attention_gives_a_query_the_same_bits_whatever_else_the_call_ho
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        together, together_lse = ordered_call(queries, k, v, layout[order], positions[order], tree[:, order[P:] - P], chunk, shared=P)
+        together, together_lse = ordered_call(
+            attention_kernel, queries, k, v, layout[order], positions[order], tree[:, order[P:] - P], chunk, shared=P
+        )
     finally:
         torch.set_num_threads(previous)
     for node in range(9):
         path = [P + i for i in range(9) if tree[node, i]]  # the node's ancestors, one per depth
         seen = torch.tensor(list(range(P)) + sorted(path, key=lambda i: int(positions[i])))
-        alone, alone_lse = ordered_call(queries[:, :, node : node + 1].contiguous(), keys[:, :, seen].contiguous(),
+        alone, alone_lse = ordered_call(attention_kernel, queries[:, :, node : node + 1].contiguous(),
+                                        keys[:, :, seen].contiguous(),
                                         values[:, :, seen].contiguous(), torch.arange(seen.numel()),
                                         positions[seen], None, chunk, shared=seen.numel())
         assert torch.equal(together[:, :, node], alone[:, :, 0]), node
@@ -330,14 +364,14 @@ def test_ordered_attention_gives_a_query_the_same_bits_whatever_else_the_call_ho
 
 
 @needs_kernel
-def test_ordered_attention_refuses_unsorted_positions_and_slots_out_of_range():
+def test_ordered_attention_refuses_unsorted_positions_and_slots_out_of_range(attention_kernel):
     q, k = torch.randn(1, 2, 1, 32).bfloat16(), torch.randn(1, 1, 8, 32).bfloat16()
     with pytest.raises(RuntimeError, match="sorted"):
-        ordered_call(q, k, k, torch.arange(3), torch.tensor([0, 2, 1]), None, 64, shared=3)
+        ordered_call(attention_kernel, q, k, k, torch.arange(3), torch.tensor([0, 2, 1]), None, 64, shared=3)
     with pytest.raises(RuntimeError, match="slot out of range"):
-        ordered_call(q, k, k, torch.tensor([0, 8]), torch.tensor([0, 1]), None, 64, shared=2)
+        ordered_call(attention_kernel, q, k, k, torch.tensor([0, 8]), torch.tensor([0, 1]), None, 64, shared=2)
     with pytest.raises(RuntimeError, match="multiple of 64"):
-        ordered_call(q, k, k, torch.arange(3), torch.arange(3), None, 100, shared=3)
+        ordered_call(attention_kernel, q, k, k, torch.arange(3), torch.arange(3), None, 100, shared=3)
 
 
 @needs_library

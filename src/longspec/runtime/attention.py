@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from longspec.runtime.native import avx512_bf16_ops
+from longspec.runtime.native import attention_ops
 
 logger = logging.getLogger(__name__)
 
@@ -139,13 +139,13 @@ NATIVE_ATTENTION_MAX_QUERIES = 65
 
 def native_attention_fits(q, k) -> bool:
     """A few bf16 queries per row, a head dimension of whole 32-value registers, and
-    the native kernels built on a CPU with AVX-512 BF16 (inference only: no backward)."""
+    the native kernels built on a CPU with AVX-512 BF16 or AVX2 (inference only: no backward)."""
     return (
         q.shape[2] <= NATIVE_ATTENTION_MAX_QUERIES
         and q.dtype == torch.bfloat16
         and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))
         and q.shape[-1] % 32 == 0
-        and avx512_bf16_ops() is not None
+        and attention_ops() is not None
     )
 
 
@@ -171,7 +171,7 @@ def native_part(q, k, v, mask, scale):
     if mask is not None:
         visible = as_mask(mask).visible
         visible = (visible if visible.dim() == 3 else visible.unsqueeze(0)).contiguous()
-    return avx512_bf16_ops().few_query_attention(q, k, v, visible, scale)
+    return attention_ops().few_query_attention(q, k, v, visible, scale)
 
 
 def flash_attention(q, k_prefix, v_prefix, prefix_mask, k_new, v_new, new_mask, scale):

@@ -20,7 +20,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = sorted((Path(__file__).with_name("kernels")).glob("*.cpp"))
+KERNELS = Path(__file__).with_name("kernels")
+SOURCES = sorted(KERNELS.glob("*.cpp"))
+HEADERS = sorted(KERNELS.glob("*.h"))
 LIBRARY = "longspec_native"
 DISABLE_VARIABLE = "LONGSPEC_NATIVE_KERNELS"
 
@@ -60,21 +62,22 @@ def kernels_identity() -> str:
     if native_ops() is None:
         return "none"
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
     return digest.hexdigest()[:16]
 
 
 @functools.cache
-def avx512_bf16_ops():
-    """The native ops whose kernels need AVX-512 BF16 (few-query and ordered attention),
-    or None where the library or the instruction set is missing."""
+def attention_ops():
+    """The native ops whose attention kernels (few-query and ordered attention) run on this
+    CPU: AVX-512 BF16 dot products, or float32 FMAs on AVX2 CPUs; None where the library or
+    both instruction sets are missing."""
     ops = native_ops()
     if ops is None:
         return None
-    if not ops.avx512_bf16_supported():
-        log.warning("this CPU lacks AVX-512 BF16: attention runs PyTorch's flash kernel, and a token verified in a "
-                    "tree may round differently from the same token decoded alone")
+    if not ops.attention_supported():
+        log.warning("this CPU has neither AVX-512 BF16 nor AVX2 with FMA: attention runs PyTorch's flash kernel, "
+                    "and a token verified in a tree may round differently from the same token decoded alone")
         return None
     return ops
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from longspec.runtime.attention import NATIVE_ATTENTION_MAX_QUERIES
-from longspec.runtime.native import avx512_bf16_ops
+from longspec.runtime.native import attention_ops
 
 # Positions per parallel task. Full layers: 512 (the chunks' partial sums stay a few MB
 # for a 65-node tree at 16k keys). Sliding layers read at most a window (512 here) plus a
@@ -81,20 +81,20 @@ def sorted_by_position(slot_positions: torch.Tensor, visible: torch.Tensor, chun
 
 
 def ordered_attention_fits(q_dtype: torch.dtype, device: torch.device, tokens: int, head_dim: int) -> bool:
-    """Where the native kernel serves a forward: bf16 on a CPU with AVX-512 BF16, a head
+    """Where the native kernel serves a forward: bf16 on a CPU with AVX-512 BF16 or AVX2, a head
     dimension of whole registers, a decode step or a tree (prompt chunks go to flash)."""
     return (
         device.type == "cpu"
         and q_dtype == torch.bfloat16
         and tokens <= NATIVE_ATTENTION_MAX_QUERIES
         and head_dim % 32 == 0
-        and avx512_bf16_ops() is not None
+        and attention_ops() is not None
     )
 
 
 def ordered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: OrderedKeys, scale: float) -> torch.Tensor:
     """q [B, Hq, T, D] over the listed slots of k/v [B, Hkv, S, D]."""
-    out, _ = avx512_bf16_ops().ordered_attention(
+    out, _ = attention_ops().ordered_attention(
         q.contiguous(), k, v, keys.slots, keys.positions, keys.counts, keys.shared, keys.visible, keys.chunk, scale
     )
     return out

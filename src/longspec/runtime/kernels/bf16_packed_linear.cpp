@@ -35,6 +35,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_features.h"
+
 namespace {
 
 constexpr int64_t kColumns = 16;   // output columns per block (float32 lanes of a register)
@@ -210,17 +212,6 @@ Tiles avx2_tiles_for(int64_t rows, bool two_tiles) {
     case 5: return avx2_tiles_of<5>(two_tiles);
     default: return avx2_tiles_of<6>(two_tiles);
   }
-}
-
-bool avx512_bf16_supported() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
-}
-
-bool avx2_fma_supported() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
 // The instruction set a product runs on: its row tile and its tiles.

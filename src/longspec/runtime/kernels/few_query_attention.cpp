@@ -19,6 +19,10 @@
 //   token verified inside a tree gets the same bits as the same token decoded alone,
 //   and speculative decoding in bf16 returns exactly plain decoding's tokens.
 //
+// Instruction sets: AVX-512 BF16 (bf16 dot products), else AVX2 with FMA (queries, keys and
+// values widened to float32). Only the kernels are compiled for them; `attention_supported()`
+// can be asked on any CPU.
+//
 // Why a kernel of our own: for a few queries per head, PyTorch's CPU flash kernel spends
 // several times the K/V read in setup (BENCHMARKS.md, "Decode at the bandwidth floor",
 // "Few-query attention at long context"). Here every query of a K/V head (its group of
@@ -46,47 +50,228 @@
 #include <tuple>
 #include <vector>
 
+#include "cpu_features.h"
+
 namespace {
 
-constexpr int64_t kLanes = 32;          // bf16 values per 512-bit register
-constexpr int64_t kFloats = 16;         // float32 values per 512-bit register
 constexpr int64_t kBlock = 64;          // positions per softmax block: 64 keys of head dim 256 are 32 KB, one L1
 constexpr int64_t kMinChunk = kBlock;   // positions per parallel task, at least
 constexpr int64_t kTasksPerThread = 4;  // parallel tasks per thread, for load balance
-constexpr int kScoreQueries = 4;        // queries sharing one load of a key row (independent dot chains)
-constexpr int kValueQueries = 16;       // queries sharing one conversion of a value row (accumulators in registers)
+constexpr int64_t kSplitQueries = 4;   // queries per task, at least, where a chunk's queries are split among tasks
 constexpr float kNone = -std::numeric_limits<float>::infinity();
-
-#define LONGSPEC_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512bf16")))
-
-// exp(x) for x <= 0 (Cephes' single-precision polynomial, within ~2 float ulps; far below one bf16 ulp);
-// -inf gives exactly 0.
-LONGSPEC_AVX512_BF16 inline __m512 exp_nonpositive(__m512 x) {
-  const __mmask16 finite = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kNone), _CMP_NEQ_OQ);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));  // below, exp rounds to 0 anyway
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // x - n ln2, ln2 split in two
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_maskz_mov_ps(finite, _mm512_scalef_ps(p, n));
-}
 
 // Ask for a bf16 row of D values to be brought into L2 (the next pass over it is a strided walk).
 inline void prefetch_row(const uint16_t* row, int64_t D) {
   for (int64_t offset = 0; offset < D; offset += 32) _mm_prefetch(reinterpret_cast<const char*>(row + offset), _MM_HINT_T1);
 }
 
-LONGSPEC_AVX512_BF16 inline __m512 bf16_to_float(const uint16_t* values) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(values)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
+// The queries of one task: bf16 as given, and widened to float32 where the instruction set
+// has no bf16 dot product (then once per task, not once per key).
+struct Queries {
+  const uint16_t* bf16;  // [queries, D]
+  const float* f32;      // [queries, D] or nullptr
+  int64_t D;
+  float scale;
+};
+
+// One block's weights: query j's weight of entry i at w[j * w_stride + i].
+struct BlockWeights {
+  const float* w;
+  int64_t w_stride, n;
+  const uint8_t* any_seen;
+  const uint16_t* const* value_rows;
+};
+
+using ScoreFn = void (*)(const Queries&, const uint16_t* key, int64_t q0, float* out, int64_t stride);
+using ValueFn = void (*)(const BlockWeights&, int64_t D, int64_t q0, int64_t d0, float* acc);
+
+// ---------------------------------------------------------------- AVX-512 BF16
+#define LONGSPEC_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512bf16")))
+
+struct Avx512Bf16 {
+  static constexpr int64_t kFloats = 16;  // float32 values per register
+  static constexpr int64_t kLanes = 32;   // bf16 values per register
+  static constexpr int kScoreQueries = 4;   // queries sharing one load of a key row (independent dot chains)
+  static constexpr int kValueQueries = 16;  // queries sharing one conversion of a value row (accumulators in registers)
+  static constexpr bool kFloatQueries = false;
+
+  // exp(x) for x <= 0 (Cephes' single-precision polynomial, within ~2 float ulps; far below one bf16 ulp);
+  // -inf gives exactly 0.
+  LONGSPEC_AVX512_BF16 static inline __m512 exp_nonpositive(__m512 x) {
+    const __mmask16 finite = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kNone), _CMP_NEQ_OQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));  // below, exp rounds to 0 anyway
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // x - n ln2, ln2 split in two
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_maskz_mov_ps(finite, _mm512_scalef_ps(p, n));
+  }
+
+  LONGSPEC_AVX512_BF16 static inline __m512 widen(const uint16_t* values) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(values)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+
+  // out[(q0 + j) * stride] = scale * q[q0 + j] . key for Q queries (Q independent accumulator chains).
+  template <int Q>
+  LONGSPEC_AVX512_BF16 static void score(const Queries& qs, const uint16_t* key, int64_t q0, float* out, int64_t stride) {
+    __m512 acc[Q];
+    for (int j = 0; j < Q; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < qs.D; d += kLanes) {
+      const __m512bh kd = (__m512bh)_mm512_loadu_si512(key + d);
+      for (int j = 0; j < Q; ++j)
+        acc[j] = _mm512_dpbf16_ps(acc[j], kd, (__m512bh)_mm512_loadu_si512(qs.bf16 + (q0 + j) * qs.D + d));
+    }
+    for (int j = 0; j < Q; ++j) out[(q0 + j) * stride] = _mm512_reduce_add_ps(acc[j]) * qs.scale;
+  }
+
+  LONGSPEC_AVX512_BF16 static float block_max(const float* row) {
+    __m512 top = _mm512_set1_ps(kNone);
+    for (int64_t i = 0; i < kBlock; i += kFloats) top = _mm512_max_ps(top, _mm512_loadu_ps(row + i));
+    return _mm512_reduce_max_ps(top);
+  }
+
+  // row[i] = exp(row[i] - shift) over the block; returns their sum.
+  LONGSPEC_AVX512_BF16 static float exp_and_sum(float* row, float shift) {
+    __m512 total = _mm512_setzero_ps();
+    const __m512 by = _mm512_set1_ps(shift);
+    for (int64_t i = 0; i < kBlock; i += kFloats) {
+      const __m512 prob = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + i), by));
+      _mm512_storeu_ps(row + i, prob);
+      total = _mm512_add_ps(total, prob);
+    }
+    return _mm512_reduce_add_ps(total);
+  }
+
+  // acc[j][d0 .. d0 + 16) += sum_i w[j][i] * v_i[d0 .. d0 + 16) for Q queries (local index j from
+  // q0), entries in position order, each value segment converted once for all Q accumulators.
+  template <int Q>
+  LONGSPEC_AVX512_BF16 static void accumulate(const BlockWeights& block, int64_t D, int64_t q0, int64_t d0, float* acc) {
+    __m512 sums[Q];
+    for (int j = 0; j < Q; ++j) sums[j] = _mm512_loadu_ps(acc + (q0 + j) * D + d0);
+    for (int64_t i = 0; i < block.n; ++i) {
+      if (!block.any_seen[i]) continue;  // a slot no query sees may hold anything
+      const __m512 value = widen(block.value_rows[i] + d0);
+      for (int j = 0; j < Q; ++j)
+        sums[j] = _mm512_fmadd_ps(_mm512_set1_ps(block.w[(q0 + j) * block.w_stride + i]), value, sums[j]);
+    }
+    for (int j = 0; j < Q; ++j) _mm512_storeu_ps(acc + (q0 + j) * D + d0, sums[j]);
+  }
+
+  static constexpr ScoreFn kScoreFns[kScoreQueries] = {score<1>, score<2>, score<3>, score<4>};
+  static constexpr ValueFn kValueFns[kValueQueries] = {
+      accumulate<1>,  accumulate<2>,  accumulate<3>,  accumulate<4>,  accumulate<5>,  accumulate<6>,
+      accumulate<7>,  accumulate<8>,  accumulate<9>,  accumulate<10>, accumulate<11>, accumulate<12>,
+      accumulate<13>, accumulate<14>, accumulate<15>, accumulate<16>};
+};
+
+// ---------------------------------------------------------------- AVX2 + FMA
+// The same kernel for CPUs without AVX-512 BF16: queries widened to float32 once per task,
+// each key and value row widened as it is read, products by float32 FMAs. Its sums run in
+// another order than the AVX-512 path's, so the two paths' bits differ; on either, a query's
+// bits are fixed by the positions it sees, which is what plain-decoding identity needs.
+#define LONGSPEC_AVX2_FMA __attribute__((target("avx2,fma")))
+
+struct Avx2Fma {
+  static constexpr int64_t kFloats = 8;
+  // 16 ymm registers: a key and 8 dot chains; a value, a weight and 12 sums. As many
+  // independent chains as fit, to cover the FMA latency of two pipes.
+  static constexpr int kScoreQueries = 8;
+  static constexpr int kValueQueries = 12;
+  static constexpr bool kFloatQueries = true;
+
+  // exp(x) for x <= 0, the same polynomial; 2^n built in the exponent field, so x is held at
+  // -87 or above (exp(-87) is the smallest normal float's order: what it adds to a sum with a
+  // largest term of 1 is below float32's resolution); -inf gives exactly 0.
+  LONGSPEC_AVX2_FMA static inline __m256 exp_nonpositive(__m256 x) {
+    const __m256 finite = _mm256_cmp_ps(x, _mm256_set1_ps(kNone), _CMP_NEQ_OQ);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i two_to_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(finite, _mm256_mul_ps(p, _mm256_castsi256_ps(two_to_n)));
+  }
+
+  LONGSPEC_AVX2_FMA static inline __m256 widen(const uint16_t* values) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(values)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+
+  LONGSPEC_AVX2_FMA static inline float reduce_add(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+  }
+
+  LONGSPEC_AVX2_FMA static inline float reduce_max(__m256 v) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+  }
+
+  template <int Q>
+  LONGSPEC_AVX2_FMA static void score(const Queries& qs, const uint16_t* key, int64_t q0, float* out, int64_t stride) {
+    __m256 acc[Q];
+    for (int j = 0; j < Q; ++j) acc[j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < qs.D; d += kFloats) {
+      const __m256 kd = widen(key + d);
+      for (int j = 0; j < Q; ++j) acc[j] = _mm256_fmadd_ps(kd, _mm256_loadu_ps(qs.f32 + (q0 + j) * qs.D + d), acc[j]);
+    }
+    for (int j = 0; j < Q; ++j) out[(q0 + j) * stride] = reduce_add(acc[j]) * qs.scale;
+  }
+
+  LONGSPEC_AVX2_FMA static float block_max(const float* row) {
+    __m256 top = _mm256_set1_ps(kNone);
+    for (int64_t i = 0; i < kBlock; i += kFloats) top = _mm256_max_ps(top, _mm256_loadu_ps(row + i));
+    return reduce_max(top);
+  }
+
+  LONGSPEC_AVX2_FMA static float exp_and_sum(float* row, float shift) {
+    __m256 total = _mm256_setzero_ps();
+    const __m256 by = _mm256_set1_ps(shift);
+    for (int64_t i = 0; i < kBlock; i += kFloats) {
+      const __m256 prob = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(row + i), by));
+      _mm256_storeu_ps(row + i, prob);
+      total = _mm256_add_ps(total, prob);
+    }
+    return reduce_add(total);
+  }
+
+  template <int Q>
+  LONGSPEC_AVX2_FMA static void accumulate(const BlockWeights& block, int64_t D, int64_t q0, int64_t d0, float* acc) {
+    __m256 sums[Q];
+    for (int j = 0; j < Q; ++j) sums[j] = _mm256_loadu_ps(acc + (q0 + j) * D + d0);
+    for (int64_t i = 0; i < block.n; ++i) {
+      if (!block.any_seen[i]) continue;
+      const __m256 value = widen(block.value_rows[i] + d0);
+      for (int j = 0; j < Q; ++j)
+        sums[j] = _mm256_fmadd_ps(_mm256_set1_ps(block.w[(q0 + j) * block.w_stride + i]), value, sums[j]);
+    }
+    for (int j = 0; j < Q; ++j) _mm256_storeu_ps(acc + (q0 + j) * D + d0, sums[j]);
+  }
+
+  static constexpr ScoreFn kScoreFns[kScoreQueries] = {score<1>, score<2>, score<3>, score<4>,
+                                                       score<5>, score<6>, score<7>, score<8>};
+  static constexpr ValueFn kValueFns[kValueQueries] = {accumulate<1>, accumulate<2>,  accumulate<3>,  accumulate<4>,
+                                                       accumulate<5>, accumulate<6>,  accumulate<7>,  accumulate<8>,
+                                                       accumulate<9>, accumulate<10>, accumulate<11>, accumulate<12>};
+};
 
 // One row's keys in position order: entry e is slot `slot(e)` at position `position(e)`.
 struct RowKeys {
@@ -117,56 +302,10 @@ struct Workspace {
   std::vector<float> scores;      // [queries, kBlock]: scaled scores by lane (position mod kBlock), then probabilities
   std::vector<float> weights;     // [queries, entries of the block]: each entry's probability for each query, 0 if unseen
   std::vector<float> dots;        // [queries]: one entry's scores
+  std::vector<float> queries;     // [queries, D]: the task's queries in float32 (instruction sets without bf16 dots)
   std::vector<uint8_t> any_seen;  // [entries of the block]: some query sees the entry (others are never read)
   std::vector<const uint16_t*> value_rows;  // [entries of the block]
 };
-
-// out[(q0 + j) * stride] = scale * q[q0 + j] . key for Q queries (Q independent accumulator chains).
-template <int Q>
-LONGSPEC_AVX512_BF16 void score_queries(const HeadTask& task, const uint16_t* key, int64_t q0, float* out,
-                                        int64_t stride) {
-  __m512 acc[Q];
-  for (int j = 0; j < Q; ++j) acc[j] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < task.D; d += kLanes) {
-    const __m512bh kd = (__m512bh)_mm512_loadu_si512(key + d);
-    for (int j = 0; j < Q; ++j)
-      acc[j] = _mm512_dpbf16_ps(acc[j], kd, (__m512bh)_mm512_loadu_si512(task.q + (q0 + j) * task.D + d));
-  }
-  for (int j = 0; j < Q; ++j) out[(q0 + j) * stride] = _mm512_reduce_add_ps(acc[j]) * task.scale;
-}
-
-using ScoreFn = void (*)(const HeadTask&, const uint16_t*, int64_t, float*, int64_t);
-constexpr ScoreFn kScoreFns[kScoreQueries] = {score_queries<1>, score_queries<2>, score_queries<3>, score_queries<4>};
-
-// One block's weights: query j's weight of entry i at w[j * w_stride + i].
-struct BlockWeights {
-  const float* w;
-  int64_t w_stride, n;
-  const uint8_t* any_seen;
-  const uint16_t* const* value_rows;
-};
-
-// acc[j][d0 .. d0 + 16) += sum_i w[j][i] * v_i[d0 .. d0 + 16) for Q queries (local index j from
-// q0), entries in position order, each value segment converted once for all Q accumulators.
-template <int Q>
-LONGSPEC_AVX512_BF16 void accumulate_values(const BlockWeights& block, int64_t D, int64_t q0, int64_t d0, float* acc) {
-  __m512 sums[Q];
-  for (int j = 0; j < Q; ++j) sums[j] = _mm512_loadu_ps(acc + (q0 + j) * D + d0);
-  for (int64_t i = 0; i < block.n; ++i) {
-    if (!block.any_seen[i]) continue;  // a slot no query sees may hold anything
-    const __m512 value = bf16_to_float(block.value_rows[i] + d0);
-    for (int j = 0; j < Q; ++j)
-      sums[j] = _mm512_fmadd_ps(_mm512_set1_ps(block.w[(q0 + j) * block.w_stride + i]), value, sums[j]);
-  }
-  for (int j = 0; j < Q; ++j) _mm512_storeu_ps(acc + (q0 + j) * D + d0, sums[j]);
-}
-
-using ValueFn = void (*)(const BlockWeights&, int64_t, int64_t, int64_t, float*);
-constexpr ValueFn kValueFns[kValueQueries] = {
-    accumulate_values<1>,  accumulate_values<2>,  accumulate_values<3>,  accumulate_values<4>,
-    accumulate_values<5>,  accumulate_values<6>,  accumulate_values<7>,  accumulate_values<8>,
-    accumulate_values<9>,  accumulate_values<10>, accumulate_values<11>, accumulate_values<12>,
-    accumulate_values<13>, accumulate_values<14>, accumulate_values<15>, accumulate_values<16>};
 
 struct Partial {  // one chunk's softmax state for one query: acc holds sum_s exp(score_s - max) v_s
   float max;
@@ -175,12 +314,16 @@ struct Partial {  // one chunk's softmax state for one query: acc holds sum_s ex
 
 // Entries [e_begin, e_end) (one chunk of positions) for the task's queries: writes `partial[queries]`
 // and `acc[queries, D]`, indexed from the task's first query.
-LONGSPEC_AVX512_BF16 void attend_chunk(const HeadTask& task, int64_t e_begin, int64_t e_end, Workspace& ws,
-                                       Partial* partial, float* acc) {
+template <class Isa>
+void attend_chunk(const HeadTask& task, int64_t e_begin, int64_t e_end, Workspace& ws, Partial* partial, float* acc) {
   const RowKeys& keys = task.keys;
   const int64_t queries = task.q_end - task.q_begin, D = task.D;
-  HeadTask local = task;
-  local.q = task.q + task.q_begin * D;
+  Queries qs{task.q + task.q_begin * D, nullptr, D, task.scale};
+  if (Isa::kFloatQueries) {
+    ws.queries.resize(queries * D);
+    for (int64_t i = 0; i < queries * D; ++i) ws.queries[i] = c10::BFloat16(qs.bf16[i], c10::BFloat16::from_bits());
+    qs.f32 = ws.queries.data();
+  }
   for (int64_t q = 0; q < queries; ++q) partial[q] = {kNone, 0.0f};
   std::fill(acc, acc + queries * D, 0.0f);
   ws.scores.resize(queries * kBlock);
@@ -216,14 +359,14 @@ LONGSPEC_AVX512_BF16 void attend_chunk(const HeadTask& task, int64_t e_begin, in
     std::fill(ws.scores.begin(), ws.scores.end(), kNone);
     for (int64_t i = 0; i < n; ++i) {
       if (!ws.any_seen[i]) continue;
-      // The value rows are read next, across all rows per 16 values: fetch them while scoring.
+      // The value rows are read next, across all rows per few values: fetch them while scoring.
       prefetch_row(ws.value_rows[i], D);
       const uint16_t* key = task.k + keys.slot(e0 + i) * task.k_stride;
       const int64_t lane = keys.position(e0 + i) - base;
-      for (int64_t q0 = 0; q0 < queries; q0 += kScoreQueries) {
-        const ScoreFn score = kScoreFns[std::min<int64_t>(kScoreQueries, queries - q0) - 1];
-        if (uniform) score(local, key, q0, ws.scores.data() + lane, kBlock);
-        else score(local, key, q0, ws.dots.data(), 1);
+      for (int64_t q0 = 0; q0 < queries; q0 += Isa::kScoreQueries) {
+        const ScoreFn score = Isa::kScoreFns[std::min<int64_t>(Isa::kScoreQueries, queries - q0) - 1];
+        if (uniform) score(qs, key, q0, ws.scores.data() + lane, kBlock);
+        else score(qs, key, q0, ws.dots.data(), 1);
       }
       if (!uniform)
         for (int64_t q = 0; q < queries; ++q)
@@ -232,9 +375,7 @@ LONGSPEC_AVX512_BF16 void attend_chunk(const HeadTask& task, int64_t e_begin, in
     // Online softmax: per query, the block's probabilities relative to the running max.
     for (int64_t q = 0; q < queries; ++q) {
       float* row = ws.scores.data() + q * kBlock;
-      __m512 top = _mm512_set1_ps(kNone);
-      for (int64_t i = 0; i < kBlock; i += kFloats) top = _mm512_max_ps(top, _mm512_loadu_ps(row + i));
-      const float block_max = _mm512_reduce_max_ps(top);
+      const float block_max = Isa::block_max(row);
       Partial& p = partial[q];
       const float best = std::max(p.max, block_max);
       if (best == kNone) {  // nothing visible yet: the row stays -inf, its probabilities 0
@@ -248,14 +389,7 @@ LONGSPEC_AVX512_BF16 void attend_chunk(const HeadTask& task, int64_t e_begin, in
         for (int64_t d = 0; d < D; ++d) out[d] *= shrink;
       }
       p.max = best;
-      __m512 total = _mm512_setzero_ps();
-      const __m512 shift = _mm512_set1_ps(best);
-      for (int64_t i = 0; i < kBlock; i += kFloats) {
-        const __m512 prob = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + i), shift));
-        _mm512_storeu_ps(row + i, prob);
-        total = _mm512_add_ps(total, prob);
-      }
-      p.sum += _mm512_reduce_add_ps(total);
+      p.sum += Isa::exp_and_sum(row, best);
     }
     // Each entry's weight for each query: its lane's probability if the query sees it, else 0.
     BlockWeights weights{nullptr, 0, n, ws.any_seen.data(), ws.value_rows.data()};
@@ -274,9 +408,9 @@ LONGSPEC_AVX512_BF16 void attend_chunk(const HeadTask& task, int64_t e_begin, in
     }
     for (int64_t e = e1; e < std::min(e1 + kBlock, e_end); ++e)  // the next block's keys
       prefetch_row(task.k + keys.slot(e) * task.k_stride, D);
-    for (int64_t d0 = 0; d0 < D; d0 += kFloats)
-      for (int64_t q0 = 0; q0 < queries; q0 += kValueQueries)
-        kValueFns[std::min<int64_t>(kValueQueries, queries - q0) - 1](weights, D, q0, d0, acc);
+    for (int64_t d0 = 0; d0 < D; d0 += Isa::kFloats)
+      for (int64_t q0 = 0; q0 < queries; q0 += Isa::kValueQueries)
+        Isa::kValueFns[std::min<int64_t>(Isa::kValueQueries, queries - q0) - 1](weights, D, q0, d0, acc);
     e0 = e1;
   }
 }
@@ -294,9 +428,20 @@ struct Chunk {
   int64_t row, first_entry, end_entry, index;  // index: the chunk's place among its row's chunks
 };
 
+using ChunkFn = void (*)(const HeadTask&, int64_t, int64_t, Workspace&, Partial*, float*);
+
+// The kernel on the best instruction set of this CPU (or on AVX2 where `avx2` asks for it).
+ChunkFn chunk_kernel(bool avx2) {
+  static const bool avx512 = avx512_bf16_supported();
+  if (avx512 && !avx2) return attend_chunk<Avx512Bf16>;
+  TORCH_CHECK(avx2_fma_supported(), "the native attention kernels need AVX-512 BF16 or AVX2 with FMA");
+  return attend_chunk<Avx2Fma>;
+}
+
 // Attention of q [B, Hq, T, D] over each row's listed keys, chunks of `chunk` positions.
-std::tuple<at::Tensor, at::Tensor> attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                          const std::vector<RowKeys>& rows, int64_t chunk, double scale) {
+std::tuple<at::Tensor, at::Tensor> attend(ChunkFn attend_chunk, const at::Tensor& q, const at::Tensor& k,
+                                          const at::Tensor& v, const std::vector<RowKeys>& rows, int64_t chunk,
+                                          double scale) {
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1);
   const int64_t group = Hq / Hkv, queries = group * T;
   // Each row's chunks: fixed ranges of positions, in position order, found by walking its sorted entries.
@@ -318,7 +463,7 @@ std::tuple<at::Tensor, at::Tensor> attend(const at::Tensor& q, const at::Tensor&
   const int64_t tasks_wanted = kTasksPerThread * at::get_num_threads();
   const int64_t chunk_tasks = std::max<int64_t>(1, static_cast<int64_t>(chunks.size()) * Hkv);
   const int64_t splits = std::clamp<int64_t>((tasks_wanted + chunk_tasks - 1) / chunk_tasks, 1,
-                                             (queries + kScoreQueries - 1) / kScoreQueries);
+                                             (queries + kSplitQueries - 1) / kSplitQueries);
   const int64_t per_split = (queries + splits - 1) / splits;
   const int64_t tasks = static_cast<int64_t>(chunks.size()) * Hkv * splits;
   // Every task writes all of its partials and accumulators: no zero-filling needed.
@@ -386,7 +531,7 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && k.stride(3) == 1 && v.stride(3) == 1, "k, v [B, Hkv, S, D]");
   TORCH_CHECK(k.size(0) == q.size(0) && k.size(3) == q.size(3) && q.size(1) % k.size(1) == 0 && q.size(2) > 0,
               "shapes of q and k/v disagree");
-  TORCH_CHECK(q.size(3) % kLanes == 0, "head dim a multiple of 32");
+  TORCH_CHECK(q.size(3) % Avx512Bf16::kLanes == 0, "head dim a multiple of 32");
 }
 
 // visible [1 or B, T, columns] bool, contiguous: a pointer per row (nullptr where absent).
@@ -402,8 +547,9 @@ std::vector<const bool*> mask_rows(const std::optional<at::Tensor>& visible, int
   return rows;
 }
 
-std::tuple<at::Tensor, at::Tensor> few_query_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                       const std::optional<at::Tensor>& visible, double scale) {
+std::tuple<at::Tensor, at::Tensor> few_query_attention_on(bool avx2, const at::Tensor& q, const at::Tensor& k,
+                                                          const at::Tensor& v, const std::optional<at::Tensor>& visible,
+                                                          double scale) {
   check_qkv(q, k, v);
   const int64_t B = q.size(0), T = q.size(2), S = k.size(2);
   TORCH_CHECK(S > 0, "attention over zero keys");
@@ -412,14 +558,15 @@ std::tuple<at::Tensor, at::Tensor> few_query_attention(const at::Tensor& q, cons
   TORCH_CHECK(!visible.has_value() || columns == S, "visible [1 or B, T, S]");
   std::vector<RowKeys> rows;
   for (int64_t b = 0; b < B; ++b) rows.push_back({nullptr, nullptr, S, 0, masks[b], columns});
-  return attend(q, k, v, rows, chunk_keys(S, B * k.size(1)), scale);
+  return attend(chunk_kernel(avx2), q, k, v, rows, chunk_keys(S, B * k.size(1)), scale);
 }
 
-std::tuple<at::Tensor, at::Tensor> ordered_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                     const at::Tensor& slots, const at::Tensor& positions,
-                                                     const at::Tensor& counts, const at::Tensor& shared,
-                                                     const std::optional<at::Tensor>& visible, int64_t chunk,
-                                                     double scale) {
+std::tuple<at::Tensor, at::Tensor> ordered_attention_on(bool avx2, const at::Tensor& q, const at::Tensor& k,
+                                                        const at::Tensor& v, const at::Tensor& slots,
+                                                        const at::Tensor& positions, const at::Tensor& counts,
+                                                        const at::Tensor& shared,
+                                                        const std::optional<at::Tensor>& visible, int64_t chunk,
+                                                        double scale) {
   check_qkv(q, k, v);
   const int64_t B = q.size(0), T = q.size(2), S = k.size(2);
   TORCH_CHECK(chunk > 0 && chunk % kBlock == 0, "chunk: a positive multiple of 64 positions");
@@ -448,15 +595,42 @@ std::tuple<at::Tensor, at::Tensor> ordered_attention(const at::Tensor& q, const 
     }
     rows.push_back({slot + b * N, position + b * N, count, common, masks[b], columns});
   }
-  return attend(q, k, v, rows, chunk, scale);
+  return attend(chunk_kernel(avx2), q, k, v, rows, chunk, scale);
 }
+
+// The kernels on the best instruction set of this CPU, and (tests: CPUs with AVX-512 BF16
+// never take it otherwise) on AVX2.
+template <bool kAvx2>
+std::tuple<at::Tensor, at::Tensor> few_query_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                       const std::optional<at::Tensor>& visible, double scale) {
+  return few_query_attention_on(kAvx2, q, k, v, visible, scale);
+}
+
+template <bool kAvx2>
+std::tuple<at::Tensor, at::Tensor> ordered_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                     const at::Tensor& slots, const at::Tensor& positions,
+                                                     const at::Tensor& counts, const at::Tensor& shared,
+                                                     const std::optional<at::Tensor>& visible, int64_t chunk,
+                                                     double scale) {
+  return ordered_attention_on(kAvx2, q, k, v, slots, positions, counts, shared, visible, chunk, scale);
+}
+
+bool attention_supported() { return avx512_bf16_supported() || avx2_fma_supported(); }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(longspec_native, m) {
-  m.def("few_query_attention(Tensor q, Tensor k, Tensor v, Tensor? visible, float scale) -> (Tensor, Tensor)");
-  m.impl("few_query_attention", c10::DispatchKey::CPU, TORCH_FN(few_query_attention));
-  m.def("ordered_attention(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor positions, Tensor counts, "
-        "Tensor shared, Tensor? visible, int chunk, float scale) -> (Tensor, Tensor)");
-  m.impl("ordered_attention", c10::DispatchKey::CPU, TORCH_FN(ordered_attention));
+  m.def("attention_supported() -> bool", &attention_supported);
+#define LONGSPEC_FEW_QUERY_SCHEMA "(Tensor q, Tensor k, Tensor v, Tensor? visible, float scale) -> (Tensor, Tensor)"
+#define LONGSPEC_ORDERED_SCHEMA                                                                       \
+  "(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor positions, Tensor counts, Tensor shared, " \
+  "Tensor? visible, int chunk, float scale) -> (Tensor, Tensor)"
+  m.def("few_query_attention" LONGSPEC_FEW_QUERY_SCHEMA);
+  m.def("ordered_attention" LONGSPEC_ORDERED_SCHEMA);
+  m.def("few_query_attention_avx2" LONGSPEC_FEW_QUERY_SCHEMA);
+  m.def("ordered_attention_avx2" LONGSPEC_ORDERED_SCHEMA);
+  m.impl("few_query_attention", c10::DispatchKey::CPU, TORCH_FN(few_query_attention<false>));
+  m.impl("ordered_attention", c10::DispatchKey::CPU, TORCH_FN(ordered_attention<false>));
+  m.impl("few_query_attention_avx2", c10::DispatchKey::CPU, TORCH_FN(few_query_attention<true>));
+  m.impl("ordered_attention_avx2", c10::DispatchKey::CPU, TORCH_FN(ordered_attention<true>));
 }
