@@ -79,3 +79,21 @@ def write_results(path: Path, header: dict, rows: list[dict]) -> None:
         f.write(json.dumps({"header": header}) + "\n")
         for row in rows:
             f.write(json.dumps(row) + "\n")
+
+
+def baseline_library(source: Path, library: str):
+    """The native ops of another kernel source (e.g. `git show REV:src/longspec/runtime/kernels/X.cpp`),
+    built under their own library name so that they load beside the current ones."""
+    import re
+    import tempfile
+
+    from torch.utils.cpp_extension import load
+
+    from longspec.runtime.native import KERNELS
+
+    text = re.sub(r"TORCH_LIBRARY_FRAGMENT\(longspec_native", f"TORCH_LIBRARY({library}", source.read_text())
+    copy = Path(tempfile.mkdtemp()) / f"{library}.cpp"
+    copy.write_text(text)
+    load(name=library, sources=[str(copy)], extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
+         extra_include_paths=[str(KERNELS)], is_python_module=False, verbose=False)
+    return getattr(torch.ops, library)

@@ -18,15 +18,13 @@ shape but stay warm in the caches across repeats (a forward reads them cold).
 from __future__ import annotations
 
 import argparse
-import re
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from common import machine, write_results
+from common import baseline_library, machine, write_results
 from longspec.runtime.native import attention_ops
 from longspec.runtime.ordered_keys import FULL_CHUNK_POSITIONS, RING_CHUNK_POSITIONS, prefix_then_pending
 
@@ -46,14 +44,7 @@ def median_ms(call, repeats: int) -> float:
 
 def baseline_kernel(source: Path):
     """The op of another kernel source, built under its own library name."""
-    from torch.utils.cpp_extension import load
-
-    text = re.sub(r"TORCH_LIBRARY_FRAGMENT\(longspec_native", f"TORCH_LIBRARY({BASELINE_LIBRARY}", source.read_text())
-    copy = Path(tempfile.mkdtemp()) / "baseline_few_query_attention.cpp"
-    copy.write_text(text)
-    load(name=BASELINE_LIBRARY, sources=[str(copy)], extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
-         is_python_module=False, verbose=False)
-    return getattr(torch.ops, BASELINE_LIBRARY).few_query_attention
+    return baseline_library(source, BASELINE_LIBRARY).few_query_attention
 
 
 def main() -> None:

@@ -42,6 +42,7 @@ namespace {
 constexpr int64_t kColumns = 16;   // output columns per block (float32 lanes of a register)
 constexpr int64_t kRowTile = 8;    // rows of x per register tile
 constexpr int kRegisters = 32;     // zmm registers of AVX-512
+constexpr int64_t kGroupsPerThread = 4;  // column groups per thread, at least, for load balance
 
 // Column blocks per tile: accumulators (rows x blocks) + one weight register per block +
 // one broadcast register must fit in the register file.
@@ -97,26 +98,21 @@ struct Tiles {
   int blocks;
 };
 
-// Rows above one tile run as two tiles over the same column groups, so both use the block
-// count that fits the taller one.
-constexpr int kTwoTileBlocks = blocks_for(kRowTile);
-
 template <int R>
-Tiles tiles_of(bool two_tiles) {
-  if (two_tiles) return {tile<R, kTwoTileBlocks>, tile<R, 1>, kTwoTileBlocks};
+Tiles tiles_of() {
   return {tile<R, blocks_for(R)>, tile<R, 1>, blocks_for(R)};
 }
 
-Tiles tiles_for(int64_t rows, bool two_tiles) {
+Tiles tiles_for(int64_t rows) {
   switch (rows) {
-    case 1: return tiles_of<1>(two_tiles);
-    case 2: return tiles_of<2>(two_tiles);
-    case 3: return tiles_of<3>(two_tiles);
-    case 4: return tiles_of<4>(two_tiles);
-    case 5: return tiles_of<5>(two_tiles);
-    case 6: return tiles_of<6>(two_tiles);
-    case 7: return tiles_of<7>(two_tiles);
-    default: return tiles_of<8>(two_tiles);
+    case 1: return tiles_of<1>();
+    case 2: return tiles_of<2>();
+    case 3: return tiles_of<3>();
+    case 4: return tiles_of<4>();
+    case 5: return tiles_of<5>();
+    case 6: return tiles_of<6>();
+    case 7: return tiles_of<7>();
+    default: return tiles_of<8>();
   }
 }
 
@@ -197,27 +193,25 @@ LONGSPEC_AVX2_FMA void tile_avx2(const void* x_any, int64_t x_stride, const uint
 }
 
 template <int R>
-Tiles avx2_tiles_of(bool two_tiles) {
-  constexpr int wide = avx2_blocks_for(R), tall = avx2_blocks_for(kAvx2RowTile);
-  if (two_tiles) return {tile_avx2<R, tall>, tile_avx2<R, 1>, tall};
-  return {tile_avx2<R, wide>, tile_avx2<R, 1>, wide};
+Tiles avx2_tiles_of() {
+  return {tile_avx2<R, avx2_blocks_for(R)>, tile_avx2<R, 1>, avx2_blocks_for(R)};
 }
 
-Tiles avx2_tiles_for(int64_t rows, bool two_tiles) {
+Tiles avx2_tiles_for(int64_t rows) {
   switch (rows) {
-    case 1: return avx2_tiles_of<1>(two_tiles);
-    case 2: return avx2_tiles_of<2>(two_tiles);
-    case 3: return avx2_tiles_of<3>(two_tiles);
-    case 4: return avx2_tiles_of<4>(two_tiles);
-    case 5: return avx2_tiles_of<5>(two_tiles);
-    default: return avx2_tiles_of<6>(two_tiles);
+    case 1: return avx2_tiles_of<1>();
+    case 2: return avx2_tiles_of<2>();
+    case 3: return avx2_tiles_of<3>();
+    case 4: return avx2_tiles_of<4>();
+    case 5: return avx2_tiles_of<5>();
+    default: return avx2_tiles_of<6>();
   }
 }
 
 // The instruction set a product runs on: its row tile and its tiles.
 struct Isa {
   int64_t row_tile;
-  Tiles (*tiles_for)(int64_t rows, bool two_tiles);
+  Tiles (*tiles_for)(int64_t rows);
   bool float_x;  // x widened to float32 before the tiles (the AVX2 path)
 };
 
@@ -267,25 +261,30 @@ at::Tensor linear_on(const Isa& on, const at::Tensor& x, const at::Tensor& packe
   auto* ys = reinterpret_cast<uint16_t*>(y.data_ptr());
   // Row tiles of up to 8 (AVX2: 6) rows; each task walks its column groups for every row
   // tile, so a group's weight (a few blocks x K values) is read from memory once and from
-  // cache after.
+  // cache after. The last, shorter tile takes as many blocks at once as suit its rows:
+  // with the taller tile's few blocks it had too few independent sums to hide the FMA
+  // latency, and a 7-row product cost as much as a 12-row one.
   const int64_t row_tile = on.row_tile;
   const bool many = M > row_tile;
   const int64_t full_tiles = M / row_tile, rest = M % row_tile;
-  const Tiles full = on.tiles_for(many ? row_tile : M, many), tail = on.tiles_for(rest ? rest : 1, many);
+  const Tiles full = on.tiles_for(many ? row_tile : M), tail = on.tiles_for(rest ? rest : 1);
+  const bool has_tail = many && rest;
   const int64_t row_tiles = many ? full_tiles + (rest ? 1 : 0) : 1;
-  const int64_t group = full.blocks, groups = (blocks + group - 1) / group;
+  // (Where that leaves too few groups to share among the threads, the narrower one stays.)
+  const bool wide_tail = has_tail && tail.blocks > full.blocks &&
+                         blocks / tail.blocks >= kGroupsPerThread * at::get_num_threads();
+  const int64_t group = wide_tail ? tail.blocks : full.blocks;
+  const int64_t groups = (blocks + group - 1) / group;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       const int64_t first = g * group, count = blocks - first < group ? blocks - first : group;
       for (int64_t t = 0; t < row_tiles; ++t) {
-        const Tiles& tiles = many && t == full_tiles ? tail : full;
+        const Tiles& tiles = has_tail && t == full_tiles ? tail : full;
         const void* xt = xs + t * row_tile * stride * x_bytes;
         uint16_t* yt = ys + t * row_tile * N;
-        if (count == group) {
-          tiles.wide(xt, stride, ws, pairs, bias_bits, yt, N, first);
-        } else {
-          for (int64_t b = 0; b < count; ++b) tiles.single(xt, stride, ws, pairs, bias_bits, yt, N, first + b);
-        }
+        int64_t b = 0;
+        for (; b + tiles.blocks <= count; b += tiles.blocks) tiles.wide(xt, stride, ws, pairs, bias_bits, yt, N, first + b);
+        for (; b < count; ++b) tiles.single(xt, stride, ws, pairs, bias_bits, yt, N, first + b);
       }
     }
   });
