@@ -261,19 +261,21 @@ at::Tensor linear_on(const Isa& on, const at::Tensor& x, const at::Tensor& packe
   auto* ys = reinterpret_cast<uint16_t*>(y.data_ptr());
   // Row tiles of up to 8 (AVX2: 6) rows; each task walks its column groups for every row
   // tile, so a group's weight (a few blocks x K values) is read from memory once and from
-  // cache after. The last, shorter tile takes as many blocks at once as suit its rows:
-  // with the taller tile's few blocks it had too few independent sums to hide the FMA
-  // latency, and a 7-row product cost as much as a 12-row one.
+  // cache after. The last, shorter tile takes as many blocks at once as suit its rows
+  // (with the taller tile's few blocks it had too few independent sums to hide the FMA
+  // latency, and a 7-row product cost as much as a 12-row one on AVX2).
   const int64_t row_tile = on.row_tile;
   const bool many = M > row_tile;
   const int64_t full_tiles = M / row_tile, rest = M % row_tile;
   const Tiles full = on.tiles_for(many ? row_tile : M), tail = on.tiles_for(rest ? rest : 1);
   const bool has_tail = many && rest;
   const int64_t row_tiles = many ? full_tiles + (rest ? 1 : 0) : 1;
-  // (Where that leaves too few groups to share among the threads, the narrower one stays.)
-  const bool wide_tail = has_tail && tail.blocks > full.blocks &&
-                         blocks / tail.blocks >= kGroupsPerThread * at::get_num_threads();
-  const int64_t group = wide_tail ? tail.blocks : full.blocks;
+  // The group stays a whole number of the taller tile's blocks, so that tile never falls
+  // back to single blocks, and stays narrow where too few groups would remain to share
+  // among the threads.
+  const int64_t tail_group = (tail.blocks + full.blocks - 1) / full.blocks * full.blocks;
+  const bool wide_tail = has_tail && blocks / tail_group >= kGroupsPerThread * at::get_num_threads();
+  const int64_t group = wide_tail ? tail_group : full.blocks;
   const int64_t groups = (blocks + group - 1) / group;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
