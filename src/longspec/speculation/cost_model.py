@@ -32,9 +32,9 @@ from longspec.runtime.native import kernels_identity
 from longspec.speculation.tree import Tree
 
 # Every k up to 17, then sparser: a product's cost steps where its rows fill another
-# register tile (AVX2: 6 rows, AVX-512: 8), so a 7-token forward can cost as much as a
-# 12-token one and interpolating between powers of two misprices the trees in between
-# (BENCHMARKS.md, "The forward cost steps with the product's row tiles").
+# register tile (AVX2: 6 rows, AVX-512: 8), and interpolating between powers of two
+# mispriced the trees in between (on an AVX2 CPU 7 tokens cost what 12 did, priced
+# below 8; BENCHMARKS.md, "The forward cost steps with the product's row tiles").
 DEFAULT_KS = (*range(1, 18), 20, 24, 28, 32, 48, 64)
 BATCH_WIDTHS = (1, 2, 4, 8, 16, 32)  # tokens per row of a batched verification forward
 CONTEXT_BUCKETS = (512, 1024, 2048, 4096, 8192, 16384, 32768)  # contexts measured for a sequence's length
