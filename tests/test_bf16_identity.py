@@ -2,9 +2,9 @@
 
 Where the native kernels serve the target (a CPU with AVX-512 BF16, or AVX2 with FMA),
 a token's forward is the same arithmetic whatever else the forward holds: the products
-give a row the same bits alone or beside others (`runtime.linear`), and attention reads keys listed by
-position (`runtime.ordered_keys`), so a token verified inside a tree, beside siblings
-it does not see, gets exactly the bits it gets when decoded alone. Then no near-tie can
+give a row the same bits alone or beside others (`runtime.linear`), and attention
+reads keys listed by position (`runtime.ordered_keys`), so a token verified inside a
+tree, beside siblings it does not see, gets exactly the bits it gets when decoded alone. Then no near-tie can
 be rounded differently, and speculative runs equal AR runs token for token and cache
 bit for cache bit, greedy and seeded, single and batched.
 
