@@ -94,3 +94,10 @@ def bf16_linear_ops():
         log.warning("this CPU has neither AVX-512 BF16 nor AVX2 with FMA: bf16 linear layers use oneDNN")
         return None
     return ops
+
+
+def bf16_speculation_is_exact() -> bool:
+    """Whether bf16 speculative decoding on this CPU returns plain bf16 decoding's tokens
+    bit for bit: the product and attention both run here on kernels whose arithmetic does
+    not depend on what else a forward holds (trees of up to 64 nodes; README, "Default dtype")."""
+    return attention_ops() is not None and bf16_linear_ops() is not None
