@@ -56,8 +56,9 @@ constexpr int64_t kLanes = 16;  // float32 values per 512-bit register
 #define LONGSPEC_AVX512 __attribute__((target("avx512f")))
 
 // exp(x) for x <= 0 (decays: delta > 0, A < 0), Cephes' single-precision polynomial, as in
-// few_query_attention.cpp. Kept per file: the extension builder versions a build by its
-// .cpp sources only, so a shared header's edits would not trigger a rebuild.
+// few_query_attention.cpp but without its -inf mask (a decay is never -inf here). The
+// copies differ in their edges, so they are not one shared header (headers do rebuild:
+// ninja tracks them, as for `kernels/cpu_features.h`).
 LONGSPEC_AVX512 inline __m512 exp_nonpositive(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));  // below, exp rounds to 0 anyway
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),

@@ -78,9 +78,9 @@ LONGSPEC_AVX512 float avx512_row_max(const float* s, int64_t V) {
 }
 
 // exp(x) for x <= 0 (a score minus the row's best), Cephes' single-precision polynomial as in
-// few_query_attention.cpp, ~1 ulp; below -87.3 (and -inf) the result is 0. Kept per file:
-// the extension builder versions a build by its .cpp sources only, so a shared header's
-// edits would not trigger a rebuild.
+// few_query_attention.cpp, ~1 ulp; below -87.3 (and -inf) the result is 0. The copies
+// differ in their edges, so they are not one shared header (headers do rebuild: ninja
+// tracks them, as for `kernels/cpu_features.h`).
 LONGSPEC_AVX512 __m512 exp_nonpositive(__m512 x) {
   const __m512 low = _mm512_set1_ps(-87.3f);
   const __mmask16 underflow = _mm512_cmp_ps_mask(x, low, _CMP_LT_OQ);
