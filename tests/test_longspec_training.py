@@ -15,7 +15,7 @@ from longspec.speculation.drafters.longspec.strategies import Proposal
 from longspec.training.data import Document, SequenceSampler, build_shards, is_held_out, load_split, most_frequent_ids
 from longspec.training.longspec_features import target_features
 from longspec.training.longspec_trainer import LongSpecTrainer, TrainOptions, training_hidden
-from longspec.training.longspec_visibility import BlockVisibility, NoisyShift, ShiftVisibility, anchor_offset_positions
+from longspec.training.longspec_visibility import BlockVisibility, NoisyShift, ShiftVisibility, anchor_offset_positions, shifted_mask
 from tiny_models import random_ids, tiny_decoder
 
 
@@ -52,6 +52,41 @@ def test_noisy_shift_truncates_target_kv_by_j():
     assert shifts == {1, 2, 3}  # j in [1, gamma)
     visible, _ = ShiftVisibility(1).mask(4)
     assert visible.int().tolist() == [[0, 0, 0, 0], [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0]]
+
+
+def test_weighted_noisy_shift_draws_shifts_by_their_weights():
+    rule = NoisyShift(5, (6, 2, 0, 2))
+    draws = [rule.draw_shift(torch.Generator().manual_seed(seed)) for seed in range(2000)]
+    counts = {j: draws.count(j) for j in range(1, 5)}
+    assert counts[3] == 0  # a zero weight is never drawn
+    assert 0.55 < counts[1] / 2000 < 0.65 and 0.15 < counts[2] / 2000 < 0.25 and 0.15 < counts[4] / 2000 < 0.25
+    visible, counted = rule.mask(6, torch.Generator().manual_seed(0))
+    j = rule.draw_shift(torch.Generator().manual_seed(0))
+    assert torch.equal(visible, shifted_mask(6, j)[0]) and counted.tolist() == [i >= j for i in range(6)]
+
+
+def test_unweighted_noisy_shift_draws_what_earlier_runs_drew():
+    # Resuming a run started before the weights existed must replay the same shifts.
+    for seed in range(50):
+        expected = int(torch.randint(1, 5, (), generator=torch.Generator().manual_seed(seed)))
+        assert NoisyShift(5).draw_shift(torch.Generator().manual_seed(seed)) == expected
+
+
+@pytest.mark.parametrize("weights, message", [((1, 2), "one weight per shift 1..4"), ((1, -1, 1, 1), ">= 0"),
+                                              ((0, 0, 0, 0), "positive sum")])
+def test_invalid_shift_weights_are_refused(weights, message):
+    with pytest.raises(ValueError, match=message):
+        NoisyShift(5, weights)
+
+
+def test_cli_shift_weights_errors_before_loading_the_target(tmp_path, capsys):
+    from longspec.cli.main import main
+
+    base = ["train", "longspec", "--stdlib", "--out", str(tmp_path / "run"), "--gamma", "5"]
+    assert main(base + ["--shift-weights", "4", "2", "1"]) == 2
+    assert "one weight per shift 1..4" in capsys.readouterr().err
+    assert main(base + ["--block-mask", "--shift-weights", "4", "2", "1", "1"]) == 2
+    assert "drop it with --block-mask" in capsys.readouterr().err
 
 
 def test_block_mask_sees_only_previous_blocks():

@@ -32,6 +32,9 @@ def add_parser(sub) -> None:
     p.add_argument("--window", type=int, default=512, help="draft self-attention window")
     p.add_argument("--draft-vocab", type=int, default=None, help="score only the N most frequent corpus tokens")
     p.add_argument("--gamma", type=int, default=5, help="draft depth the noisy shift / block mask simulate")
+    p.add_argument("--shift-weights", type=float, nargs="+", default=None, metavar="W",
+                   help="noisy training: relative weight of each shift 1..gamma-1 (e.g. 4 2 1 1 for gamma 5: depth 1 "
+                        "gates every accepted token); default uniform")
     p.add_argument("--anchor-offset", action=argparse.BooleanOptionalAction, default=True, help="Anchor-Offset Indices")
     p.add_argument("--recency-bias", action=argparse.BooleanOptionalAction, default=True,
                    help="ALiBi-style recency bias on the cross-attention (new drafts; --init-from keeps the draft's)")
@@ -78,11 +81,18 @@ def run(args) -> int:
     check_output_directory(args.out)
     if not args.corpus and not args.stdlib and not ((args.shards or args.out / "shards") / "index.json").is_file():
         raise ValueError("no training data: pass --corpus PATH (repeatable) and/or --stdlib")
-    visibility = {"noisy": lambda: NoisyShift(args.gamma), "block": lambda: BlockVisibility(args.gamma), "exact": lambda: ShiftVisibility(1)}
+    if args.shift_weights is not None and args.visibility != "noisy":
+        raise ValueError("--shift-weights weights the noisy shifts; drop it with --block-mask or --exact")
+    if args.visibility == "block":
+        visibility = BlockVisibility(args.gamma)
+    elif args.visibility == "exact":
+        visibility = ShiftVisibility(1)
+    else:
+        visibility = NoisyShift(args.gamma, args.shift_weights)
     options = TrainOptions(
         steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
         anchor_offset=args.anchor_offset, self_distill=args.labels == "target", bf16_autocast=args.bf16_autocast,
-        seed=args.seed, save_every=args.save_every, visibility=visibility[args.visibility](), max_rows=args.max_rows,
+        seed=args.seed, save_every=args.save_every, visibility=visibility, max_rows=args.max_rows,
     )
     if args.init_from is not None and not args.init_from.is_file():
         raise FileNotFoundError(f"--init-from: no draft weights at {args.init_from}")

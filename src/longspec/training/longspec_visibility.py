@@ -49,13 +49,29 @@ class ShiftVisibility:
 
 
 class NoisyShift:
-    def __init__(self, gamma: int) -> None:
+    """`shift_weights` (one per shift 1..gamma-1, any positive scale) tilts the draw toward
+    the shifts that matter most: depth 1 gates every accepted token of a round, depth d is
+    reached only when the d - 1 before it were accepted. None draws uniformly (as the
+    paper), and draws exactly the shifts earlier runs drew, so they resume unchanged."""
+
+    def __init__(self, gamma: int, shift_weights: tuple[float, ...] | None = None) -> None:
         if gamma < 2:
             raise ValueError(f"noisy training needs gamma >= 2 (shift drawn from [1, gamma)), got {gamma}")
+        if shift_weights is not None:
+            shift_weights = tuple(float(w) for w in shift_weights)
+            if len(shift_weights) != gamma - 1:
+                raise ValueError(f"shift weights need one weight per shift 1..{gamma - 1} (gamma {gamma}), "
+                                 f"got {len(shift_weights)}")
+            if min(shift_weights) < 0 or sum(shift_weights) <= 0:
+                raise ValueError(f"shift weights must be >= 0 with a positive sum, got {list(shift_weights)}")
         self.gamma = gamma
+        self.shift_weights = shift_weights
 
     def draw_shift(self, generator: torch.Generator) -> int:
-        return int(torch.randint(1, self.gamma, (), generator=generator, device=HOST))
+        if self.shift_weights is None:
+            return int(torch.randint(1, self.gamma, (), generator=generator, device=HOST))
+        weights = torch.tensor(self.shift_weights, dtype=torch.float64, device=HOST)
+        return 1 + int(torch.multinomial(weights, 1, generator=generator))
 
     def mask(self, length: int, generator: torch.Generator):
         return shifted_mask(length, self.draw_shift(generator))
