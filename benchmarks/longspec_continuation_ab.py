@@ -92,9 +92,12 @@ def main() -> None:
         eval_rows[corpus.name if corpus.name != "responses.jsonl" else corpus.parent.name] = \
             prefixed_rows(heldout, args.seq_len, prefix)[: args.eval_sequences]
 
+    stores = {name: {} for name in eval_rows}  # the held-out rows' target features, shared by every draft
+
     def score(draft) -> dict:
         return {name: [s.to_dict() for s in draft_agreement(draft, target.model, rows, depths=(1, 3),
-                                                             start_positions=args.eval_positions)]
+                                                             start_positions=args.eval_positions,
+                                                             feature_store=stores[name])]
                 for name, rows in eval_rows.items()}
 
     rows = [{"variant": "start", "draft": str(start_draft), "steps": 0,

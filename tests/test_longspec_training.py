@@ -384,6 +384,26 @@ def test_long_position_agreement_keeps_the_anchors():
     assert scores[0].top1 != scores[1].top1 or scores[0].cross_entropy != scores[1].cross_entropy  # positions matter
 
 
+def test_a_feature_store_scores_several_drafts_with_one_target_forward_per_row():
+    from longspec.training import longspec_eval
+
+    target = tiny_decoder("llama", dtype=torch.float64, max_position_embeddings=4096)
+    drafts = [DraftModel(small_draft_config(target)).reset_parameters(seed=s, std=0.3).to(torch.float64) for s in (1, 2)]
+    sequences = torch.stack([random_ids(24, seed=2 + r)[0] for r in range(3)])
+    calls = []
+    original = longspec_eval.target_features
+    longspec_eval.target_features = lambda *a, **k: calls.append(1) or original(*a, **k)
+    try:
+        store = {}
+        shared = [longspec_eval.draft_agreement(d, target, sequences, start_positions=(0, 2000), feature_store=store)
+                  for d in drafts]
+        assert len(calls) == 3 * 2  # rows x start positions, once for both drafts
+        alone = [longspec_eval.draft_agreement(d, target, sequences, start_positions=(0, 2000)) for d in drafts]
+    finally:
+        longspec_eval.target_features = original
+    assert shared == alone
+
+
 @pytest.mark.parametrize("with_retrieval", [False, True], ids=["draft-every-round", "retrieval-first"])
 def test_hidden_input_drafter_reads_the_right_states_round_after_round(with_retrieval):
     """Through the engine, every round's root distribution of an EAGLE-style draft equals

@@ -49,8 +49,14 @@ def draft_agreement(
     *,
     depths: Sequence[int] = (1, 3),
     start_positions: Sequence[int] = (0,),
+    feature_store: dict | None = None,
 ) -> list[DraftAgreement]:
-    """sequences: [N, n] held-out token ids. One row per (start position, depth)."""
+    """sequences: [N, n] held-out token ids. One row per (start position, depth).
+
+    feature_store: a dict the caller keeps to score several drafts on the same
+    sequences: the target's features (one target forward per row and start position,
+    most of the cost) are computed on first use and reused. Keep one dict per set of
+    sequences."""
     if sequences.dim() != 2 or sequences.shape[1] < 2:
         raise ValueError(f"sequences must be [N, n >= 2] token ids, got shape {tuple(sequences.shape)}")
     n = sequences.shape[1]
@@ -62,7 +68,12 @@ def draft_agreement(
     for start in start_positions:
         positions = torch.arange(n)
         positions[ANCHORS:] += start
-        features = [target_features(target, ids, positions, draft.config.target_layers, self_distill=True) for ids in sequences]
+        store = {} if feature_store is None else feature_store
+        key = (start, tuple(draft.config.target_layers))
+        if key not in store:
+            store[key] = [target_features(target, ids, positions, draft.config.target_layers, self_distill=True)
+                          for ids in sequences]
+        features = store[key]
         for depth in depths:
             hits = total = scored = 0
             loss = 0.0
