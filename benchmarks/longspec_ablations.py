@@ -37,10 +37,10 @@ from longspec.training.data import (
     served_prefix,
     stdlib_dir,
 )
-from longspec.training.longspec_eval import draft_agreement
-from longspec.training.longspec_features import FEATURES_VERSION
-from longspec.training.longspec_trainer import LongSpecTrainer, TrainOptions
-from longspec.training.longspec_visibility import BlockVisibility, NoisyShift, ShiftVisibility
+from longspec.training.longspec.agreement import draft_agreement
+from longspec.training.longspec.features import FEATURES_VERSION
+from longspec.training.longspec.trainer import LongSpecTrainer, TrainOptions
+from longspec.training.longspec.visibility import BlockVisibility, NoisyShift, ShiftVisibility
 
 BOOKS = Path(__file__).resolve().parents[2] / "shared" / "data" / "books"
 # The directories the shipped draft's recipe leaves out of the standard library.

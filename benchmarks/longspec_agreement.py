@@ -20,7 +20,7 @@ from common import machine
 from longspec.runtime.loading import load_target
 from longspec.speculation.drafters.longspec import load_draft
 from longspec.training.data import load_split, prefixed_rows, served_prefix
-from longspec.training.longspec_eval import draft_agreement
+from longspec.training.longspec.agreement import draft_agreement
 
 
 def main() -> None:

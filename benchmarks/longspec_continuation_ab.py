@@ -29,9 +29,9 @@ from longspec.runtime.loading import load_target
 from longspec.speculation.drafters.longspec import load_draft
 from longspec.speculation.drafters.longspec.presets import shipped_draft_path
 from longspec.training.data import build_shards, iter_documents, load_split, prefixed_rows, served_prefix, shards_key
-from longspec.training.longspec_eval import draft_agreement
-from longspec.training.longspec_trainer import LongSpecTrainer, TrainOptions
-from longspec.training.longspec_visibility import NoisyShift, ShiftVisibility
+from longspec.training.longspec.agreement import draft_agreement
+from longspec.training.longspec.trainer import LongSpecTrainer, TrainOptions
+from longspec.training.longspec.visibility import NoisyShift, ShiftVisibility
 
 
 def variants(gamma: int) -> dict[str, object]:

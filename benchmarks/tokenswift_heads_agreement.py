@@ -21,7 +21,7 @@ import longspec
 from common import machine, write_results
 from longspec.speculation.drafters.tokenswift.heads import TokenSwiftHeads
 from longspec.training.data import load_split, prefixed_rows, served_prefix
-from longspec.training.tokenswift_heads_cached import features_of_rows, heldout_accuracy
+from longspec.training.tokenswift.heads_cached import features_of_rows, heldout_accuracy
 
 
 def main() -> None:

@@ -47,9 +47,9 @@ from longspec.runtime.loading import load_target
 from longspec.speculation.drafters.longspec.model import chunked_cross_entropy
 from longspec.speculation.drafters.tokenswift.heads import norm_scale
 from longspec.training.data import load_split, most_frequent_ids, prefixed_rows, served_prefix
-from longspec.training.longspec_features import IGNORE
-from longspec.training.tokenswift_heads import lr_factor
-from longspec.training.tokenswift_heads_cached import (
+from longspec.training.longspec.features import IGNORE
+from longspec.training.tokenswift.heads import lr_factor
+from longspec.training.tokenswift.heads_cached import (
     CachedHeadsConfig, features_of_rows, head_labels, map_labels, next_token_labels, read_feature_caches)
 
 

@@ -14,8 +14,8 @@ def train_rank(rank: int, world: int, port: int, target_file: str, tokens_file: 
     import torch.distributed as dist
 
     from longspec.speculation.drafters.longspec.config import DraftConfig
-    from longspec.training.longspec_trainer import LongSpecTrainer, TrainOptions
-    from longspec.training.longspec_visibility import NoisyShift
+    from longspec.training.longspec.trainer import LongSpecTrainer, TrainOptions
+    from longspec.training.longspec.visibility import NoisyShift
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -119,7 +119,7 @@ def test_draft_training_on_device_equals_the_cpu_run(device, tmp_path):
     """A few steps of LongSpec training (features computed, cached and read back) on
     the device: the same weights as on the CPU, within float32 rounding."""
     from longspec.speculation.drafters.longspec import load_draft
-    from longspec.training.longspec_trainer import LongSpecTrainer
+    from longspec.training.longspec.trainer import LongSpecTrainer
     from test_longspec_training import _options, _tokens, small_draft_config
     from tiny_models import tiny_decoder
 
@@ -194,7 +194,7 @@ def test_tokenswift_heads_training_on_device_equals_the_cpu_run(device, tmp_path
     """Float64: at lr 5e-2, Adam turns float32 rounding (a 1e-7 relative change of the
     target's weights on one machine) into weight changes of up to 3e-3, so float32 runs
     on two devices need not agree; float64 ones must."""
-    from longspec.training.tokenswift_heads import HeadsTrainingConfig, train_heads
+    from longspec.training.tokenswift.heads import HeadsTrainingConfig, train_heads
     from tiny_models import tiny_decoder
 
     data = torch.arange(7).repeat(60)[: 16 * 24].view(24, 16) * 3 % 128

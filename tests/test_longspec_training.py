@@ -13,9 +13,9 @@ from longspec.speculation.drafters.longspec import DraftConfig, DraftModel, Long
 from longspec.speculation.drafters.longspec.model import chunked_cross_entropy
 from longspec.speculation.drafters.longspec.strategies import Proposal
 from longspec.training.data import Document, SequenceSampler, build_shards, is_held_out, load_split, most_frequent_ids
-from longspec.training.longspec_features import target_features
-from longspec.training.longspec_trainer import LongSpecTrainer, TrainOptions, training_hidden
-from longspec.training.longspec_visibility import BlockVisibility, NoisyShift, ShiftVisibility, anchor_offset_positions, shifted_mask
+from longspec.training.longspec.features import target_features
+from longspec.training.longspec.trainer import LongSpecTrainer, TrainOptions, training_hidden
+from longspec.training.longspec.visibility import BlockVisibility, NoisyShift, ShiftVisibility, anchor_offset_positions, shifted_mask
 from tiny_models import random_ids, tiny_decoder
 
 
@@ -285,7 +285,7 @@ def test_cli_init_from_errors_before_loading_the_target(tmp_path, capsys):
 # ------------------------------------------------------------------ held-out evaluation
 def test_depth1_predictions_equal_the_inference_drafters_first_token():
     from longspec.speculation.drafters.longspec import ChainStrategy
-    from longspec.training.longspec_eval import draft_agreement, draft_predictions
+    from longspec.training.longspec.agreement import draft_agreement, draft_predictions
 
     target = tiny_decoder("gemma3", dtype=torch.float64)
     draft = DraftModel(small_draft_config(target, window=64)).reset_parameters(seed=1, std=0.3).to(torch.float64)
@@ -336,7 +336,7 @@ def test_rows_start_with_the_served_prefix_and_its_label_never_counts():
 
 
 def test_feature_cache_refuses_features_of_another_key(tmp_path):
-    from longspec.training.longspec_features import FeatureCache
+    from longspec.training.longspec.features import FeatureCache
 
     target = tiny_decoder("llama", dtype=torch.float32)
     tokens = random_ids(400, seed=1)[0]
@@ -368,39 +368,39 @@ def test_feature_cache_refuses_features_of_another_key(tmp_path):
 
 
 def test_long_position_agreement_keeps_the_anchors():
-    from longspec.training import longspec_eval
+    from longspec.training.longspec import agreement
 
     target = tiny_decoder("llama", dtype=torch.float64, max_position_embeddings=4096)
     draft = DraftModel(small_draft_config(target, recency_bias=True)).reset_parameters(seed=1, std=0.3).to(torch.float64)
     seen = []
-    original = longspec_eval.target_features
-    longspec_eval.target_features = lambda t, ids, positions, *a, **k: seen.append(positions.clone()) or original(t, ids, positions, *a, **k)
+    original = agreement.target_features
+    agreement.target_features = lambda t, ids, positions, *a, **k: seen.append(positions.clone()) or original(t, ids, positions, *a, **k)
     try:
-        scores = longspec_eval.draft_agreement(draft, target, random_ids(24, seed=2), depths=(1,), start_positions=(0, 2000))
+        scores = agreement.draft_agreement(draft, target, random_ids(24, seed=2), depths=(1,), start_positions=(0, 2000))
     finally:
-        longspec_eval.target_features = original
+        agreement.target_features = original
     assert seen[0].tolist() == list(range(24))
     assert seen[1][:4].tolist() == [0, 1, 2, 3] and seen[1][4:].tolist() == list(range(2004, 2024))
     assert scores[0].top1 != scores[1].top1 or scores[0].cross_entropy != scores[1].cross_entropy  # positions matter
 
 
 def test_a_feature_store_scores_several_drafts_with_one_target_forward_per_row():
-    from longspec.training import longspec_eval
+    from longspec.training.longspec import agreement
 
     target = tiny_decoder("llama", dtype=torch.float64, max_position_embeddings=4096)
     drafts = [DraftModel(small_draft_config(target)).reset_parameters(seed=s, std=0.3).to(torch.float64) for s in (1, 2)]
     sequences = torch.stack([random_ids(24, seed=2 + r)[0] for r in range(3)])
     calls = []
-    original = longspec_eval.target_features
-    longspec_eval.target_features = lambda *a, **k: calls.append(1) or original(*a, **k)
+    original = agreement.target_features
+    agreement.target_features = lambda *a, **k: calls.append(1) or original(*a, **k)
     try:
         store = {}
-        shared = [longspec_eval.draft_agreement(d, target, sequences, start_positions=(0, 2000), feature_store=store)
+        shared = [agreement.draft_agreement(d, target, sequences, start_positions=(0, 2000), feature_store=store)
                   for d in drafts]
         assert len(calls) == 3 * 2  # rows x start positions, once for both drafts
-        alone = [longspec_eval.draft_agreement(d, target, sequences, start_positions=(0, 2000)) for d in drafts]
+        alone = [agreement.draft_agreement(d, target, sequences, start_positions=(0, 2000)) for d in drafts]
     finally:
-        longspec_eval.target_features = original
+        agreement.target_features = original
     assert shared == alone
 
 
@@ -412,7 +412,7 @@ def test_hidden_input_drafter_reads_the_right_states_round_after_round(with_retr
     from longspec.speculation.drafters import PromptLookupDrafter
     from longspec.speculation.drafters.longspec import ChainStrategy
     from longspec.speculation.engine import EngineOptions, SpeculativeEngine
-    from longspec.training.longspec_visibility import shifted_mask
+    from longspec.training.longspec.visibility import shifted_mask
 
     target = tiny_decoder("gemma3", dtype=torch.float64)
     draft = DraftModel(small_draft_config(target, window=64, hidden_input=True)).reset_parameters(seed=4, std=0.3)
@@ -463,7 +463,7 @@ def test_sampler_max_rows_visits_one_seeded_subset_every_epoch():
 
 @pytest.mark.parametrize("family", ["gemma3", "llama"])
 def test_warm_start_copies_the_attended_target_layer(family, tmp_path):
-    from longspec.training.longspec_warm_start import norm_scale
+    from longspec.training.longspec.warm_start import norm_scale
 
     target = tiny_decoder(family, dtype=torch.float32)
     config = small_draft_config(target, intermediate_size=target.config.intermediate_size)

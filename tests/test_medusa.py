@@ -48,7 +48,7 @@ def test_the_flag_survives_files_and_older_files_read_as_chained(tmp_path):
 
 
 def test_training_independent_heads(tmp_path):
-    from longspec.training.tokenswift_heads import HeadsTrainingConfig, train_heads
+    from longspec.training.tokenswift.heads import HeadsTrainingConfig, train_heads
 
     model = tiny_decoder("qwen3", dtype=torch.float32)
     data = torch.arange(7).repeat(60)[: 16 * 24].view(24, 16) * 3 % 128

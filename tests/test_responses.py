@@ -13,7 +13,7 @@ import torch
 import longspec
 from longspec.cli.main import main
 from longspec.training.data import Document, is_held_out, iter_documents
-from longspec.training.heads_data import tokenize_files
+from longspec.training.tokenswift.data import tokenize_files
 from longspec.training.responses import CODE_INSTRUCTIONS, PROSE_INSTRUCTIONS, build_prompts
 from tiny_models import save_checkpoint
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers

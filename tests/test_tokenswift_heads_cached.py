@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from longspec.speculation.drafters.tokenswift.heads import TokenSwiftHeads
 from longspec.training.data import prefixed_rows
 from longspec.training.fingerprint import target_fingerprint, tokens_fingerprint
-from longspec.training.longspec_features import FEATURES_VERSION, IGNORE, FeatureCache, target_features
-from longspec.training.tokenswift_heads_cached import (
+from longspec.training.longspec.features import FEATURES_VERSION, IGNORE, FeatureCache, target_features
+from longspec.training.tokenswift.heads_cached import (
     CachedHeadsConfig, head_labels, heldout_accuracy, loss_over, map_labels, read_feature_caches,
     train_heads_from_features)
 from tiny_models import tiny_decoder

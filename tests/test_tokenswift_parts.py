@@ -204,7 +204,7 @@ def test_distinct_n():
 
 # -------------------------------------------------------------------- trainer
 def test_trainer_learns_and_resumes_exactly(tmp_path):
-    from longspec.training.tokenswift_heads import HeadsTrainingConfig, train_heads
+    from longspec.training.tokenswift.heads import HeadsTrainingConfig, train_heads
 
     model = tiny_decoder("qwen3", dtype=torch.float32)
     # A periodic stream: the token 2..4 ahead is predictable from the current one.
@@ -229,8 +229,8 @@ def test_trainer_learns_and_resumes_exactly(tmp_path):
 
 
 def test_heads_windows_start_with_the_served_prefix_and_it_is_never_drafted_from():
-    from longspec.training.heads_data import windows
-    from longspec.training.tokenswift_heads import sample_rows
+    from longspec.training.tokenswift.data import windows
+    from longspec.training.tokenswift.heads import sample_rows
 
     data = windows(torch.arange(100), 10, prefix=(7,))
     assert data.shape == (11, 10) and bool((data[:, 0] == 7).all()) and data[0, 1:].tolist() == list(range(9))

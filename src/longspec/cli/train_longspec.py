@@ -73,8 +73,8 @@ def run(args) -> int:
     from longspec.cli.paths import check_output_directory
     from longspec.runtime.loading import load_target
     from longspec.speculation.drafters.longspec.config import DraftConfig
-    from longspec.training.longspec_trainer import LongSpecTrainer, TrainOptions
-    from longspec.training.longspec_visibility import BlockVisibility, NoisyShift, ShiftVisibility
+    from longspec.training.longspec.trainer import LongSpecTrainer, TrainOptions
+    from longspec.training.longspec.visibility import BlockVisibility, NoisyShift, ShiftVisibility
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)

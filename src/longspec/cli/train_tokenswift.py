@@ -71,8 +71,8 @@ def run(args) -> int:
     from longspec.runtime.loading import load_target
     from longspec.training.data import served_prefix
     from longspec.training.fingerprint import digest, files_fingerprint, tokenizer_fingerprint
-    from longspec.training.heads_data import stdlib_files, text_files, tokenize_files, windows
-    from longspec.training.tokenswift_heads import HEADS_FILE, HeadsTrainingConfig, train_heads
+    from longspec.training.tokenswift.data import stdlib_files, text_files, tokenize_files, windows
+    from longspec.training.tokenswift.heads import HEADS_FILE, HeadsTrainingConfig, train_heads
 
     config = HeadsTrainingConfig(  # checked before any work; the prefix length is known once the tokenizer is
         steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, rows_per_window=args.rows_per_window,
@@ -104,8 +104,8 @@ def run_from_features(args) -> int:
     from longspec.cli.paths import check_output_directory
     from longspec.runtime.loading import load_target
     from longspec.training.data import load_split, prefixed_rows, served_prefix
-    from longspec.training.tokenswift_heads import HEADS_FILE
-    from longspec.training.tokenswift_heads_cached import (
+    from longspec.training.tokenswift.heads import HEADS_FILE
+    from longspec.training.tokenswift.heads_cached import (
         CachedHeadsConfig, features_of_rows, read_feature_caches, train_heads_from_features)
 
     if args.data or args.stdlib_files:

@@ -31,7 +31,7 @@ from longspec.speculation.drafters.vocab_map import FILE_NAME as VOCAB_FILE
 from longspec.speculation.drafters.vocab_map import VocabMap
 from longspec.training.data import SequenceSampler, most_frequent_ids
 from longspec.training.fingerprint import target_fingerprint, tokens_fingerprint
-from longspec.training.longspec_features import IGNORE, FeatureCache
+from longspec.training.longspec.features import IGNORE, FeatureCache
 from longspec.training.resumable import ResumableTrainer
 
 WEIGHTS_NAME = "model.safetensors"  # what `save_pretrained` writes

@@ -1,6 +1,6 @@
 """Training TokenSwift heads from cached target features, without running the target.
 
-The LongSpec trainer's feature cache (`longspec_features.FeatureCache`) holds, for every
+The LongSpec trainer's feature cache (`training.longspec.features.FeatureCache`) holds, for every
 BOS-first row it trained on, the target's final-norm hidden state at each position and
 its labels (the target's own greedy next token, or the data's). That is all a head
 needs: head i (1..γ) at position t reads h_0(t) and is scored against labels[t + i],
@@ -17,7 +17,7 @@ out and counted. At inference the heads score the tokens the sequence has used
 (`context_vocab`), so they never see the full softmax either. Held-out accuracy is
 measured over the full vocabulary.
 
-Checkpoints, curve and resume follow `tokenswift_heads`: the same heads file, a
+Checkpoints, curve and resume follow `heads`: the same heads file, a
 trainer state with optimizer, scheduler and step; a resumed run sees the batches an
 uninterrupted one would.
 """
@@ -39,8 +39,8 @@ from longspec.speculation.drafters.longspec.model import chunked_cross_entropy
 from longspec.speculation.drafters.tokenswift.heads import TokenSwiftHeads
 from longspec.training.data import load_split, most_frequent_ids, prefixed_rows
 from longspec.training.fingerprint import digest, target_fingerprint, tokens_fingerprint
-from longspec.training.longspec_features import FEATURES_VERSION, IGNORE, FeatureCache, target_features
-from longspec.training.tokenswift_heads import (
+from longspec.training.longspec.features import FEATURES_VERSION, IGNORE, FeatureCache, target_features
+from longspec.training.tokenswift.heads import (
     CURVE_FILE, HEADS_FILE, STATE_FILE, lr_factor, restore_run, training_dtype)
 
 _ROW_FILE = re.compile(r"row(\d+)-(self|data)-(aoi|plain)\.safetensors")

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from longspec.runtime.device import HOST
 from longspec.speculation.drafters.tokenswift.heads import TokenSwiftHeads
-from longspec.training.heads_data import batches, split_heldout
+from longspec.training.tokenswift.data import batches, split_heldout
 
 HEADS_FILE = "heads.safetensors"
 STATE_FILE = "trainer_state.pt"

@@ -29,9 +29,9 @@ from longspec.speculation.drafters.longspec.config import DraftConfig
 from longspec.speculation.drafters.longspec.model import DraftModel, chunked_cross_entropy, cross_attention_bias, target_rope
 from longspec.training.data import SequenceSampler, most_frequent_ids
 from longspec.training.fingerprint import target_fingerprint, tokens_fingerprint
-from longspec.training.longspec_features import FEATURES_VERSION, IGNORE, FeatureCache, target_features
-from longspec.training.longspec_warm_start import warm_start_from_target
-from longspec.training.longspec_visibility import NoisyShift, anchor_offset_positions
+from longspec.training.longspec.features import FEATURES_VERSION, IGNORE, FeatureCache, target_features
+from longspec.training.longspec.warm_start import warm_start_from_target
+from longspec.training.longspec.visibility import NoisyShift, anchor_offset_positions
 from longspec.training.resumable import ResumableTrainer
 
 WEIGHTS_NAME = "draft.safetensors"

@@ -23,9 +23,9 @@ import torch.nn.functional as F
 
 from longspec.runtime.model import Decoder
 from longspec.speculation.drafters.longspec.model import DraftModel, softcap
-from longspec.training.longspec_features import target_features
-from longspec.training.longspec_trainer import training_hidden
-from longspec.training.longspec_visibility import ANCHORS, shifted_mask
+from longspec.training.longspec.features import target_features
+from longspec.training.longspec.trainer import training_hidden
+from longspec.training.longspec.visibility import ANCHORS, shifted_mask
 
 
 @dataclass(frozen=True)
