@@ -22,6 +22,7 @@ from longspec.runtime.attention import (
     native_part,
     reference_attention,
 )
+from longspec.runtime.argmax import row_argmax
 from longspec.runtime.linear import packed_linear, prepack
 from longspec.runtime.model import RMSNorm
 from test_runtime_equivalence import run_chunks
@@ -304,11 +305,11 @@ def test_row_argmax_is_torch_argmax():
 
 
 def test_greedy_argmax_fallback_without_the_library(monkeypatch):
-    from longspec.speculation import processors
+    from longspec.runtime import argmax
 
-    monkeypatch.setattr(processors, "native_ops", lambda: None)
+    monkeypatch.setattr(argmax, "native_ops", lambda: None)
     for x in argmax_rows(1):
-        assert torch.equal(processors._argmax(x), x.float().argmax(dim=-1))
+        assert torch.equal(row_argmax(x), x.float().argmax(dim=-1))
 
 
 def ordered_call(ops, q, k, v, slots, positions, visible, chunk, shared=0):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from longspec.runtime.attention import fused_attention, reference_attention, sdpa_attention
-from tiny_models import FAMILIES, SLIDING_WINDOW, random_ids, tiny_pair
+from tiny_models import FAMILIES, SLIDING_WINDOW, random_ids, tiny_decoder, tiny_pair
 
 TOLERANCE = 1e-4
 SEQ_LEN = 40  # five times the sliding window
@@ -87,10 +87,32 @@ def test_greedy_tokens_without_logits_equal_argmax_of_logits(pair):
     full = decoder(ids, decoder.new_cache(SEQ_LEN))
     hidden_only = decoder(ids, decoder.new_cache(SEQ_LEN), with_logits=False)
     assert hidden_only.logits is None and torch.equal(hidden_only.hidden, full.hidden)
+    assert torch.equal(decoder.greedy_tokens(full.hidden), full.logits.argmax(dim=-1))
+
+
+def test_greedy_tokens_in_vocabulary_slices_equal_argmax_of_logits(pair, monkeypatch):
+    _, decoder = pair
+    monkeypatch.setattr(decoder, "_packed_head", None)  # the slices a GPU scores
+    ids = random_ids(SEQ_LEN, seed=5)
+    full = decoder(ids, decoder.new_cache(SEQ_LEN))
     expected = full.logits.argmax(dim=-1)
     vocab = decoder.config.vocab_size
     for chunk in (vocab, 7, 1):  # one slice, uneven slices, one token at a time
         assert torch.equal(decoder.greedy_tokens(full.hidden, vocab_chunk=chunk), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_through_the_packed_head_equal_argmax_of_logits(family, dtype, monkeypatch):
+    from longspec.runtime import model
+
+    decoder = tiny_decoder(family, dtype=dtype, seed=3)
+    ids = random_ids(SEQ_LEN, seed=6)
+    full = decoder(ids, decoder.new_cache(SEQ_LEN))
+    expected = full.logits.float().argmax(dim=-1)
+    vocab = decoder.config.vocab_size
+    for rows in (SEQ_LEN, 5, 1):  # all rows at once, uneven row chunks, one row at a time
+        monkeypatch.setattr(model, "GREEDY_LOGITS_ELEMENTS", rows * vocab)
+        assert torch.equal(decoder.greedy_tokens(full.hidden), expected)
 
 
 def greedy(decoder, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
