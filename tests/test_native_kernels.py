@@ -283,7 +283,7 @@ def test_a_failed_build_falls_back_to_onednn_with_the_reason_logged(monkeypatch,
 
 
 def argmax_rows(seed: int):
-    """bf16 rows with ties, -inf stretches, NaNs, and lengths around the 16-lane step."""
+    """bf16 rows with ties, -inf stretches, NaNs, and lengths around the 16- and 32-element steps."""
     generator = torch.Generator().manual_seed(seed)
     for trial in range(120):
         rows, width = int(torch.randint(1, 5, (1,), generator=generator)), int(torch.randint(1, 70, (1,), generator=generator))
@@ -298,10 +298,15 @@ def argmax_rows(seed: int):
 
 
 @needs_library
-def test_row_argmax_is_torch_argmax():
-    ops = native.native_ops()
+@pytest.mark.parametrize("op", ["row_argmax", "row_argmax_avx2"])
+def test_row_argmax_is_torch_argmax(op):
+    """The scan this CPU runs, and the AVX2 scan (its four chains of eight lanes) on every
+    CPU that has AVX2."""
+    if op == "row_argmax_avx2" and not AVX2:
+        pytest.skip("no AVX2 on this CPU")
+    scan = getattr(native.native_ops(), op)
     for x in argmax_rows(0):
-        assert torch.equal(ops.row_argmax(x), x.float().argmax(dim=-1)), x
+        assert torch.equal(scan(x), x.float().argmax(dim=-1)), x
 
 
 def test_greedy_argmax_fallback_without_the_library(monkeypatch):
