@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from common import machine
+from longspec.runtime.device import bf16_matmuls_are_fast
 from longspec.runtime.loading import load_target
 from longspec.speculation.drafters.longspec import DraftConfig
 from longspec.training.data import (
@@ -101,7 +102,7 @@ def main() -> None:
         chosen = {name: v for name, v in chosen.items() if name.split(" (")[0] in args.variants}
     for name, (recipe, draft) in chosen.items():
         options = TrainOptions(steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, warmup=10,
-                               bf16_autocast=True, seed=0, save_every=25, **recipe)
+                               bf16_autocast=bf16_matmuls_are_fast(target.model.device), seed=0, save_every=25, **recipe)
         config = DraftConfig.for_target(target.model.config, **draft)
         run_dir = args.out / name.split(" (")[0].replace(" ", "-")
         start = time.perf_counter()

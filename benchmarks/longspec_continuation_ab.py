@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from common import machine
+from longspec.runtime.device import bf16_matmuls_are_fast
 from longspec.runtime.loading import load_target
 from longspec.speculation.drafters.longspec import load_draft
 from longspec.speculation.drafters.longspec.presets import shipped_draft_path
@@ -105,7 +106,7 @@ def main() -> None:
     print(json.dumps(rows[-1]), flush=True)
     for name in args.variants:
         options = TrainOptions(steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
-                               warmup=args.warmup, bf16_autocast=True, seed=args.seed, save_every=25,
+                               warmup=args.warmup, bf16_autocast=bf16_matmuls_are_fast(target.model.device), seed=args.seed, save_every=25,
                                visibility=chosen[name], row_prefix=prefix)
         start = time.perf_counter()
         trainer = LongSpecTrainer(target.model, train_tokens, args.out / name, options, init_from=start_draft,

@@ -225,3 +225,13 @@ def test_gpu_attention_leaves_out_cudnn_whose_plans_are_per_shape(monkeypatch):
     k, v = (torch.randn(1, 2, 9, 16, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     attention.sdpa_attention(q, k, v, None, None, None, None, 0.25)
     assert seen == [False]
+
+
+def test_bf16_autocast_for_training_follows_what_this_machine_computes_fast(monkeypatch):
+    from longspec.runtime.device import bf16_matmuls_are_fast
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert not bf16_matmuls_are_fast(torch.device("cpu"))  # AVX2 alone: float32 is faster
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert bf16_matmuls_are_fast(torch.device("cpu"))

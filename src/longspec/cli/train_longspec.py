@@ -59,7 +59,9 @@ def add_parser(sub) -> None:
     p.set_defaults(visibility="noisy")
     p.add_argument("--labels", choices=("target", "data"), default="target",
                    help="target: the target's own greedy predictions (self-distillation); data: next corpus token")
-    p.add_argument("--bf16-autocast", action=argparse.BooleanOptionalAction, default=True, help="draft matmuls in bfloat16")
+    p.add_argument("--bf16-autocast", action=argparse.BooleanOptionalAction, default=None,
+                   help="draft matmuls in bfloat16 (default: where they are fast: GPUs, CPUs with AVX-512 BF16 or "
+                        "AMX; on AVX2-only CPUs they run 4x slower than float32)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (1 is far faster than 2 on a 2-core machine shared with other jobs)")
@@ -71,6 +73,7 @@ def run(args) -> int:
 
     from longspec.api import parse_dtype
     from longspec.cli.paths import check_output_directory
+    from longspec.runtime.device import bf16_matmuls_are_fast
     from longspec.runtime.loading import load_target
     from longspec.speculation.drafters.longspec.config import DraftConfig
     from longspec.training.longspec.trainer import LongSpecTrainer, TrainOptions
@@ -91,7 +94,7 @@ def run(args) -> int:
         visibility = NoisyShift(args.gamma, args.shift_weights)
     options = TrainOptions(
         steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
-        anchor_offset=args.anchor_offset, self_distill=args.labels == "target", bf16_autocast=args.bf16_autocast,
+        anchor_offset=args.anchor_offset, self_distill=args.labels == "target", bf16_autocast=bool(args.bf16_autocast),
         seed=args.seed, save_every=args.save_every, visibility=visibility, max_rows=args.max_rows,
     )
     if args.init_from is not None and not args.init_from.is_file():
@@ -99,6 +102,8 @@ def run(args) -> int:
     if args.init_from is not None and args.draft_vocab is not None:
         raise ValueError("--init-from keeps that draft's vocabulary; drop --draft-vocab")
     device = training_process_device(args.device)
+    if args.bf16_autocast is None:
+        options = dataclasses.replace(options, bf16_autocast=bf16_matmuls_are_fast(device))
     target = load_target(args.model, dtype=parse_dtype(args.dtype), device=device)
     tokens, prefix = training_tokens(args, target)
     options = dataclasses.replace(options, row_prefix=prefix)

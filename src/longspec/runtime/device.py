@@ -48,6 +48,18 @@ def check_dtype_on_device(dtype: torch.dtype, device: torch.device) -> None:
         raise ValueError(f"{name} has no bfloat16 support; use --dtype float32 (or float16 where the model allows it)")
 
 
+def bf16_matmuls_are_fast(device: torch.device) -> bool:
+    """Whether PyTorch's own bf16 matrix products (what autograd and autocast run) outrun
+    float32 on `device`: on GPUs with bf16, and on CPUs with AVX-512 BF16 or AMX. On CPUs
+    with AVX2 alone oneDNN has no bf16 instructions: a [512 x 640] x [640 x 32k] product
+    measured 4x slower in bf16 than in float32 (BENCHMARKS.md, "Training on AVX2 CPUs")."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    cpu = torch.cpu
+    checks = (getattr(cpu, "_is_avx512_bf16_supported", None), getattr(cpu, "_is_amx_tile_supported", None))
+    return any(check is not None and check() for check in checks)
+
+
 def available_devices() -> list[str]:
     """The devices this machine can run on: always the CPU, plus the GPU when there is one."""
     return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
