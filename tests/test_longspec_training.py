@@ -230,6 +230,22 @@ def test_killed_and_resumed_run_ends_at_the_same_weights(tmp_path):
     assert [row.split(",")[0] for row in curve[1:]] == ["1", "2", "3", "4", "5", "6"]
 
 
+def test_a_run_killed_before_its_first_checkpoint_logs_each_step_once(tmp_path):
+    target = tiny_decoder("gemma3", dtype=torch.float32)
+    config = small_draft_config(target)
+    killed = LongSpecTrainer(target, _tokens(), tmp_path / "run", _options(save_every=10), draft_config=config,
+                             progress=False)
+    killed.train(stop_after=3)  # stopping saves a checkpoint; a kill before step 10 leaves none:
+    (tmp_path / "run" / "draft.safetensors").unlink()
+    (tmp_path / "run" / "trainer_state.pt").unlink()
+    restarted = LongSpecTrainer(target, _tokens(), tmp_path / "run", _options(save_every=10), draft_config=config,
+                                progress=False)
+    assert restarted.step == 0
+    restarted.train()
+    curve = (tmp_path / "run" / "loss.csv").read_text().splitlines()
+    assert [row.split(",")[0] for row in curve[1:]] == ["1", "2", "3", "4", "5", "6"]
+
+
 def test_init_from_continues_an_existing_draft_with_a_fresh_schedule(tmp_path):
     target = tiny_decoder("gemma3", dtype=torch.float32)
     config = small_draft_config(target)

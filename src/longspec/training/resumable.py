@@ -53,7 +53,9 @@ class ResumableTrainer:
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
             self.step, self.position = state["step"], state["position"]
-            self._truncate_log()
+        # Rows logged after the checkpoint this run starts from (all of them when a run was
+        # killed before its first checkpoint) would be logged again.
+        self._truncate_log()
 
     def train(self, stop_after: int | None = None, max_seconds: float | None = None):
         """Train up to options.steps, or `stop_after` more steps, or until `max_seconds`
