@@ -46,6 +46,17 @@ int64_t scalar_row_argmax(const uint16_t* row, int64_t V) {
   return best;
 }
 
+// The elements after a vector scan's whole steps come after every lane's indices: the
+// scan goes on from the lanes' answer over them.
+int64_t scan_tail(const uint16_t* row, int64_t from, int64_t V, int64_t answer, float answer_value) {
+  for (int64_t v = from; v < V; ++v) {
+    const float x = widen(row[v]);
+    if (std::isnan(x)) return v;
+    if (x > answer_value) answer_value = x, answer = v;
+  }
+  return answer;
+}
+
 __attribute__((target("avx512f,avx512bw"))) int64_t avx512_row_argmax(const uint16_t* row, int64_t V) {
   constexpr int64_t kLanes = 16;
   const int64_t full = V / kLanes * kLanes;
@@ -69,14 +80,7 @@ __attribute__((target("avx512f,avx512bw"))) int64_t avx512_row_argmax(const uint
   const __mmask16 holders = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
   // Lanes that never beat -inf keep index 0, which is right: the row is all -inf so far.
   const __m512i candidates = _mm512_mask_mov_epi32(_mm512_set1_epi32(std::numeric_limits<int32_t>::max()), holders, best_index);
-  int64_t answer = _mm512_reduce_min_epi32(candidates);
-  float answer_value = top;
-  for (int64_t v = full; v < V; ++v) {  // the tail comes after every lane's indices
-    const float x = widen(row[v]);
-    if (std::isnan(x)) return v;
-    if (x > answer_value) answer_value = x, answer = v;
-  }
-  return answer;
+  return scan_tail(row, full, V, _mm512_reduce_min_epi32(candidates), top);
 }
 
 __attribute__((target("avx2"))) int64_t avx2_row_argmax(const uint16_t* row, int64_t V) {
@@ -120,13 +124,7 @@ __attribute__((target("avx2"))) int64_t avx2_row_argmax(const uint16_t* row, int
   for (int c = 0; c < kChains; ++c)
     for (int l = 0; l < kLanes; ++l)
       if (values[c][l] == top) answer = std::min<int64_t>(answer, indices[c][l]);
-  float answer_value = top;
-  for (int64_t v = full; v < V; ++v) {  // the tail comes after every lane's indices
-    const float x = widen(row[v]);
-    if (std::isnan(x)) return v;
-    if (x > answer_value) answer_value = x, answer = v;
-  }
-  return answer;
+  return scan_tail(row, full, V, answer, top);
 }
 
 bool has_avx512() {
