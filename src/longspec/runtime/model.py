@@ -348,7 +348,7 @@ class Decoder(nn.Module):
             step = max(1, GREEDY_LOGITS_ELEMENTS // self.head_weight.shape[0])
             best = [row_argmax(packed_linear(rows[i : i + step], self.head_weight, self._packed_head))
                     for i in range(0, rows.shape[0], step)]
-            return torch.cat(best).view(hidden.shape[:-1])
+            return (torch.cat(best) if best else rows.new_empty(0, dtype=torch.long)).view(hidden.shape[:-1])
         best_value = best_index = None
         for begin in range(0, self.head_weight.shape[0], vocab_chunk):
             scores = F.linear(hidden, self.head_weight[begin : begin + vocab_chunk]).float()
