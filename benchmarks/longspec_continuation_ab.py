@@ -37,7 +37,7 @@ from longspec.training.longspec.visibility import NoisyShift, ShiftVisibility
 
 def variants(gamma: int) -> dict[str, object]:
     """name -> the visibility rule the variant trains with (everything else is shared)."""
-    lag1_weights = tuple(float(2 ** max(gamma - 2 - j, 0)) for j in range(gamma - 1))  # gamma 5: 4 2 1 1
+    lag1_weights = tuple(float(2 ** (gamma - 2 - j)) for j in range(gamma - 1))  # halving per depth: gamma 5: 8 4 2 1
     return {
         "uniform": NoisyShift(gamma),  # the shipped recipe
         "lag1-weighted": NoisyShift(gamma, lag1_weights),
