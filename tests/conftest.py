@@ -2,6 +2,7 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 # Without a GPU, Triton kernels run through Triton's interpreter. Triton reads the
@@ -24,3 +25,16 @@ MAX_TEST_WORKERS = 4
 
 def pytest_xdist_auto_num_workers(config):
     return max(1, min(os.cpu_count() or 1, MAX_TEST_WORKERS))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _cost_models_measured_by_tests_stay_out_of_the_users_cache(tmp_path_factory):
+    """Tests measure forward costs while the suite keeps every core busy: such a
+    measurement in the user's cache would price `auto`'s trees too cheap afterwards."""
+    from longspec.speculation import cost_model
+
+    directory = tmp_path_factory.mktemp("cost-model")
+    original = cost_model.default_directory
+    cost_model.default_directory = lambda: directory
+    yield
+    cost_model.default_directory = original

@@ -33,7 +33,7 @@ def add_parser(sub) -> None:
     p.add_argument("--draft-vocab", type=int, default=None, help="score only the N most frequent corpus tokens")
     p.add_argument("--gamma", type=int, default=5, help="draft depth the noisy shift / block mask simulate")
     p.add_argument("--shift-weights", type=float, nargs="+", default=None, metavar="W",
-                   help="noisy training: relative weight of each shift 1..gamma-1 (e.g. 4 2 1 1 for gamma 5: depth 1 "
+                   help="noisy training: relative weight of each shift 1..gamma-1 (e.g. 8 4 2 1 for gamma 5: depth 1 "
                         "gates every accepted token); default uniform")
     p.add_argument("--anchor-offset", action=argparse.BooleanOptionalAction, default=True, help="Anchor-Offset Indices")
     p.add_argument("--recency-bias", action=argparse.BooleanOptionalAction, default=True,
@@ -61,7 +61,7 @@ def add_parser(sub) -> None:
                    help="target: the target's own greedy predictions (self-distillation); data: next corpus token")
     p.add_argument("--bf16-autocast", action=argparse.BooleanOptionalAction, default=None,
                    help="draft matmuls in bfloat16 (default: where they are fast: GPUs, CPUs with AVX-512 BF16 or "
-                        "AMX; on AVX2-only CPUs they run 4x slower than float32)")
+                        "AMX; on AVX2-only CPUs a step ran 38x slower than in float32)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (1 is far faster than 2 on a 2-core machine shared with other jobs)")

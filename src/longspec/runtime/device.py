@@ -52,7 +52,7 @@ def bf16_matmuls_are_fast(device: torch.device) -> bool:
     """Whether PyTorch's own bf16 matrix products (what autograd and autocast run) outrun
     float32 on `device`: on GPUs with bf16, and on CPUs with AVX-512 BF16 or AMX. On CPUs
     with AVX2 alone oneDNN has no bf16 instructions: a [512 x 640] x [640 x 32k] product
-    measured 4x slower in bf16 than in float32 (BENCHMARKS.md, "Training on AVX2 CPUs")."""
+    measured 4x slower in bf16 than in float32 (BENCHMARKS.md, "Training the LongSpec draft on AVX2 CPUs")."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     cpu = torch.cpu

@@ -244,10 +244,15 @@ def cached_forward_cost(model: Decoder, *, context: int, directory: Path | None 
                    lambda: measure_forward_cost(model, context=context, machine=machine, **measure_options))
 
 
-def _cached(key: dict, directory: Path | None, ks: Sequence[int] | None, measure: Callable[[], ForwardCost]) -> ForwardCost:
+def default_directory() -> Path:
+    """Where measured costs are kept unless a caller names a directory."""
     from longspec.runtime.default_model import cache_root
 
-    directory = directory or cache_root() / CACHE_SUBDIR
+    return cache_root() / CACHE_SUBDIR
+
+
+def _cached(key: dict, directory: Path | None, ks: Sequence[int] | None, measure: Callable[[], ForwardCost]) -> ForwardCost:
+    directory = directory or default_directory()
     path = directory / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24] + ".json")
     if path.is_file():
         try:

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from longspec.runtime.device import HOST
 from longspec.runtime.argmax import row_argmax
+from longspec.runtime.device import HOST
 from longspec.runtime.native import native_ops
 
 _NEG_INF = float("-inf")
