@@ -73,6 +73,13 @@ def hf_generate(model, ids: torch.Tensor, new_tokens: int, **kwargs) -> tuple[to
     return out[0, ids.numel():], time.perf_counter() - start
 
 
+def call_seconds(call) -> float:
+    """Wall seconds of one call (alternating A/B scripts time each side call by call)."""
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
 def write_results(path: Path, header: dict, rows: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:

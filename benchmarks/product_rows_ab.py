@@ -14,22 +14,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
-from common import baseline_library, machine, write_results
+from common import baseline_library, call_seconds, machine, write_results
 from longspec.runtime.native import bf16_linear_ops
 from tiled_products import SHAPES
 
 BASELINE_LIBRARY = "longspec_baseline_linear"
-
-
-def timed(call) -> float:
-    start = time.perf_counter()
-    call()
-    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -59,8 +52,8 @@ def main() -> None:
                 raise SystemExit(f"{name} at {rows} rows: the two sources give different bits")
             mine, other = [], []
             for _ in range(args.repeats):
-                mine.append(timed(lambda: ops.bf16_packed_linear(x, packed, N, None)))
-                other.append(timed(lambda: baseline.bf16_packed_linear(x, packed, N, None)))
+                mine.append(call_seconds(lambda: ops.bf16_packed_linear(x, packed, N, None)))
+                other.append(call_seconds(lambda: baseline.bf16_packed_linear(x, packed, N, None)))
             this_ms, base_ms = statistics.median(mine) * 1e3, statistics.median(other) * 1e3
             results.append({"matrix": name, "rows": rows, "this_ms": this_ms, "baseline_ms": base_ms,
                             "speedup": base_ms / this_ms})

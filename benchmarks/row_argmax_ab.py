@@ -15,21 +15,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
-from common import baseline_library, machine, write_results
+from common import baseline_library, call_seconds, machine, write_results
 from longspec.runtime.native import native_ops
 
 BASELINE_LIBRARY = "longspec_baseline_argmax"
-
-
-def timed(call) -> float:
-    start = time.perf_counter()
-    call()
-    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -57,8 +50,8 @@ def main() -> None:
             raise SystemExit(f"the two sources disagree at {count} rows")
         this_s, base_s = [], []
         for _ in range(args.repeats):
-            base_s.append(timed(lambda: baseline.row_argmax(logits)))
-            this_s.append(timed(lambda: ours.row_argmax(logits)))
+            base_s.append(call_seconds(lambda: baseline.row_argmax(logits)))
+            this_s.append(call_seconds(lambda: ours.row_argmax(logits)))
         base, this = statistics.median(base_s) / count * 1e3, statistics.median(this_s) / count * 1e3
         rows.append({"rows": count, "vocab": args.vocab, "baseline_ms_per_row": base, "this_ms_per_row": this,
                      "speedup": base / this})
