@@ -217,20 +217,22 @@ def test_train_tokenswift_names_the_extensions_it_reads(tmp_path, capsys):
 
 
 # --------------------------------------------------------------- process faults
-def _cli_process(*args: str, **kwargs) -> subprocess.Popen:
+def _cli_process(*args: str, cache: Path) -> subprocess.Popen:
     # A shell starts background jobs with SIGINT ignored, and children inherit that:
     # restore the default so Ctrl-C reaches the CLI however the tests were started.
+    # Its own cache: what it measures under the busy suite stays out of the user's.
     return subprocess.Popen([sys.executable, "-m", "longspec.cli.main", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, preexec_fn=default_sigint, **kwargs)
+                            stderr=subprocess.PIPE, preexec_fn=default_sigint,
+                            env={**os.environ, "LONGSPEC_CACHE": str(cache)})
 
 
 def default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def test_ctrl_c_exits_130_with_one_line(checkpoint):
+def test_ctrl_c_exits_130_with_one_line(checkpoint, tmp_path):
     process = _cli_process("generate", "--model", str(checkpoint), "--max-new-tokens", "60000", "--ignore-eos",
-                           "--dtype", "float64", "x" * 50)
+                           "--dtype", "float64", "x" * 50, cache=tmp_path)
     # Wait until text streams, then interrupt.
     first = process.stdout.read(1)
     assert first
@@ -240,9 +242,9 @@ def test_ctrl_c_exits_130_with_one_line(checkpoint):
     assert b"Traceback" not in err and b"longspec: interrupted" in err
 
 
-def test_broken_pipe_exits_quietly(checkpoint):
+def test_broken_pipe_exits_quietly(checkpoint, tmp_path):
     process = _cli_process("generate", "--model", str(checkpoint), "--max-new-tokens", "60000", "--ignore-eos",
-                           "--dtype", "float64", "x" * 50)
+                           "--dtype", "float64", "x" * 50, cache=tmp_path)
     process.stdout.read(1)
     process.stdout.close()  # the reader goes away, like `| head -c 1`
     err = process.stderr.read()
