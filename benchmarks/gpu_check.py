@@ -14,6 +14,10 @@
    and the cost of verifying k tree tokens relative to one decode forward. With
    `--compile` (the default on a GPU), AR, the oracle chain and the largest tree again
    through compiled static-shape steps (CUDA graphs there), beside the eager numbers.
+3. `auto` on that machine's measured cost: over the oracle (it should verify the whole
+   chain: ≥ 0.95× the fixed oracle chain) and over a drafter proposing garbage (it
+   should switch speculation off: ≥ 0.97× AR), eager and compiled. Each runs a warm-up
+   sequence first, as a server's controller would have: acceptance carries over.
 
 With `--profile`, each shape's operator profile of a few decode steps (host and
 device time per operator) is written beside them.
@@ -41,6 +45,7 @@ from longspec.runtime.loading import decoder_from_state_dict  # noqa: E402
 from longspec.runtime.static_step import CompileOptions  # noqa: E402
 from longspec.speculation.batch_engine import BatchEngine, BatchOptions  # noqa: E402
 from longspec.speculation.cost_model import measure_forward_cost  # noqa: E402
+from longspec.speculation.drafters.adaptive.drafter import AdaptiveDrafter  # noqa: E402
 from longspec.speculation.drafters.base import DraftContext  # noqa: E402
 from longspec.speculation.engine import EngineOptions, SpeculativeEngine  # noqa: E402
 from longspec.speculation.metrics import GenerationStats  # noqa: E402
@@ -100,6 +105,42 @@ class OracleDrafter:
         return Tree.chain(context.root, self.reference[done : done + min(self.length, context.max_nodes)])
 
 
+class GarbageDrafter:
+    """Proposes `length` random tokens every round: none is ever accepted."""
+
+    def __init__(self, vocab_size: int, length: int, seed: int = 7) -> None:
+        self.vocab_size, self.length = vocab_size, length
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def begin(self, context: DraftContext) -> None:
+        pass
+
+    def observe(self, committed: torch.Tensor) -> None:
+        pass
+
+    def propose(self, context: DraftContext) -> Tree:
+        count = min(self.length, context.max_nodes)
+        return Tree.chain(context.root, torch.randint(0, self.vocab_size, (count,), generator=self.generator).tolist())
+
+
+def auto_rates(model, prompt: torch.Tensor, reference: list[int], args) -> dict:
+    """`auto` over the oracle and over garbage: tokens/s, τ, the controller's telemetry,
+    and whether its tokens equal the reference's (reported, not required: bf16)."""
+    result = {}
+    for name, component in (("oracle", OracleDrafter(reference, args.prompt_tokens, args.oracle_tokens)),
+                            ("garbage", GarbageDrafter(model.config.vocab_size, args.oracle_tokens))):
+        auto = AdaptiveDrafter([(name, component)])
+        decode_rate(model, prompt, args.new_tokens, auto)  # warm-up: the cost measurement, acceptance learned
+        tokens, stats, _ = decode_rate(model, prompt, args.new_tokens, auto)
+        telemetry = stats.controller
+        result[name] = {"tokens_per_s": stats.decode_tokens_per_s, "tau": stats.tau, "equal": tokens == reference,
+                        "mean_nodes": telemetry["mean_nodes"],
+                        "speculation_off_share": telemetry["speculation_off_rounds"] / max(telemetry["rounds"], 1),
+                        "predicted_accepted_per_round": telemetry["predicted_accepted_per_round"],
+                        "realised_accepted_per_round": telemetry["realised_accepted_per_round"]}
+    return result
+
+
 def decode_rate(model, prompt: torch.Tensor, new_tokens: int, drafter=None
                 ) -> tuple[list[int], GenerationStats, list[float]]:
     """The tokens, the run's stats and each round's wall time in ms after the first (which
@@ -149,6 +190,7 @@ def measure_shape(name: str, config, args, device: torch.device) -> dict:
     first_difference = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), None)
     if args.profile:
         write_profile(model, prompt[:256], args.out / f"profile-{name}.txt")
+    auto = auto_rates(model, prompt, reference, args) if args.auto else None
     compiled = compiled_rates(name, model, prompt, reference, args) if args.compile else None
     batch_throughput(model, prompt[:64], 4, max(args.batch_sizes))  # warm-up: batched shapes and masks
     batches = {rows: batch_throughput(model, prompt, args.new_tokens, rows) for rows in args.batch_sizes}
@@ -163,7 +205,7 @@ def measure_shape(name: str, config, args, device: torch.device) -> dict:
         "ar_tokens_per_s": ar.decode_tokens_per_s, "oracle_tokens_per_s": spec.decode_tokens_per_s,
         "oracle_tau": spec.tau, "oracle_first_difference": first_difference, "batch_tokens_per_s": batches,
         "forward_seconds": costs, "compiled": compiled, "ar_split": round_split(ar, ar_rounds),
-        "oracle_split": round_split(spec, spec_rounds),
+        "oracle_split": round_split(spec, spec_rounds), "auto": auto,
     }
 
 
@@ -210,12 +252,13 @@ def compiled_rates(name: str, model, prompt: torch.Tensor, reference: list[int],
     if args.profile:
         oracle = OracleDrafter(reference, args.prompt_tokens, args.oracle_tokens)
         write_profile(model, prompt, args.out / f"profile-oracle-compiled-{name}.txt", args.new_tokens, oracle)
+    auto = auto_rates(model, prompt, reference, args) if args.auto else None
     result = {
         "buckets": buckets, "compile_s": compile_s, "failure": model.static_steps.failure,
         "ar_tokens_per_s": ar.decode_tokens_per_s, "oracle_tokens_per_s": spec.decode_tokens_per_s,
         "equal_to_eager": ar_tokens == reference and oracle_tokens == reference,
         "forward_seconds": {context: {k: cost.seconds_for(k) for k in cost.ks}},
-        "ar_split": round_split(ar, ar_rounds), "oracle_split": round_split(spec, spec_rounds),
+        "ar_split": round_split(ar, ar_rounds), "oracle_split": round_split(spec, spec_rounds), "auto": auto,
     }
     model.compile_steps(False)
     return result
@@ -256,6 +299,18 @@ def markdown(rows: list[dict], ks: list[int]) -> str:
                      f"{c['ar_tokens_per_s']:.1f} ({c['ar_tokens_per_s'] / r['ar_tokens_per_s']:.2f}) | "
                      f"{c['oracle_tokens_per_s']:.1f} ({c['oracle_tokens_per_s'] / r['oracle_tokens_per_s']:.2f}) | "
                      f"k={largest}: {seconds[largest] / seconds[1]:.2f}× | {c['equal_to_eager']} |")
+    steps = [(r["shape"], "eager", r, r["auto"]) for r in rows if r.get("auto")]
+    steps += [(r["shape"], "compiled", r["compiled"], r["compiled"]["auto"]) for r in compiled if r["compiled"].get("auto")]
+    if steps:
+        lines += ["", "| shape | steps | auto over the oracle: tok/s (× oracle chain), nodes a round, predicted / realised "
+                      "accepted | auto over garbage: tok/s (× AR), rounds with speculation off |", "|---|---|---|---|"]
+    for shape, mode, fixed, auto in steps:
+        oracle, garbage = auto["oracle"], auto["garbage"]
+        lines.append(f"| {shape} | {mode} | {oracle['tokens_per_s']:.1f} "
+                     f"({oracle['tokens_per_s'] / fixed['oracle_tokens_per_s']:.2f}), {oracle['mean_nodes']:.1f}, "
+                     f"{oracle['predicted_accepted_per_round']:.2f} / {oracle['realised_accepted_per_round']:.2f} | "
+                     f"{garbage['tokens_per_s']:.1f} ({garbage['tokens_per_s'] / fixed['ar_tokens_per_s']:.2f}), "
+                     f"{100 * garbage['speculation_off_share']:.0f}% |")
     return "\n".join(lines) + "\n"
 
 
@@ -279,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--auto", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run auto over the oracle and over a garbage drafter")
     parser.add_argument("--profile", action="store_true",
                         help="also write each shape's operator profile of decode steps")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,

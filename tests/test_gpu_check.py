@@ -14,10 +14,14 @@ def test_gpu_check_smoke_run_on_cpu(tmp_path):
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
     out = tmp_path / "check"
-    assert gpu_check.main(["--device", "cpu", "--shapes", "tiny", "--skip-tests", "--prompt-tokens", "32",
+    assert gpu_check.main(["--device", "cpu", "--shapes", "tiny", "--dtype", "float32", "--skip-tests", "--prompt-tokens", "32",
                            "--new-tokens", "12", "--batch-sizes", "1", "2", "--contexts", "64", "--ks", "1", "8", "--repeats", "1",
                            "--out", str(out)]) == 0
     rows = json.loads((out / "results.json").read_text())
     assert rows[0]["oracle_tau"] > 1 and set(rows[0]["forward_seconds"]["64"]) == {"1", "8"}
     assert set(rows[0]["batch_tokens_per_s"]) == {"1", "2"} and min(rows[0]["batch_tokens_per_s"].values()) > 0
-    assert "oracle chain" in (out / "results.md").read_text()
+    auto = rows[0]["auto"]
+    assert auto["oracle"]["tau"] > 1 and auto["oracle"]["equal"]  # float32 on the CPU: auto's tokens are AR's
+    assert auto["garbage"]["realised_accepted_per_round"] == 0 and auto["garbage"]["equal"]
+    table = (out / "results.md").read_text()
+    assert "oracle chain" in table and "auto over garbage" in table
