@@ -31,6 +31,15 @@ def test_interpolation_relative_cost_and_extrapolation():
         ForwardCost({}, (2, 4), (0.1, 0.2))
 
 
+def test_a_measured_dip_is_priced_at_the_cost_of_fewer_tokens():
+    """More tokens never cost less: a dip in the measurement is timing noise."""
+    cost = ForwardCost({}, (1, 2, 4, 8), (0.010, 0.009, 0.012, 0.011))
+    assert [cost.seconds_for(k) for k in (1, 2, 4, 8)] == [0.010, 0.010, 0.012, 0.012]
+    assert cost.seconds_for(3) == pytest.approx(0.011)
+    assert cost.seconds_for(16) == pytest.approx(0.012)  # the envelope's last slope: flat
+    assert ForwardCost.from_json(cost.to_json()).seconds == cost.seconds  # the file keeps what was measured
+
+
 def test_measurement_times_every_k_on_a_real_forward():
     model = tiny_decoder("gemma3", dtype=torch.float32, max_position_embeddings=512)
     ticks = itertools.count()

@@ -21,7 +21,7 @@ def test_gpu_check_smoke_run_on_cpu(tmp_path):
     assert rows[0]["oracle_tau"] > 1 and set(rows[0]["forward_seconds"]["64"]) == {"1", "8"}
     assert set(rows[0]["batch_tokens_per_s"]) == {"1", "2"} and min(rows[0]["batch_tokens_per_s"].values()) > 0
     auto = rows[0]["auto"]
-    assert auto["oracle"]["tau"] > 1 and auto["oracle"]["equal"]  # float32 on the CPU: auto's tokens are AR's
-    assert auto["garbage"]["realised_accepted_per_round"] == 0 and auto["garbage"]["equal"]
+    assert all(run["equal"] for run in auto.values())  # float32 on the CPU: every method's tokens are AR's
+    assert auto["auto over the oracle"]["tau"] > 1 and auto["auto over garbage"]["realised_accepted_per_round"] == 0
     table = (out / "results.md").read_text()
     assert "oracle chain" in table and "auto over garbage" in table

@@ -60,12 +60,21 @@ class ForwardCost:
     def __post_init__(self) -> None:
         if not self.ks or len(self.ks) != len(self.seconds) or list(self.ks) != sorted(set(self.ks)) or self.ks[0] != 1:
             raise ValueError(f"ks must be increasing, start at 1 and match seconds; got {self.ks}, {self.seconds}")
+        # A forward of more tokens does at least the work of fewer: a measured dip is
+        # timing noise (a GPU's eager forwards, bound by the host, are flat to within it),
+        # and priced as such it made useless nodes look free.
+        envelope, highest = [], 0.0
+        for seconds in self.seconds:
+            highest = max(highest, seconds)
+            envelope.append(highest)
+        object.__setattr__(self, "_envelope", tuple(envelope))
 
     def seconds_for(self, k: int) -> float:
-        """Linear interpolation between measured k; beyond the last, the last slope."""
+        """Linear interpolation between measured k (their running maximum: never less for
+        more tokens); beyond the last, the last slope."""
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
-        ks, secs = self.ks, self.seconds
+        ks, secs = self.ks, self._envelope
         i = bisect_left(ks, k)
         if i < len(ks) and ks[i] == k:
             return secs[i]

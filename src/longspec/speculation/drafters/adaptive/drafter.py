@@ -27,6 +27,10 @@ Each round:
    from the tokens the sequence commits next (`unverified.py`), so the rates of
    deep nodes stay measured while the controller verifies short trees, and
    speculation switches back on as soon as the proposals start to match.
+5. While speculation is off, rounds without proposals (plain decoding steps) space
+   out the ones with, so that the controller's own work costs at most
+   `_OFF_OVERHEAD_SHARE` of plain decoding, where a decode step is short beside it;
+   a committed token that matches a held proposal ends the wait.
 
 Lossless by construction: the result is an ordinary tree of deterministic
 candidates, verified by the engine's rules (DESIGN.md §5). Components whose
@@ -35,6 +39,7 @@ children are sampled from q cannot be merged and are refused.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -61,6 +66,15 @@ _CHEAP_SHARE = 0.2
 # to this many times `probe_every` rounds: such a probe is a loss whenever it shows
 # nothing new.
 _MAX_BACKOFF = 8
+# While speculation is off, the controller's own work (the components' proposals,
+# merging, estimating, recording) is spread over enough rounds that it costs at most
+# this share of plain decoding: on a GPU a compiled decode step is ~2.5 ms and that
+# work ~1 ms, so doing it every round ran at 0.64-0.81× plain decoding with every
+# round off (BENCHMARKS.md, "`auto` on a GPU").
+_OFF_OVERHEAD_SHARE = 0.01
+# ... but it looks at the proposals at least every this many rounds, so speculation
+# comes back within that many tokens of text that the drafters can predict.
+_MAX_ROUNDS_WITHOUT_PROPOSALS = 32
 
 
 class AcceptanceTable:
@@ -222,7 +236,8 @@ class _Component:
 @dataclass
 class ControllerTelemetry:
     rounds: int = 0
-    speculation_off_rounds: int = 0  # root-only trees chosen
+    speculation_off_rounds: int = 0  # root-only trees chosen (or rounds without proposals)
+    rounds_without_proposals: int = 0  # off rounds that skipped the components (`_OFF_OVERHEAD_SHARE`)
     nodes_chosen: int = 0
     nodes_widened: int = 0  # nodes added to fill a batch forward's padding (`widen`)
     predicted_accepted: float = 0.0  # Σ over rounds of the chosen nodes' acceptance probabilities
@@ -236,6 +251,7 @@ class ControllerTelemetry:
         rounds = max(self.rounds, 1)
         return {
             "rounds": self.rounds, "speculation_off_rounds": self.speculation_off_rounds,
+            "rounds_without_proposals": self.rounds_without_proposals,
             "mean_nodes": self.nodes_chosen / rounds, "mean_nodes_widened": self.nodes_widened / rounds,
             "predicted_accepted_per_round": self.predicted_accepted / rounds,
             "realised_accepted_per_round": self.realised_accepted / rounds,
@@ -275,6 +291,9 @@ class AdaptiveDrafter:
         self.telemetry_state = ControllerTelemetry()
         self.table = AcceptanceTable(len(self.components))
         self._cost_fit = self.cost_fit_type()
+        # Moving average of the controller's own seconds in a round with proposals
+        # (the components' calls included): a machine's, carried over sequences.
+        self._own_seconds: float | None = None
 
     # --------------------------------------------------------------- protocol
     def check_target(self, config) -> None:
@@ -309,6 +328,8 @@ class AdaptiveDrafter:
         self._cost_fit = self.cost_fit_type()  # the measured cost scaled to the realised rounds
         self._rows = 1  # sequences sharing the verification forward
         self._round: dict | None = None
+        self._off = False  # the last round with proposals chose plain decoding
+        self._rounds_without_proposals = 0  # since the last round with proposals
         # Telemetry is per sequence; what was learned (acceptance, costs) carries over.
         self.telemetry_state = ControllerTelemetry(unavailable=self.telemetry_state.unavailable)
         for component in self.components:
@@ -319,8 +340,19 @@ class AdaptiveDrafter:
 
     def propose(self, context: DraftContext) -> Tree:
         start = self.clock()
-        budget = int(context.max_nodes)
         self._rows = max(int(context.rows_in_forward), 1)
+        if self._off and self._rounds_without_proposals < self._rounds_to_skip():
+            self._rounds_without_proposals += 1
+            for component in self.components:
+                component.rounds_out += 1  # a costly one's probe wait counts the sequence's rounds
+            tree = Tree.chain(context.root, [])
+            self._round = {"start": start, "skipped": True, "tree": tree, "drafted_s": self.clock() - start}
+            return tree
+        return self._propose_from_components(context, start)
+
+    def _propose_from_components(self, context: DraftContext, start: float) -> Tree:
+        self._rounds_without_proposals = 0
+        budget = int(context.max_nodes)
         trees: list[tuple[int, Tree]] = []
         called = []
         cheap_nodes = 0  # speculative nodes the cheap components proposed this round
@@ -369,6 +401,9 @@ class AdaptiveDrafter:
         round_ = self._round
         if round_ is None:
             raise RuntimeError("widen() follows propose() in the same round")
+        if round_.get("skipped"):  # the padding is free: ask the components after all
+            self._propose_from_components(context, round_["start"])
+            round_ = self._round
         order = round_["order"]
         count = min(int(nodes), int(context.max_nodes), len(order))
         if count > len(round_["kept"]) - 1:
@@ -385,6 +420,17 @@ class AdaptiveDrafter:
             return
         self._round = None
         seconds = self.clock() - round_["start"]
+        base = self._measured_forward(0)
+        t = self.telemetry_state
+        t.rounds += 1
+        if round_.get("skipped"):
+            if self._resolve_unverified(committed.tolist()):
+                self._off = False  # the last proposals start to match: ask the components next round
+            self._cost_fit.observe(base, 0.0, max(seconds - round_["drafted_s"], 1e-9), 0)
+            t.speculation_off_rounds += 1
+            t.rounds_without_proposals += 1
+            return
+        observe_start = self.clock()
         merged: MergedTree = round_["merged"]
         kept = round_["kept"]
         accepted_nodes = _accepted_path(merged.tree, kept, committed)
@@ -414,12 +460,13 @@ class AdaptiveDrafter:
         # The machine now against the cost model's measurement (load, context growth);
         # in a batch the round's wall time spans the whole shared forward, priced at the
         # nodes this row verified.
-        base, whole = self._measured_forward(0), self._measured_forward(len(kept) - 1)
+        whole = self._measured_forward(len(kept) - 1)
         self._cost_fit.observe(base, whole - base, max(seconds - round_["drafted_s"], 1e-9),
                               len(accepted_nodes))
         self.policy.update(round_["k"], int(committed.numel()), seconds, self._verify_seconds(0))
-        t = self.telemetry_state
-        t.rounds += 1
+        self._off = round_["k"] == 0
+        own = round_["drafted_s"] + self.clock() - observe_start
+        self._own_seconds = own if self._own_seconds is None else (1 - _EMA) * self._own_seconds + _EMA * own
         t.speculation_off_rounds += round_["k"] == 0
         t.nodes_chosen += round_["k"]
         t.nodes_widened += len(kept) - 1 - round_["k"]
@@ -447,13 +494,17 @@ class AdaptiveDrafter:
             nodes = UnverifiedNodes(tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist(), left_out)
             self._unverified.append((nodes, merged.sources, agreement))
 
-    def _resolve_unverified(self, committed: list[int]) -> None:
-        """Record the verdicts the newly committed tokens give on held nodes."""
+    def _resolve_unverified(self, committed: list[int]) -> int:
+        """Record the verdicts the newly committed tokens give on held nodes; how many
+        were accepted."""
+        matched = 0
         for nodes, sources, agreed in self._unverified:
             for node, accepted in nodes.resolve(committed):
+                matched += accepted
                 for source in sources[node]:
                     self.table.record(source, accepted, agreed[node])
         self._unverified = [entry for entry in self._unverified if entry[0].pending]
+        return matched
 
     def _measured_cost(self, context: DraftContext) -> ForwardCost:
         return forward_cost_at(context.target.model, int(context.tokens.numel()))
@@ -482,6 +533,15 @@ class AdaptiveDrafter:
             component.seconds, component.provisional = elapsed, False
         else:
             component.seconds = (1 - _EMA) * component.seconds + _EMA * elapsed
+
+    def _rounds_to_skip(self) -> int:
+        """Rounds without proposals between two with, while speculation is off: enough
+        that the controller's own work costs at most `_OFF_OVERHEAD_SHARE` of plain
+        decoding, within `_MAX_ROUNDS_WITHOUT_PROPOSALS`."""
+        if not self._own_seconds:
+            return 0
+        plain = _OFF_OVERHEAD_SHARE * self._verify_seconds(0)
+        return min(math.ceil(self._own_seconds / plain) - 1, _MAX_ROUNDS_WITHOUT_PROPOSALS)
 
     def _backed_off(self, wait: int) -> int:
         """The wait after a probe that did not pay: twice as long, within the cap."""
