@@ -123,7 +123,7 @@ class GarbageDrafter:
         return Tree.chain(context.root, torch.randint(0, self.vocab_size, (count,), generator=self.generator).tolist())
 
 
-def auto_rates(model, prompt: torch.Tensor, reference: list[int], args) -> dict:
+def auto_rates(model, prompt: torch.Tensor, reference: list[int], args, label: str) -> dict:
     """`auto` over the oracle and over garbage, beside AR and the fixed oracle chain timed
     the same way (each run twice, the second timed: first-use costs and, for `auto`, the
     cost measurement and acceptance learned, left to the first): tokens/s, τ, the
@@ -140,6 +140,8 @@ def auto_rates(model, prompt: torch.Tensor, reference: list[int], args) -> dict:
         drafter = make()
         decode_rate(model, prompt, args.new_tokens, drafter)
         tokens, stats, round_ms = decode_rate(model, prompt, args.new_tokens, drafter)
+        if args.profile and name in ("ar", "auto over garbage"):  # where a round off costs more than plain decoding's
+            write_profile(model, prompt, args.out / f"profile-{name.replace(' ', '-')}-{label}.txt", 16, drafter)
         result[name] = {"tokens_per_s": stats.decode_tokens_per_s, "tau": stats.tau, "equal": tokens == reference,
                         "median_round_ms": statistics.median(round_ms) if round_ms else None}
         telemetry = stats.controller
@@ -202,7 +204,7 @@ def measure_shape(name: str, config, args, device: torch.device) -> dict:
     first_difference = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), None)
     if args.profile:
         write_profile(model, prompt[:256], args.out / f"profile-{name}.txt")
-    auto = auto_rates(model, prompt, reference, args) if args.auto else None
+    auto = auto_rates(model, prompt, reference, args, f"{name}-eager") if args.auto else None
     compiled = compiled_rates(name, model, prompt, reference, args) if args.compile else None
     batch_throughput(model, prompt[:64], 4, max(args.batch_sizes))  # warm-up: batched shapes and masks
     batches = {rows: batch_throughput(model, prompt, args.new_tokens, rows) for rows in args.batch_sizes}
@@ -264,7 +266,7 @@ def compiled_rates(name: str, model, prompt: torch.Tensor, reference: list[int],
     if args.profile:
         oracle = OracleDrafter(reference, args.prompt_tokens, args.oracle_tokens)
         write_profile(model, prompt, args.out / f"profile-oracle-compiled-{name}.txt", args.new_tokens, oracle)
-    auto = auto_rates(model, prompt, reference, args) if args.auto else None
+    auto = auto_rates(model, prompt, reference, args, f"{name}-compiled") if args.auto else None
     result = {
         "buckets": buckets, "compile_s": compile_s, "failure": model.static_steps.failure,
         "ar_tokens_per_s": ar.decode_tokens_per_s, "oracle_tokens_per_s": spec.decode_tokens_per_s,
