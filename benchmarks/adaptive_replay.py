@@ -40,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import longspec
@@ -47,6 +48,7 @@ from adaptive_cost_fits import NodesOnlyCostFit, ThreeTermCostFit
 from common import machine, write_results
 from longspec.bench.tasks import PromptFilter, TaskSpec, build_prompts
 from longspec.speculation.cost_model import DEFAULT_KS, ForwardCost, forward_cost_at, measure_forward_cost
+from longspec.speculation.drafters.adaptive.acceptance import AcceptanceTable
 from longspec.speculation.drafters.adaptive.presets import make_auto
 from longspec.speculation.drafters.base import DraftContext
 from longspec.speculation.drafters.prompt_lookup import PromptLookupDrafter
@@ -86,6 +88,13 @@ def auto_over(components: str, *, depth_only: bool = False) -> Callable[[], obje
     return make
 
 
+def set_in_tables(drafter, **constants) -> None:
+    """Set acceptance-table constants in both halves of `auto`'s cross-fitted table."""
+    for half in drafter.table.halves:
+        for name, value in constants.items():
+            setattr(half, name, value)
+
+
 def auto_with_cost(cost_fit_type) -> Callable[[], object]:
     """auto over pld whose measured forward cost is corrected by `cost_fit_type`."""
     def make():
@@ -99,7 +108,7 @@ def auto_one_timescale() -> object:
     """auto over pld whose acceptance table weighs every round alike (before the
     recent counts): its recent counts are emptied at the end of each round."""
     drafter = make_auto(components="pld")
-    drafter.table.RETAINED = 0.0
+    set_in_tables(drafter, RETAINED=0.0)
     return drafter
 
 
@@ -107,7 +116,7 @@ def auto_pooled_first_token() -> object:
     """auto over pld whose acceptance table counts depth-1 nodes and nodes continuing
     a speculative parent in the same cells (before the split)."""
     drafter = make_auto(components="pld")
-    drafter.table.SEPARATE_FIRST_TOKEN = False
+    set_in_tables(drafter, SEPARATE_FIRST_TOKEN=False)
     return drafter
 
 
@@ -115,7 +124,7 @@ def auto_before_continued_copies() -> object:
     """auto as it was before continued copies: 10-token copies that stop at the
     sequence's end, the first token after the bonus pooled with the others."""
     drafter = auto_pld_chain(10, False)()
-    drafter.table.SEPARATE_FIRST_TOKEN = False
+    set_in_tables(drafter, SEPARATE_FIRST_TOKEN=False)
     return drafter
 
 
@@ -123,7 +132,7 @@ def auto_flat_prior() -> object:
     """auto over pld before the copy prior: the continuing nodes of copies start from a
     flat prior, as first tokens do."""
     drafter = make_auto(components="pld")
-    drafter.table.COPY_CONTINUES_PRIOR = drafter.table.FLAT_PRIOR
+    set_in_tables(drafter, COPY_CONTINUES_PRIOR=AcceptanceTable.FLAT_PRIOR)
     return drafter
 
 
@@ -137,6 +146,22 @@ def auto_pld_chain(num_tokens: int, continue_copies: bool) -> Callable[[], objec
     return make
 
 
+class OneTable(AcceptanceTable):
+    """The acceptance table before cross-fitting: one table both decides and predicts."""
+
+    def deciding_rates(self) -> np.ndarray:
+        return self.rates(optimistic=True)
+
+    def predicting_rates(self) -> np.ndarray:
+        return self.rates()
+
+
+def auto_one_table() -> object:
+    drafter = make_auto(components="pld")
+    drafter.table = OneTable(len(drafter.components))
+    return drafter
+
+
 VARIANTS: dict[str, Callable[[], object]] = {
     "pld": PromptLookupDrafter,  # the fixed method: a 10-token chain every round
     "auto-pld-by-depth": auto_over("pld", depth_only=True),
@@ -148,6 +173,7 @@ VARIANTS: dict[str, Callable[[], object]] = {
     "auto-pld-pooled-first": auto_pooled_first_token,
     "auto-before-continued-copies": auto_before_continued_copies,
     "auto-pld-flat-prior": auto_flat_prior,
+    "auto-pld-one-table": auto_one_table,
     # Lookup lengths (auto-pld10: the fixed method's copies, auto's before; auto-pld
     # itself offers 12 tokens that continue into their own draft).
     **{f"auto-pld{n}{'-continue' if c else ''}": auto_pld_chain(n, c) for n in (10, 12, 16, 24) for c in (False, True)},

@@ -15,7 +15,9 @@ Each round:
    run, sibling rank) acceptance rates learned online (a flat prior, but one that
    expects a started copy to go on for the continuing nodes of copies; siblings'
    conditional probabilities normalised to sum at most 1, since one child at most
-   is accepted).
+   is accepted). The evidence is cross-fitted (`acceptance.py`): one half of each
+   cell's verdicts chooses the tree, the other predicts it, so the telemetry's
+   predicted acceptance is not flattered by the choice.
 3. The policy picks k, the number of best-ranked nodes to verify: the expected
    tokens per second against the cost of a forward of k + 1 tokens, the cached
    measurement scaled to the realised rounds (`ThroughputPolicy`, the default;
@@ -44,13 +46,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from longspec.runtime.device import HOST
 from longspec.speculation.cost_model import ForwardCost, forward_cost_at
+from longspec.speculation.drafters.adaptive.acceptance import CrossFittedAcceptance
 from longspec.speculation.drafters.adaptive.cost_fit import RealisedCostScale
-from longspec.speculation.drafters.adaptive.merge import MergedTree, Source, merge_trees, subtree
+from longspec.speculation.drafters.adaptive.merge import MergedTree, merge_trees, subtree
 from longspec.speculation.drafters.adaptive.policies import ThroughputPolicy, TreePolicy
 from longspec.speculation.drafters.adaptive.unverified import UnverifiedNodes
 from longspec.speculation.drafters.base import DraftContext, Drafter
@@ -75,149 +77,6 @@ _OFF_OVERHEAD_SHARE = 0.01
 # ... but it looks at the proposals at least every this many rounds, so speculation
 # comes back within that many tokens of text that the drafters can predict.
 _MAX_ROUNDS_WITHOUT_PROPOSALS = 32
-
-
-class AcceptanceTable:
-    """P(node accepted | parent accepted) per (drafter, level, rank, whether another
-    drafter proposed the same node — agreement is strong evidence, whether the node
-    continues a speculative parent). A node's level is
-    its depth or, for a node copied from earlier text (prompt lookup), the length of
-    the copied run it extends (`Tree.copied_runs`): a copy that has matched for 30
-    tokens keeps matching far more often than one that matched for 3, whatever the
-    depth (replayed on held-out continuations: 3% more tokens per second than by depth
-    alone). Each level's cell is shrunk toward the previous level's rate (one token
-    shallower, or a run one token shorter), and level 1 toward the drafter's rate
-    pooled over levels (smoothed by `FLAT_PRIOR` or `COPY_CONTINUES_PRIOR`): along a chain that keeps matching,
-    acceptance stays high, so a level that was rarely reached starts from the highest
-    measured level before it — not from 1/2, and not from the pooled rate, which level
-    1 (the hardest token, right after a bonus) dominates. That is what lets the deep
-    nodes of a good drafter be proposed, and so measured. Levels and ranks beyond the
-    table share its last cell.
-
-    The first token after the bonus (depth 1) and a token continuing a speculative
-    parent are counted apart, even at the same level: the first token is a fresh
-    guess (the bonus was the target's own choice, and a copy may restart there), the
-    others extend a copy the target has just followed. Pooled, the first tokens of
-    short copies were predicted ~1.1x as often as they were accepted, an error every
-    deeper node of their chain inherited (replayed full preset, greedy Multi-News:
-    1.12x the realised accepted tokens pooled, 1.02x apart, at equal speed;
-    BENCHMARKS.md, "Copies that continue into their own draft").
-
-    Trees are chosen with optimistic rates — the posterior mean plus `OPTIMISM`
-    posterior standard deviations — so that a cell that a few unlucky rounds pushed
-    down (three rejections at depth 6 of a chain that is otherwise accepted 9 times in
-    10) is still proposed now and then and can recover; with the plain mean such a
-    depth is never verified again and the controller settles on trees shorter than a
-    fixed chain. The bonus fades as the cell is measured; predictions (telemetry,
-    calibration) use the mean.
-
-    Two timescales: a cell's rate is its recent rate (counts that fade by `RETAINED`
-    at the end of every round, so the last ~1 / (1 - RETAINED) rounds weigh most)
-    shrunk toward its rate over the whole sequence. Acceptance moves with the text (a
-    passage being copied, then new prose), and trees are verified mostly in the
-    stretches where drafts are accepted: with every round weighed alike the table lagged
-    behind those stretches and predicted too few accepted tokens (replayed full preset,
-    Spec-Bench and AIME runs: 0.76 of the realised on sampled AIME, 0.88 on sampled
-    LCC; BENCHMARKS.md, "Calibration"). A cell measured many times over the whole
-    sequence still knows its rate when its recent counts are thin. The recent rate is
-    shrunk with half an observation's weight only: sampled text copies in bursts, and
-    with a whole observation the first tokens of a burst were still predicted 0.93×
-    as often as they were accepted (replayed sampled AIME: 0.896 of the realised per
-    round; half a weight: 0.95).
-
-    Counts live in NumPy and the shrunk rates are recomputed for every cell at once
-    when a count changed, so a round's lookups cost microseconds, not a tensor
-    operation per node and depth."""
-
-    PRIOR_WEIGHT = 4.0  # pseudo-observations of the prior rate in every cell
-    OPTIMISM = 0.5  # posterior standard deviations added when choosing trees
-    RETAINED = 0.85  # share of its recent counts a cell keeps at the end of each round
-    RECENT_PRIOR_WEIGHT = 0.5  # pseudo-observations of the whole-sequence rate in the recent one
-    SEPARATE_FIRST_TOKEN = True  # depth-1 nodes and nodes continuing a speculative parent in cells apart
-    # Pseudo-counts (accepted, rejected) of the rate pooled over levels that level 1 is
-    # shrunk toward: a coin flip, except for the nodes of a copying drafter (`Tree.
-    # copied_runs`) that continue a speculative parent: a started copy goes on — measured
-    # 0.81-0.99 of them accepted on the replayed full preset, Spec-Bench and AIME outputs;
-    # the low end, worth ten observations. With the flat prior there, a fresh request's
-    # first copies were verified 2-6 tokens at a time while prompt lookup's 10-token
-    # chains were accepted whole (sampled Multi-News 2k: 3 rounds more in the first 50
-    # tokens; BENCHMARKS.md, "A fresh request's prior").
-    FLAT_PRIOR = (1.0, 1.0)
-    COPY_CONTINUES_PRIOR = (8.0, 2.0)
-
-    def __init__(self, drafters: int, max_level: int = 32, max_rank: int = 4) -> None:
-        # [drafter, level, rank, agreed, continues a speculative parent]
-        self.accepted = np.zeros((drafters, max_level, max_rank, 2, 2), dtype=np.float64)
-        self.proposed = np.zeros_like(self.accepted)
-        self.recent_accepted = np.zeros_like(self.accepted)  # the same counts, fading each round
-        self.recent_proposed = np.zeros_like(self.accepted)
-        self.copying = np.zeros(drafters, dtype=bool)  # drafters seen proposing copies (`note_copying`)
-        self._rates: tuple[np.ndarray, np.ndarray] | None = None  # (mean, optimistic); None once a count changed
-
-    def cell(self, source: Source, agreed: bool) -> tuple[int, int, int, int, int]:
-        """Index of a proposed node's cell in the count and rate arrays."""
-        D, R = self.accepted.shape[1:3]
-        return (source.drafter, min(source.run or source.depth, D) - 1, min(source.rank, R - 1), int(agreed),
-                int(self.SEPARATE_FIRST_TOKEN and source.depth > 1))
-
-    def rates(self, optimistic: bool = False) -> np.ndarray:
-        """[drafters, level, rank, agreed, continues] shrunk acceptance rates (posterior means),
-        or the optimistic rates trees are chosen with."""
-        if self._rates is None:
-            m, w = self.PRIOR_WEIGHT, self.RECENT_PRIOR_WEIGHT
-            prior = self._priors()
-            rate = (self.accepted.sum(axis=1) + prior[..., 0]) / (self.proposed.sum(axis=1) + prior.sum(axis=-1))
-            # Each level's whole-sequence rate is shrunk toward the previous level's rate,
-            # its recent rate toward that: composed, rate_d = offset_d + slope_d * rate_(d-1),
-            # computed for every cell at once; only the walk down the levels is a loop.
-            whole_weight = 1.0 / (self.proposed + m)
-            recent_weight = 1.0 / (self.recent_proposed + w)
-            offset = (self.recent_accepted + w * self.accepted * whole_weight) * recent_weight
-            slope = (w * m) * whole_weight * recent_weight
-            mean = np.empty_like(self.accepted)
-            # Levels above the deepest one measured keep the rate below them (no counts:
-            # offset 0, slope 1), so the walk stops there.
-            measured = np.flatnonzero(self.proposed.any(axis=(0, 2, 3, 4)))
-            top = int(measured[-1]) + 1 if measured.size else 0
-            for d in range(top):
-                rate = offset[:, d] + slope[:, d] * rate
-                mean[:, d] = rate
-            mean[:, top:] = rate[:, None]
-            np.clip(mean, 0.0, 1.0, out=mean)  # a rate of 1 can round just above it
-            # The cell's Beta posterior has proposed + m observations (prior included).
-            deviation = np.sqrt(mean * (1.0 - mean) / (self.proposed + m + 1.0))
-            self._rates = (mean, np.minimum(mean + self.OPTIMISM * deviation, 1.0))
-        return self._rates[int(optimistic)]
-
-    def _priors(self) -> np.ndarray:
-        """[drafters, 1, 1, continues, (accepted, rejected)] pseudo-counts of the pooled rates."""
-        prior = np.empty((len(self.copying), 1, 1, 2, 2))
-        prior[..., 0, :] = self.FLAT_PRIOR
-        prior[..., 1, :] = np.where(self.copying[:, None], self.COPY_CONTINUES_PRIOR, self.FLAT_PRIOR)[:, None, None]
-        return prior
-
-    def note_copying(self, drafter: int) -> None:
-        """The drafter proposes copies of earlier text: its continuing nodes take the copy prior."""
-        if not self.copying[drafter]:
-            self.copying[drafter] = True
-            self._rates = None
-
-    def rate(self, source: Source, agreed: bool = False) -> float:
-        return float(self.rates()[self.cell(source, agreed)])
-
-    def record(self, source: Source, accepted: bool, agreed: bool = False) -> None:
-        cell = self.cell(source, agreed)
-        self.proposed[cell] += 1.0
-        self.accepted[cell] += float(accepted)
-        self.recent_proposed[cell] += 1.0
-        self.recent_accepted[cell] += float(accepted)
-        self._rates = None
-
-    def end_round(self) -> None:
-        """Fade the recent counts by `RETAINED`."""
-        self.recent_accepted *= self.RETAINED
-        self.recent_proposed *= self.RETAINED
-        self._rates = None
 
 
 @dataclass
@@ -289,7 +148,7 @@ class AdaptiveDrafter:
         self.probe_every = probe_every
         self.clock = clock  # times rounds and components (a replay passes a clock that runs its modeled forwards)
         self.telemetry_state = ControllerTelemetry()
-        self.table = AcceptanceTable(len(self.components))
+        self.table = CrossFittedAcceptance(len(self.components))
         self._cost_fit = self.cost_fit_type()
         # Moving average of the controller's own seconds in a round with proposals
         # (the components' calls included): a machine's, carried over sequences.
@@ -310,7 +169,7 @@ class AdaptiveDrafter:
                 self.telemetry_state.unavailable[component.name] = str(error).splitlines()[0]
         if len(fitting) != len(self.components):
             self.components = fitting
-            self.table = AcceptanceTable(max(len(fitting), 1))
+            self.table = CrossFittedAcceptance(max(len(fitting), 1))
 
     @property
     def prefill_hidden_rows(self) -> int:
@@ -578,7 +437,7 @@ class AdaptiveDrafter:
             by_parent.setdefault(parents[node], []).append(node)
         cells = [[cell(s, agreement[n]) for s in merged.sources[n]] for n in range(tree.size)]
         estimates = []
-        for rates in (self.table.rates(), self.table.rates(optimistic=True)):
+        for rates in (self.table.predicting_rates(), self.table.deciding_rates()):
             conditional = [1.0] + [max(float(rates[c]) for c in cells[n]) for n in range(1, tree.size)]
             # One child at most is accepted: siblings' conditionals sum to at most 1.
             for children in by_parent.values():
