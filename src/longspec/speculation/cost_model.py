@@ -26,7 +26,7 @@ import torch
 from longspec.runtime.attention import NATIVE_ATTENTION_MAX_QUERIES
 from longspec.runtime.batch_cache import BatchKVCache
 from longspec.runtime.device import HOST, device_name, synchronize
-from longspec.runtime.machine import load_average, machine_identity
+from longspec.runtime.machine import cores_busy_elsewhere, load_average, machine_identity
 from longspec.runtime.model import Decoder
 from longspec.runtime.native import kernels_identity
 from longspec.speculation.tree import Tree
@@ -39,6 +39,9 @@ DEFAULT_KS = (*range(1, 18), 20, 24, 28, 32, 48, 64)
 BATCH_WIDTHS = (1, 2, 4, 8, 16, 32)  # tokens per row of a batched verification forward
 CONTEXT_BUCKETS = (512, 1024, 2048, 4096, 8192, 16384, 32768)  # contexts measured for a sequence's length
 CACHE_SUBDIR = "cost-model"
+# Other processes using half a core or more while the cost is measured: the measurement
+# is warned about (a second job on two cores flattened the curve by a third).
+BUSY_ELSEWHERE_CORES = 0.5
 FORMAT = "longspec-forward-cost/1"
 
 
@@ -283,12 +286,22 @@ def _warn_if_busy(path: Path) -> None:
     """Other work competing for the cores slows the small forwards far more than the
     wide ones (at 4k tokens on 2 cores, beside two other jobs: +7 ms at 1 token, none at
     16), so the measured curve comes out flat and wide trees look cheap (a 16-token
-    forward at 1.9x a 1-token one, 2.7x idle), and the measurement is kept for this machine."""
-    load, cores = load_average(), os.cpu_count() or 1
-    if load is not None and load > cores:
-        warnings.warn(f"measuring the forward cost while the machine is busy (1-minute load {load:.1f} on {cores} "
-                      f"cores): trees will be priced too cheap; delete {path} to measure again when it is idle",
-                      RuntimeWarning, stacklevel=3)
+    forward at 1.9x a 1-token one, 2.7x idle), and the measurement is kept for this machine.
+    Other processes' use of the cores is sampled just before; where the operating
+    system does not report it, the 1-minute load average stands in (it also counts this
+    process's own recent work: a benchmark measuring between its timed runs looked busy)."""
+    cores = os.cpu_count() or 1
+    elsewhere = cores_busy_elsewhere()
+    if elsewhere is not None:
+        busy = elsewhere >= BUSY_ELSEWHERE_CORES
+        what = f"other processes keep {elsewhere:.1f} of {cores} cores busy"
+    else:
+        load = load_average()
+        busy = load is not None and load > cores
+        what = f"1-minute load {load:.1f} on {cores} cores" if busy else ""
+    if busy:
+        warnings.warn(f"measuring the forward cost while the machine is busy ({what}): trees will be priced too "
+                      f"cheap; delete {path} to measure again when it is idle", RuntimeWarning, stacklevel=3)
 
 
 def forward_cost_at(model: Decoder, length: int, ks: Sequence[int] = DEFAULT_KS) -> ForwardCost:
