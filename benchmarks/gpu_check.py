@@ -16,8 +16,9 @@
    through compiled static-shape steps (CUDA graphs there), beside the eager numbers.
 3. `auto` on that machine's measured cost: over the oracle (it should verify the whole
    chain: ≥ 0.95× the fixed oracle chain) and over a drafter proposing garbage (it
-   should switch speculation off: ≥ 0.97× AR), eager and compiled. Each runs a warm-up
-   sequence first, as a server's controller would have: acceptance carries over.
+   should switch speculation off: ≥ 0.97× AR), eager and compiled, beside AR and the
+   fixed chain timed the same way: each method runs twice and the second run is timed
+   (`auto` keeps what it learned, as a server's controller would).
 
 With `--profile`, each shape's operator profile of a few decode steps (host and
 device time per operator) is written beside them.
