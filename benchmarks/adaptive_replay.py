@@ -89,10 +89,9 @@ def auto_over(components: str, *, depth_only: bool = False) -> Callable[[], obje
 
 
 def set_in_tables(drafter, **constants) -> None:
-    """Set acceptance-table constants in both halves of `auto`'s cross-fitted table."""
-    for half in drafter.table.halves:
-        for name, value in constants.items():
-            setattr(half, name, value)
+    """Set acceptance-table constants in `auto`'s cross-fitted table (both halves)."""
+    for name, value in constants.items():
+        setattr(drafter.table.table, name, value)
 
 
 def auto_with_cost(cost_fit_type) -> Callable[[], object]:

@@ -361,7 +361,7 @@ def test_the_cross_fitted_table_predicts_the_nodes_it_chose_without_the_choices_
     assert min(len(c) for c in chosen.values()) > 500
     assert np.mean(chosen["one"]) > 0.4
     assert np.mean(chosen["halves"]) == pytest.approx(0.3, abs=0.02)
-    assert halves.proposed[cell] == 12000 and abs(halves.halves[0].proposed[cell] - 6000) <= 1
+    assert halves.proposed[cell] == 12000 and abs(halves.table.proposed[halves.half(0)][cell] - 6000) <= 1
 
 
 def test_unverified_nodes_are_decided_by_the_tokens_committed_after_them():

@@ -5,6 +5,7 @@ evidence that keep the predictions of the chosen nodes honest."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 
@@ -155,7 +156,7 @@ class AcceptanceTable:
 
 
 class CrossFittedAcceptance:
-    """Two `AcceptanceTable`s, each fed every other verdict of a cell: each round one
+    """Two halves of evidence, each fed every other verdict of a cell: each round one
     half decides (its optimistic rates rank the nodes and size the tree) and the other
     predicts (its means: the telemetry's predicted acceptance), the roles swapping
     every round.
@@ -176,24 +177,30 @@ class CrossFittedAcceptance:
     (BENCHMARKS.md, "Cross-fitted acceptance")."""
 
     def __init__(self, drafters: int, max_level: int = 32, max_rank: int = 4) -> None:
-        self.halves = (AcceptanceTable(drafters, max_level, max_rank), AcceptanceTable(drafters, max_level, max_rank))
-        for half in self.halves:
-            half.PRIOR_WEIGHT = AcceptanceTable.PRIOR_WEIGHT / 2
-            half.RECENT_PRIOR_WEIGHT = AcceptanceTable.RECENT_PRIOR_WEIGHT / 2
-            half.OPTIMISM = AcceptanceTable.OPTIMISM / math.sqrt(2)
-        self._next_half = np.zeros(self.halves[0].accepted.shape, dtype=np.int8)  # per cell: the half its next verdict feeds
+        # One table whose drafter rows come twice: row h * drafters + d is drafter d's half h,
+        # so one pass over the levels computes both halves' rates.
+        self.drafters = drafters
+        self.table = AcceptanceTable(2 * drafters, max_level, max_rank)
+        self.table.PRIOR_WEIGHT = AcceptanceTable.PRIOR_WEIGHT / 2
+        self.table.RECENT_PRIOR_WEIGHT = AcceptanceTable.RECENT_PRIOR_WEIGHT / 2
+        self.table.OPTIMISM = AcceptanceTable.OPTIMISM / math.sqrt(2)
+        self._next_half = np.zeros((drafters, *self.table.accepted.shape[1:]), dtype=np.int8)  # per cell: the half its next verdict feeds
         self._deciding = 0
 
     def cell(self, source: Source, agreed: bool) -> tuple[int, int, int, int, int]:
-        return self.halves[0].cell(source, agreed)
+        return self.table.cell(source, agreed)
+
+    def half(self, index: int) -> slice:
+        """The drafter rows of half `index` in the table's arrays."""
+        return slice(index * self.drafters, (index + 1) * self.drafters)
 
     def deciding_rates(self) -> np.ndarray:
         """The optimistic rates trees are chosen with this round."""
-        return self.halves[self._deciding].rates(optimistic=True)
+        return self.table.rates(optimistic=True)[self.half(self._deciding)]
 
     def predicting_rates(self) -> np.ndarray:
         """The mean rates this round's chosen nodes are predicted with."""
-        return self.halves[1 - self._deciding].rates()
+        return self.table.rates()[self.half(1 - self._deciding)]
 
     def rate(self, source: Source, agreed: bool = False) -> float:
         return float(self.predicting_rates()[self.cell(source, agreed)])
@@ -201,19 +208,18 @@ class CrossFittedAcceptance:
     @property
     def proposed(self) -> np.ndarray:
         """Verdicts recorded per cell, both halves."""
-        return self.halves[0].proposed + self.halves[1].proposed
+        return self.table.proposed[self.half(0)] + self.table.proposed[self.half(1)]
 
     def note_copying(self, drafter: int) -> None:
-        for half in self.halves:
-            half.note_copying(drafter)
+        self.table.note_copying(drafter)
+        self.table.note_copying(drafter + self.drafters)
 
     def record(self, source: Source, accepted: bool, agreed: bool = False) -> None:
         cell = self.cell(source, agreed)
         half = int(self._next_half[cell])
         self._next_half[cell] = 1 - half
-        self.halves[half].record(source, accepted, agreed)
+        self.table.record(replace(source, drafter=source.drafter + half * self.drafters), accepted, agreed)
 
     def end_round(self) -> None:
-        for half in self.halves:
-            half.end_round()
+        self.table.end_round()
         self._deciding = 1 - self._deciding
