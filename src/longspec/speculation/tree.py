@@ -65,18 +65,13 @@ class Tree:
             return f"tokens, parents and depths must have the same length (got {n}, {parents.numel()}, {depths.numel()})"
         if int(parents[0]) != -1 or int(depths[0]) != 0:
             return f"node 0 must be the root (parent -1, depth 0), got parent {int(parents[0])}, depth {int(depths[0])}"
-        # A root alone (a plain decoding round) has nothing more to check: skip the tensor
-        # operations, which cost a fast GPU step's host a few percent.
-        problem = _parents_problem(parents) if n > 1 else None
+        problem = _parents_problem(parents)
         if problem:
             return problem
         # NumPy views of the host tensors: on trees of a few dozen nodes its operations cost
         # ~1 µs against PyTorch's ~5, and every round validates several trees.
-        if n > 1:
-            depth, parent = depths.numpy(), parents.numpy()
-            wrong_depth = _first_index(depth[1:] != depth[parent[1:]] + 1)
-        else:
-            wrong_depth = None
+        depth, parent = depths.numpy(), parents.numpy()
+        wrong_depth = _first_index(depth[1:] != depth[parent[1:]] + 1)
         if wrong_depth is not None:
             i = wrong_depth + 1
             return (f"node {i} has depth {int(depths[i])} but its parent {int(parents[i])} has depth "
@@ -98,11 +93,8 @@ class Tree:
         problem = self.structure_problem()
         if problem:
             return problem
-        if self.size == 1:
-            bad_token = None if 0 <= int(self.tokens[0]) < vocab_size else 0
-        else:
-            tokens = self.tokens.numpy()
-            bad_token = _first_index((tokens < 0) | (tokens >= vocab_size))
+        tokens = self.tokens.numpy()
+        bad_token = _first_index((tokens < 0) | (tokens >= vocab_size))
         if bad_token is not None:
             return f"node {bad_token} carries token {int(self.tokens[bad_token])}, outside the vocabulary [0, {vocab_size})"
         q = self.draft_probs
@@ -147,12 +139,12 @@ class Tree:
 
     @staticmethod
     def chain(root: int, tokens: torch.Tensor | list[int], **kwargs) -> "Tree":
-        if isinstance(tokens, list) and not tokens:  # a plain decoding round: half the tensor operations
-            return Tree(torch.tensor([root], dtype=torch.long, device=HOST), torch.tensor([-1], device=HOST),
-                        torch.tensor([0], device=HOST), **kwargs)
-        tokens = torch.as_tensor(tokens, dtype=torch.long, device=HOST).reshape(-1)
-        n = tokens.numel() + 1
-        all_tokens = torch.cat([torch.tensor([root], dtype=torch.long, device=HOST), tokens])
+        if isinstance(tokens, list):  # one tensor from the list (every plain decoding round builds one)
+            all_tokens = torch.tensor([root, *tokens], dtype=torch.long, device=HOST)
+        else:
+            tokens = torch.as_tensor(tokens, dtype=torch.long, device=HOST).reshape(-1)
+            all_tokens = torch.cat([torch.tensor([root], dtype=torch.long, device=HOST), tokens])
+        n = all_tokens.numel()
         parents = torch.arange(-1, n - 1, dtype=torch.long, device=HOST)
         return Tree(all_tokens, parents, torch.arange(n, dtype=torch.long, device=HOST), **kwargs)
 
