@@ -576,6 +576,28 @@ def test_the_throughput_policy_grows_a_tree_only_for_a_gain_above_the_costs_reso
         ThroughputPolicy(min_gain=1.5)
 
 
+def test_the_throughput_policy_stops_early_only_where_no_larger_tree_can_win():
+    """It stops once even all nodes at the next tree's cost could not win: the choice
+    equals that of a scan over every k, on random rankings and rising costs."""
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        n = int(rng.integers(0, 40))
+        expected = np.sort(rng.random(n) ** rng.uniform(0.2, 8))[::-1].tolist()
+        steps = np.concatenate([[1.0], rng.random(n) * rng.choice([0.0, 0.02, 0.3]) * (rng.random(n) < 0.7)])
+        cost = np.cumsum(steps)  # non-decreasing, flat stretches included
+        policy = ThroughputPolicy(min_gain=float(rng.choice([0.0, 0.01, 0.05])))
+        gains = np.concatenate([[1.0], 1.0 + np.cumsum(expected)])
+        best = 0
+        for k in range(1, n + 1):  # every k, as before the early stop
+            if gains[k] / cost[k] > gains[best] / cost[best] * (1.0 + policy.min_gain):
+                best = k
+        asked = []
+        assert policy.choose(expected, lambda k: asked.append(k) or float(cost[k])) == best, trial
+    garbage = []
+    assert ThroughputPolicy().choose([1e-5] * 64, lambda k: garbage.append(k) or 1.0 + 0.01 * k) == 0
+    assert garbage == [0, 1]  # garbage: one k priced past the root-only tree
+
+
 def test_ucb_finds_the_best_arm_on_synthetic_rewards():
     policy = UCBPolicy(arms=(0, 4, 16), exploration=0.5)
     means = {0: -1.0, 1: -0.4, 2: -0.7}

@@ -71,10 +71,17 @@ class ForwardCost:
             highest = max(highest, seconds)
             envelope.append(highest)
         object.__setattr__(self, "_envelope", tuple(envelope))
+        object.__setattr__(self, "_memo", {})  # k -> seconds: a controller prices every k of every round
 
     def seconds_for(self, k: int) -> float:
         """Linear interpolation between measured k (their running maximum: never less for
         more tokens); beyond the last, the last slope."""
+        seconds = self._memo.get(k)
+        if seconds is None:
+            seconds = self._memo[k] = self._interpolated(k)
+        return seconds
+
+    def _interpolated(self, k: int) -> float:
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         ks, secs = self.ks, self._envelope

@@ -9,7 +9,7 @@ loops over depth at most, never over nodes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
@@ -63,25 +63,29 @@ class Tree:
             return "a tree needs at least its root node"
         if parents.numel() != n or depths.numel() != n:
             return f"tokens, parents and depths must have the same length (got {n}, {parents.numel()}, {depths.numel()})"
-        if int(parents[0]) != -1 or int(depths[0]) != 0:
-            return f"node 0 must be the root (parent -1, depth 0), got parent {int(parents[0])}, depth {int(depths[0])}"
-        problem = _parents_problem(parents)
+        # NumPy views of the host tensors: on trees of a few dozen nodes its operations cost
+        # ~1 µs against PyTorch's ~5, and every round validates at least one tree.
+        parent, depth = parents.numpy(), depths.numpy()
+        if parent[0] != -1 or depth[0] != 0:
+            return f"node 0 must be the root (parent -1, depth 0), got parent {int(parent[0])}, depth {int(depth[0])}"
+        problem = _parents_problem(parent)
         if problem:
             return problem
-        # NumPy views of the host tensors: on trees of a few dozen nodes its operations cost
-        # ~1 µs against PyTorch's ~5, and every round validates several trees.
-        depth, parent = depths.numpy(), parents.numpy()
         wrong_depth = _first_index(depth[1:] != depth[parent[1:]] + 1)
         if wrong_depth is not None:
             i = wrong_depth + 1
-            return (f"node {i} has depth {int(depths[i])} but its parent {int(parents[i])} has depth "
-                    f"{int(depths[parents[i]])} (a node's depth is its parent's + 1)")
+            return (f"node {i} has depth {int(depth[i])} but its parent {int(parent[i])} has depth "
+                    f"{int(depth[parent[i]])} (a node's depth is its parent's + 1)")
+        return self._optional_problem()
+
+    def _optional_problem(self) -> str | None:
+        """The first broken rule of the optional fields' shapes, or None."""
         if self.children_sampled and self.draft_probs is None:
             return "a tree with sampled children must carry draft_probs"
         runs = self.copied_runs
         if runs is not None and (not isinstance(runs, torch.Tensor) or runs.dtype != torch.long
-                                 or runs.shape != tokens.shape or runs.device != HOST):
-            return f"copied_runs must be a host int64 tensor of one value per node ({n}), got {runs!r}"
+                                 or runs.shape != self.tokens.shape or runs.device != HOST):
+            return f"copied_runs must be a host int64 tensor of one value per node ({self.size}), got {runs!r}"
         return None
 
     def problem(self, vocab_size: int) -> str | None:
@@ -132,21 +136,40 @@ class Tree:
     def from_parents(tokens: torch.Tensor, parents: torch.Tensor, **kwargs) -> "Tree":
         tokens = torch.as_tensor(tokens, dtype=torch.long, device=HOST)
         parents = torch.as_tensor(parents, dtype=torch.long, device=HOST)
-        problem = _parents_problem(parents)  # before walking them: a cycle would never end
-        if problem:
+        problem = _parents_problem(parents.numpy()) if parents.ndim == 1 else "parents must be a 1-D tensor"
+        if problem:  # before walking them: a cycle would never end
             raise MalformedTreeError(problem)
         return Tree(tokens, parents, _depths_from_parents(parents), **kwargs)
 
     @staticmethod
     def chain(root: int, tokens: torch.Tensor | list[int], **kwargs) -> "Tree":
-        if isinstance(tokens, list):  # one tensor from the list (every plain decoding round builds one)
-            all_tokens = torch.tensor([root, *tokens], dtype=torch.long, device=HOST)
+        if isinstance(tokens, list):  # one tensor of the three arrays (every plain decoding round builds a chain)
+            n = len(tokens) + 1
+            arrays = torch.tensor([[root, *tokens], range(-1, n - 1), range(n)], dtype=torch.long, device=HOST)
+            return Tree.assembled(*arrays.unbind(), **kwargs)
         else:
             tokens = torch.as_tensor(tokens, dtype=torch.long, device=HOST).reshape(-1)
             all_tokens = torch.cat([torch.tensor([root], dtype=torch.long, device=HOST), tokens])
         n = all_tokens.numel()
         parents = torch.arange(-1, n - 1, dtype=torch.long, device=HOST)
-        return Tree(all_tokens, parents, torch.arange(n, dtype=torch.long, device=HOST), **kwargs)
+        return Tree.assembled(all_tokens, parents, torch.arange(n, dtype=torch.long, device=HOST), **kwargs)
+
+    @staticmethod
+    def assembled(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, **optional) -> "Tree":
+        """A tree from arrays its builder made consistent by construction: 1-D host
+        int64 of one length, the root first, parents before their children, depths
+        counted from them. Only the optional fields are checked here: the engine checks
+        every invariant of a drafter's tree once before the target sees it
+        (`checked_proposal`), and a second check of the same arrays cost ~20 µs a tree,
+        several trees a round (the `auto` controller builds four)."""
+        tree = object.__new__(Tree)
+        values = {**_OPTIONAL_DEFAULTS, **optional, "tokens": tokens, "parents": parents, "depths": depths}
+        for name, value in values.items():
+            object.__setattr__(tree, name, value)
+        problem = tree._optional_problem()
+        if problem:
+            raise MalformedTreeError(problem)
+        return tree
 
     @staticmethod
     def cartesian(root: int, candidates_per_depth: list[torch.Tensor]) -> "Tree":
@@ -238,21 +261,22 @@ def _first(flags: torch.Tensor) -> int | None:
 
 def _first_index(flags: np.ndarray) -> int | None:
     """Index of the first True in a 1-D bool array, or None."""
-    hits = np.flatnonzero(flags)
-    return int(hits[0]) if hits.size else None
+    return int(flags.argmax()) if flags.any() else None
 
 
-def _parents_problem(parents: torch.Tensor) -> str | None:
-    """`parents` is a host int64 tensor."""
-    n = parents.numel()
-    if parents.ndim != 1 or n < 1 or int(parents[0]) != -1:
+def _parents_problem(parents: np.ndarray) -> str | None:
+    """`parents`: a 1-D int64 array."""
+    n = parents.size
+    if n < 1 or parents[0] != -1:
         return "node 0 must be the root (parent -1)"
-    p = parents.numpy()
-    bad = _first_index((p[1:] >= np.arange(1, n)) | (p[1:] < 0))
+    bad = _first_index((parents[1:] >= np.arange(1, n)) | (parents[1:] < 0))
     if bad is not None:
         i = bad + 1
         return f"node {i} has parent {int(parents[i])}; parents must precede their children (0 <= parent < {i})"
     return None
+
+
+_OPTIONAL_DEFAULTS = {f.name: f.default for f in fields(Tree) if f.name not in ("tokens", "parents", "depths")}
 
 
 def _depths_from_parents(parents: torch.Tensor) -> torch.Tensor:

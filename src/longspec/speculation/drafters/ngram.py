@@ -80,9 +80,11 @@ def chains_tree(root: int, chains: Sequence[Sequence[int]], max_nodes: int,
     if not trimmed:
         return Tree.chain(root, [])
     if len(trimmed) == 1:
-        tree = Tree.chain(root, trimmed[0])
-    else:
-        tree = Tree.chain(root, []).with_chains([torch.tensor(c, dtype=torch.long, device=HOST) for c in trimmed])
+        if runs is None:
+            return Tree.chain(root, trimmed[0])
+        node_runs = [0, *(int(runs[0]) + depth for depth in range(len(trimmed[0])))]
+        return Tree.chain(root, trimmed[0], copied_runs=torch.tensor(node_runs, dtype=torch.long, device=HOST))
+    tree = Tree.chain(root, []).with_chains([torch.tensor(c, dtype=torch.long, device=HOST) for c in trimmed])
     if runs is None:
         return tree
     node_runs = [0] * tree.size

@@ -48,7 +48,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from longspec.runtime.device import HOST
 from longspec.speculation.cost_model import ForwardCost, forward_cost_at
 from longspec.speculation.drafters.adaptive.acceptance import CrossFittedAcceptance
 from longspec.speculation.drafters.adaptive.cost_fit import RealisedCostScale
@@ -243,10 +242,9 @@ class AdaptiveDrafter:
         # Path products never grow along a path, so any prefix of this ranking
         # (ties broken by index: parents precede children) is a tree.
         order = sorted(range(1, merged.tree.size), key=lambda n: (-optimistic[n], n))[:budget]
-        ranked = torch.tensor([optimistic[n] for n in order], dtype=torch.float64, device=HOST)
         drafted_s = self.clock() - start
-        k = self.policy.choose(ranked, lambda k: drafted_s + self._verify_seconds(k))
-        tree, kept = subtree(merged.tree, order[:k])
+        k = self.policy.choose([optimistic[n] for n in order], lambda k: drafted_s + self._verify_seconds(k))
+        tree, kept = subtree(merged, order[:k])
         self._round = {"start": start, "merged": merged, "agreement": agreement, "kept": kept, "called": called, "k": k,
                        "predicted": sum(expected[n] for n in order[:k]), "drafted_s": drafted_s, "order": order,
                        "expected": expected, "tree": tree}
@@ -266,7 +264,7 @@ class AdaptiveDrafter:
         order = round_["order"]
         count = min(int(nodes), int(context.max_nodes), len(order))
         if count > len(round_["kept"]) - 1:
-            round_["tree"], round_["kept"] = subtree(round_["merged"].tree, order[:count])
+            round_["tree"], round_["kept"] = subtree(round_["merged"], order[:count])
             round_["predicted"] = sum(round_["expected"][n] for n in order[:count])
         return round_["tree"]
 
@@ -292,11 +290,11 @@ class AdaptiveDrafter:
         observe_start = self.clock()
         merged: MergedTree = round_["merged"]
         kept = round_["kept"]
-        accepted_nodes = _accepted_path(merged.tree, kept, committed)
+        accepted_nodes = _accepted_path(merged, kept, committed)
         agreement = round_["agreement"]
         on_path = set(accepted_nodes) | {0}
         exclusive = {index: 0 for index in round_["called"]}
-        parents = merged.tree.parents.tolist()
+        parents = merged.parents
         for node in kept[1:]:
             if parents[node] not in on_path:
                 continue  # its parent was rejected: this node was never tested
@@ -347,10 +345,9 @@ class AdaptiveDrafter:
         """Keep this round's proposed nodes that were not verified until the committed
         tokens decide them (this round's tokens are the first of their continuation)."""
         kept_set = set(kept)
-        tree = merged.tree
-        left_out = [node for node in range(1, tree.size) if node not in kept_set]
+        left_out = [node for node in range(1, len(merged.tokens)) if node not in kept_set]
         if left_out:
-            nodes = UnverifiedNodes(tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist(), left_out)
+            nodes = UnverifiedNodes(merged.tokens, merged.parents, merged.depths, left_out)
             self._unverified.append((nodes, merged.sources, agreement))
 
     def _resolve_unverified(self, committed: list[int]) -> int:
@@ -430,22 +427,21 @@ class AdaptiveDrafter:
         """P(node accepted) per merged node from the table's means and from its
         optimistic rates: path products of conditional rates; a node proposed by
         several drafters takes the best of their rates."""
-        tree, cell = merged.tree, self.table.cell
-        parents = tree.parents.tolist()
+        cell, parents, size = self.table.cell, merged.parents, len(merged.tokens)
         by_parent: dict[int, list[int]] = {}
-        for node in range(1, tree.size):
+        for node in range(1, size):
             by_parent.setdefault(parents[node], []).append(node)
-        cells = [[cell(s, agreement[n]) for s in merged.sources[n]] for n in range(tree.size)]
+        cells = [[cell(s, agreement[n]) for s in merged.sources[n]] for n in range(size)]
         estimates = []
         for rates in (self.table.predicting_rates(), self.table.deciding_rates()):
-            conditional = [1.0] + [max(float(rates[c]) for c in cells[n]) for n in range(1, tree.size)]
+            conditional = [1.0] + [max(float(rates[c]) for c in cells[n]) for n in range(1, size)]
             # One child at most is accepted: siblings' conditionals sum to at most 1.
             for children in by_parent.values():
                 total = sum(conditional[c] for c in children)
                 if total > 1.0:
                     for c in children:
                         conditional[c] /= total
-            probability = [1.0] * tree.size
+            probability = [1.0] * size
             for node, parent in enumerate(parents[1:], start=1):  # parents precede children
                 probability[node] = probability[parent] * conditional[node]
             estimates.append(probability)
@@ -455,21 +451,20 @@ class AdaptiveDrafter:
 def _agreement(merged: MergedTree) -> list[bool]:
     """Per node: proposed by several drafters, or continuing such a node with one of
     the drafters that proposed it (the tail of a chain two drafters began together)."""
-    tree, sources = merged.tree, merged.sources
-    agreed = [False] * tree.size
-    parents = tree.parents.tolist()
-    for node in range(1, tree.size):
+    sources, parents = merged.sources, merged.parents
+    agreed = [False] * len(parents)
+    for node in range(1, len(parents)):
         drafters = {s.drafter for s in sources[node]}
         parent = parents[node]
         agreed[node] = len(drafters) > 1 or (agreed[parent] and bool(drafters & {s.drafter for s in sources[parent]}))
     return agreed
 
 
-def _accepted_path(tree: Tree, kept: list[int], committed: torch.Tensor) -> list[int]:
+def _accepted_path(merged: MergedTree, kept: list[int], committed: torch.Tensor) -> list[int]:
     """Merged-tree nodes (among `kept`) on the accepted path: the committed tokens
     but the last (the bonus) walked down from the root."""
     kept_set = set(kept)
-    parents, tokens = tree.parents.tolist(), tree.tokens.tolist()
+    parents, tokens = merged.parents, merged.tokens
     children: dict[int, dict[int, int]] = {}
     for node in kept[1:]:
         children.setdefault(parents[node], {}).setdefault(tokens[node], node)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -14,8 +15,7 @@ from longspec.runtime.device import HOST
 from longspec.speculation.tree import Tree
 
 
-@dataclass(frozen=True)
-class Source:
+class Source(NamedTuple):  # a tuple: a round creates one per proposed node
     drafter: int  # index of the proposing drafter
     depth: int  # 1 = a child of the root
     rank: int  # 0 = the drafter's first candidate under that parent
@@ -26,6 +26,10 @@ class Source:
 class MergedTree:
     tree: Tree
     sources: list[list[Source]]  # per merged node (the root's is empty)
+    # The tree's arrays as lists: the controller reads them node by node.
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
 
 
 def merge_trees(root: int, trees: Sequence[tuple[int, Tree]]) -> MergedTree:
@@ -57,16 +61,21 @@ def merge_trees(root: int, trees: Sequence[tuple[int, Tree]]) -> MergedTree:
                 sources.append([])
             sources[merged].append(Source(drafter, depths[merged], rank, runs[node]))
             mapped[node] = merged
-    tree = Tree(torch.tensor(tokens, dtype=torch.long, device=HOST), torch.tensor(parents, dtype=torch.long, device=HOST),
-                torch.tensor(depths, dtype=torch.long, device=HOST))
-    return MergedTree(tree, sources)
+    return MergedTree(_tree(tokens, parents, depths), sources, tokens, parents, depths)
 
 
-def subtree(tree: Tree, keep: Sequence[int]) -> tuple[Tree, list[int]]:
-    """The tree restricted to `keep` (node indices closed under parents, the root
-    first, parents before children). Returns it and the kept original indices."""
+def subtree(merged: MergedTree, keep: Sequence[int]) -> tuple[Tree, list[int]]:
+    """The merged tree restricted to `keep` (node indices closed under parents).
+    Returns it and the kept indices, in order (the root first, parents before
+    children)."""
     keep = sorted(set(keep) | {0})
     position = {node: i for i, node in enumerate(keep)}
-    all_parents = tree.parents.tolist()
-    parents = [-1] + [position[all_parents[node]] for node in keep[1:]]
-    return Tree(tree.tokens[keep], torch.tensor(parents, dtype=torch.long, device=HOST), tree.depths[keep]), keep
+    parents = [-1] + [position[merged.parents[node]] for node in keep[1:]]
+    return _tree([merged.tokens[n] for n in keep], parents, [merged.depths[n] for n in keep]), keep
+
+
+def _tree(tokens: list[int], parents: list[int], depths: list[int]) -> Tree:
+    """A tree of lists consistent by construction (parents precede children, depths
+    counted from them), as one tensor's rows."""
+    arrays = torch.tensor([tokens, parents, depths], dtype=torch.long, device=HOST)
+    return Tree.assembled(*arrays.unbind())

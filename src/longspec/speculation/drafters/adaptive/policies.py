@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from itertools import accumulate
 from typing import Protocol
-
-import torch
 
 
 class TreePolicy(Protocol):
-    def choose(self, expected: torch.Tensor, seconds: Callable[[int], float]) -> int:
+    def choose(self, expected: Sequence[float], seconds: Callable[[int], float]) -> int:
         """k in 0..len(expected): expected[i] is the i-th ranked node's acceptance
-        probability; seconds(k) the predicted round time verifying k nodes."""
+        probability (non-increasing in i); seconds(k) the predicted round time
+        verifying k nodes (non-decreasing in k)."""
 
     def update(self, k: int, committed: int, seconds: float, ar_seconds: float) -> None:
         """What the round bought: `committed` tokens (bonus included) in `seconds`;
@@ -45,11 +45,16 @@ class ThroughputPolicy:
             raise ValueError(f"min_gain is a share in [0, 1), got {min_gain}")
         self.min_gain = min_gain
 
-    def choose(self, expected: torch.Tensor, seconds: Callable[[int], float]) -> int:
-        gains = [1.0, *(expected.to(torch.float64).cumsum(0) + 1.0).tolist()]
+    def choose(self, expected: Sequence[float], seconds: Callable[[int], float]) -> int:
+        gains = list(accumulate(map(float, expected), initial=1.0))
         best, best_rate = 0, gains[0] / seconds(0)
         for k in range(1, len(gains)):
-            rate = gains[k] / seconds(k)
+            time = seconds(k)
+            # No larger tree gains more than all the nodes, nor costs less than this
+            # one: once that cannot win, stop (a garbage drafter's nodes: at k = 1).
+            if gains[-1] / time <= best_rate * (1.0 + self.min_gain):
+                break
+            rate = gains[k] / time
             if rate > best_rate * (1.0 + self.min_gain):
                 best, best_rate = k, rate
         return best
@@ -82,9 +87,9 @@ class UCBPolicy:
         self.totals = [0.0] * len(self.arms)
         self._last = 0
 
-    def choose(self, expected: torch.Tensor, seconds: Callable[[int], float]) -> int:
+    def choose(self, expected: Sequence[float], seconds: Callable[[int], float]) -> int:
         self._last = self.best_arm()
-        return min(self.arms[self._last], expected.numel())
+        return min(self.arms[self._last], len(expected))
 
     def best_arm(self) -> int:
         for arm, count in enumerate(self.counts):
