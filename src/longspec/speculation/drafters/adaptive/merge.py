@@ -69,6 +69,8 @@ def subtree(merged: MergedTree, keep: Sequence[int]) -> tuple[Tree, list[int]]:
     Returns it and the kept indices, in order (the root first, parents before
     children)."""
     keep = sorted(set(keep) | {0})
+    if len(keep) == len(merged.tokens):  # every node: the merged tree itself
+        return merged.tree, keep
     position = {node: i for i, node in enumerate(keep)}
     parents = [-1] + [position[merged.parents[node]] for node in keep[1:]]
     return _tree([merged.tokens[n] for n in keep], parents, [merged.depths[n] for n in keep]), keep
