@@ -29,6 +29,7 @@ Writes a markdown table and the raw numbers (JSON) to --out.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import subprocess
@@ -140,11 +141,11 @@ def auto_rates(model, prompt: torch.Tensor, reference: list[int], args, label: s
     for name, make in runs.items():
         drafter = make()
         decode_rate(model, prompt, args.new_tokens, drafter)
-        tokens, stats, round_ms = decode_rate(model, prompt, args.new_tokens, drafter)
+        (tokens, stats, round_ms), events = with_events(lambda: decode_rate(model, prompt, args.new_tokens, drafter))
         if args.profile and name in ("ar", "auto over garbage"):  # where a round off costs more than plain decoding's
             write_profile(model, prompt, args.out / f"profile-{name.replace(' ', '-')}-{label}.txt", 16, drafter)
         result[name] = {"tokens_per_s": stats.decode_tokens_per_s, "tau": stats.tau, "equal": tokens == reference,
-                        "median_round_ms": statistics.median(round_ms) if round_ms else None}
+                        "median_round_ms": statistics.median(round_ms) if round_ms else None, "events": events}
         telemetry = stats.controller
         if telemetry:
             result[name].update(
@@ -154,6 +155,23 @@ def auto_rates(model, prompt: torch.Tensor, reference: list[int], args, label: s
                 predicted_accepted_per_round=telemetry["predicted_accepted_per_round"],
                 realised_accepted_per_round=telemetry["realised_accepted_per_round"])
     return result
+
+
+def with_events(run):
+    """run()'s value, and what happened under it that a timed run should not pay for:
+    the compiler's event counts that changed (recompilations, CUDA graphs recorded or
+    skipped) and Python's garbage collections per generation."""
+    from torch._dynamo.utils import counters
+
+    def snapshot() -> dict:
+        events = {f"{group}/{name}": count for group, names in counters.items() for name, count in names.items()}
+        events.update({f"gc/generation {g}": stats["collections"] for g, stats in enumerate(gc.get_stats())})
+        return events
+
+    before = snapshot()
+    value = run()
+    after = snapshot()
+    return value, {key: count - before.get(key, 0) for key, count in after.items() if count != before.get(key, 0)}
 
 
 def decode_rate(model, prompt: torch.Tensor, new_tokens: int, drafter=None
@@ -331,6 +349,13 @@ def markdown(rows: list[dict], ks: list[int]) -> str:
                      f"{oracle['realised_accepted_per_round']:.2f} | {garbage['tokens_per_s']:.1f} "
                      f"({garbage['tokens_per_s'] / ar['tokens_per_s']:.2f}×), "
                      f"{100 * garbage['speculation_off_share']:.0f}% ({garbage['rounds_without_proposals']}) | {equal} |")
+    if steps:
+        lines += ["", "What happened during those timed runs (`with_events`): compiler counters that changed, and "
+                      "garbage collections per generation.", "", "| shape | steps | run | events |", "|---|---|---|---|"]
+    for shape, mode, auto in steps:
+        for name, run in auto.items():
+            events = ", ".join(f"{key} {count:+d}" for key, count in sorted(run.get("events", {}).items())) or "none"
+            lines.append(f"| {shape} | {mode} | {name} | {events} |")
     return "\n".join(lines) + "\n"
 
 

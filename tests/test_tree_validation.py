@@ -71,6 +71,14 @@ MALFORMED = {
                                                   children_sampled=True),
                              "node 2 was sampled from its parent 1's draft distribution but carries token 4"),
     "sampled-without-probs": (lambda r: Tree.chain(r, [3], children_sampled=True), "must carry draft_probs"),
+    # `Tree.assembled` trusts its builder with the three arrays: the engine's check still sees them.
+    "assembled-depth": (lambda r: Tree.assembled(torch.tensor([r, 5, 6]), torch.tensor([-1, 0, 1]), torch.tensor([0, 1, 1])),
+                        "node 2 has depth 1 but its parent 1 has depth 1"),
+    "assembled-parents": (lambda r: Tree.assembled(torch.tensor([r, 5]), torch.tensor([-1, 1]), torch.tensor([0, 1])),
+                          "node 1 has parent 1; parents must precede their children"),
+    "assembled-runs": (lambda r: Tree.assembled(torch.tensor([r, 5]), torch.tensor([-1, 0]), torch.tensor([0, 1]),
+                                                copied_runs=torch.tensor([0])),
+                       "copied_runs must be a host int64 tensor of one value per node (2)"),
 }
 
 

@@ -29,10 +29,12 @@ Each round:
    from the tokens the sequence commits next (`unverified.py`), so the rates of
    deep nodes stay measured while the controller verifies short trees, and
    speculation switches back on as soon as the proposals start to match.
-5. While speculation is off, rounds without proposals (plain decoding steps) space
-   out the ones with, so that the controller's own work costs at most
-   `_OFF_OVERHEAD_SHARE` of plain decoding, where a decode step is short beside it;
-   a committed token that matches a held proposal ends the wait.
+5. While speculation is off (the last candidates did not pay), rounds without
+   proposals (plain decoding steps) space out the ones with, so that the controller's
+   own work costs at most `_OFF_OVERHEAD_SHARE` of plain decoding, where a decode step
+   is short beside it; a committed token that matches a held proposal ends the wait.
+   A round whose components found nothing is not such a verdict: they are asked again
+   next round.
 
 Lossless by construction: the result is an ordinary tree of deterministic
 candidates, verified by the engine's rules (DESIGN.md §5). Components whose
@@ -186,7 +188,7 @@ class AdaptiveDrafter:
         self._cost_fit = self.cost_fit_type()  # the measured cost scaled to the realised rounds
         self._rows = 1  # sequences sharing the verification forward
         self._round: dict | None = None
-        self._off = False  # the last round with proposals chose plain decoding
+        self._off = False  # the last round with proposals had candidates and chose plain decoding
         self._rounds_without_proposals = 0  # since the last round with proposals
         # Telemetry is per sequence; what was learned (acceptance, costs) carries over.
         self.telemetry_state = ControllerTelemetry(unavailable=self.telemetry_state.unavailable)
@@ -321,7 +323,10 @@ class AdaptiveDrafter:
         self._cost_fit.observe(base, whole - base, max(seconds - round_["drafted_s"], 1e-9),
                               len(accepted_nodes))
         self.policy.update(round_["k"], int(committed.numel()), seconds, self._verify_seconds(0))
-        self._off = round_["k"] == 0
+        # Plain decoding chosen over candidates: they do not pay, so the next rounds skip
+        # asking. A round whose components found nothing says nothing about the next one
+        # (a lookup that missed may hit at the next token): they are asked again.
+        self._off = round_["k"] == 0 and bool(round_["order"])
         own = round_["drafted_s"] + self.clock() - observe_start
         self._own_seconds = own if self._own_seconds is None else (1 - _EMA) * self._own_seconds + _EMA * own
         t.speculation_off_rounds += round_["k"] == 0

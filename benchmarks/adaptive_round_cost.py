@@ -1,0 +1,144 @@
+"""`auto`'s own work per round, on this machine's host CPU: what a round costs besides
+the target's forward, for plain decoding, prompt lookup and `auto`, timed as the engine
+runs them (the drafter's propose, the engine's check of its tree, observe and the
+controller's telemetry) over the same token stream, and the modeled speed of each
+(tokens over the modeled forwards plus the host's time).
+
+    python benchmarks/adaptive_round_cost.py                      # Python source, 2 ms forwards
+    python benchmarks/adaptive_round_cost.py --forward-ms 30 --per-token-ms 1.5   # a CPU's forwards
+
+No model and no data files: the stream is Python's standard library split into words
+(each distinct word one token id), and verification accepts what the stream continues
+with (greedy decoding of a target that writes that text). The forwards are modeled:
+`auto` prices its trees with the given cost and times its rounds by a clock that runs
+those forwards, so it decides as it would on a machine with that cost; only the host
+work is timed. A compiled GPU step costs ~2 ms for a 270M target, where `auto`'s own
+~0.9 ms a round cost 18-29% of its speed (BENCHMARKS.md, "`auto` on a GPU"): run this
+on the GPU machine's host to see its share there without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from adaptive_replay import ModeledClock
+from common import machine, stdlib_source_text, write_results
+from longspec.speculation.cost_model import ForwardCost
+from longspec.speculation.drafters.adaptive.presets import make_auto
+from longspec.speculation.drafters.base import DraftContext
+from longspec.speculation.drafters.prompt_lookup import PromptLookupDrafter
+from longspec.speculation.engine import checked_proposal, record_controller
+from longspec.speculation.joint_budget import walk_down
+from longspec.speculation.metrics import GenerationStats
+from longspec.speculation.tree import Tree
+
+MAX_NODES = 64  # the engine's default tree budget
+
+
+def word_stream(tokens: int, skip: int) -> tuple[list[int], int]:
+    """`tokens` ids of Python source split into words, spaces and punctuation, and the vocabulary size."""
+    text = stdlib_source_text(12 * tokens, skip=skip)
+    vocabulary: dict[str, int] = {}
+    ids = [vocabulary.setdefault(word, len(vocabulary)) for word in re.findall(r"\w+|[^\w\s]|\s+", text)]
+    if len(ids) < tokens:
+        raise ValueError(f"the corpus gave {len(ids)} tokens, fewer than {tokens}")
+    return ids[:tokens], len(vocabulary)
+
+
+def linear_cost(forward_s: float, per_token_s: float) -> ForwardCost:
+    ks = (1, 2, 4, 8, 16, 32, 64, 128)
+    return ForwardCost({"modeled": True}, ks, tuple(forward_s + per_token_s * (k - 1) for k in ks))
+
+
+def replay(stream: list[int], prompt: int, vocab: int, drafter, cost: ForwardCost) -> dict:
+    """Host seconds per round (`kind` -> list), rounds and tokens per round."""
+    tokens = torch.tensor(stream)
+    clock = ModeledClock()
+    if drafter is not None and hasattr(drafter, "forward_cost"):
+        drafter.forward_cost, drafter.clock = cost, clock
+    committed = prompt
+    if drafter is not None:
+        drafter.begin(DraftContext(tokens=tokens[:committed], max_nodes=MAX_NODES))
+    stats, kinds = GenerationStats(), {"with nodes": [], "root only": []}
+    forwards = 0.0
+    while committed < tokens.numel():
+        context = DraftContext(tokens=tokens[:committed], max_nodes=MAX_NODES)
+        start = time.perf_counter()
+        if drafter is None:
+            tree = Tree.chain(int(tokens[committed - 1]), [])
+        else:
+            tree = checked_proposal(drafter, context, vocab)
+        spent = time.perf_counter() - start
+        accepted, _ = walk_down(tree, 0, tokens[committed:].tolist())  # what greedy verification accepts
+        step = tokens[committed : committed + accepted + 1]
+        forward = cost.seconds_for(tree.size)
+        clock.advance(forward)  # the forward `auto` times its round by
+        forwards += forward
+        start = time.perf_counter()
+        if drafter is not None:
+            drafter.observe(step)
+            record_controller(drafter, stats)
+        spent += time.perf_counter() - start
+        kinds["with nodes" if tree.size > 1 else "root only"].append(spent)
+        committed += step.numel()
+    rounds = sum(len(v) for v in kinds.values())
+    host = sum(sum(v) for v in kinds.values())
+    return {"kinds": kinds, "rounds": rounds, "tokens_per_round": (tokens.numel() - prompt) / rounds,
+            "tokens_per_s": (tokens.numel() - prompt) / (forwards + host), "controller": stats.controller}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompt-tokens", type=int, default=4096)
+    parser.add_argument("--new-tokens", type=int, default=1024)
+    parser.add_argument("--streams", type=int, default=4, help="token streams (from successive stdlib files)")
+    parser.add_argument("--forward-ms", type=float, default=2.0, help="modeled forward of one token")
+    parser.add_argument("--per-token-ms", type=float, default=0.02, help="modeled cost of each further token")
+    parser.add_argument("--out", type=Path, default=Path("bench-out/adaptive_round_cost.jsonl"))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    cost = linear_cost(args.forward_ms / 1e3, args.per_token_ms / 1e3)
+    methods = {"ar": lambda: None, "pld": PromptLookupDrafter, "auto": make_auto}
+    rows = []
+    for index in range(args.streams):
+        stream, vocab = word_stream(args.prompt_tokens + args.new_tokens, skip=40 * index)
+        for name, make in methods.items():
+            result = replay(stream, args.prompt_tokens, vocab, make(), cost)
+            row = {"stream": index, "method": name, "rounds": result["rounds"],
+                   "tokens_per_round": round(result["tokens_per_round"], 3),
+                   "modeled_tokens_per_s": round(result["tokens_per_s"], 1)}
+            for kind, seconds in result["kinds"].items():
+                row[f"{kind} rounds"] = len(seconds)
+                row[f"{kind} median us"] = round(1e6 * statistics.median(seconds), 1) if seconds else None
+            row["mean us"] = round(1e6 * sum(sum(s) for s in result["kinds"].values()) / result["rounds"], 1)
+            if result["controller"]:
+                row["rounds without proposals"] = result["controller"]["rounds_without_proposals"]
+            rows.append(row)
+            print(row, flush=True)
+    print(f"\n| method | mean µs a round | × a {args.forward_ms:g} ms forward | median with nodes | median root only "
+          "| tokens a round | modeled tok/s × AR (geometric mean) |\n|---|---|---|---|---|---|---|")
+    ar = {r["stream"]: r["modeled_tokens_per_s"] for r in rows if r["method"] == "ar"}
+    for name in methods:
+        mine = [r for r in rows if r["method"] == name]
+        mean = statistics.fmean(r["mean us"] for r in mine)
+        speed = statistics.geometric_mean(r["modeled_tokens_per_s"] / ar[r["stream"]] for r in mine)
+        per_round = statistics.fmean(r["tokens_per_round"] for r in mine)
+        with_nodes = [r["with nodes median us"] for r in mine if r["with nodes median us"] is not None]
+        root = [r["root only median us"] for r in mine if r["root only median us"] is not None]
+        print(f"| {name} | {mean:.0f} | {mean / (1e3 * args.forward_ms):.3f} | "
+              f"{statistics.median(with_nodes) if with_nodes else float('nan'):.0f} | "
+              f"{statistics.median(root) if root else float('nan'):.0f} | {per_round:.2f} | {speed:.3f} |")
+    header = {"benchmark": "adaptive_round_cost", "machine": machine(), "forward_ms": args.forward_ms,
+              "per_token_ms": args.per_token_ms, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+              "time": time.ctime()}
+    write_results(args.out, header, rows)
+
+
+if __name__ == "__main__":
+    main()
