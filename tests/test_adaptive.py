@@ -22,7 +22,7 @@ from longspec.speculation.drafters import NgramDrafter, PromptLookupDrafter
 from longspec.speculation.drafters.adaptive import AdaptiveDrafter, ThroughputPolicy, UCBPolicy, mamba_reward
 from longspec.speculation.drafters.adaptive.cost_fit import RealisedCostScale
 from longspec.speculation.drafters.adaptive.acceptance import AcceptanceTable, CrossFittedAcceptance
-from longspec.speculation.drafters.adaptive.merge import Source
+from longspec.speculation.drafters.adaptive.merge import Source, merge_trees
 from longspec.speculation.drafters.adaptive.unverified import UnverifiedNodes
 from longspec.speculation.drafters.base import DraftContext
 from longspec.speculation.drafters.longspec import BeamStrategy, LongSpecDrafter
@@ -477,6 +477,19 @@ class Intermittent(ReferenceChain):
         self.clock.now += self.seconds
         self.calls += 1
         return super().propose(context) if self.calls % 2 else Tree.chain(context.root, [])
+
+
+def test_one_drafters_chain_merges_as_in_the_general_path():
+    """The shortcut for one drafter's chain (the common round) gives what merging it
+    beside a tree that adds nothing gives."""
+    chain = Tree.chain(7, [3, 9, 3, 4], copied_runs=torch.tensor([0, 5, 6, 7, 8]))
+    alone = merge_trees(7, [(0, chain)])
+    beside = merge_trees(7, [(0, chain), (1, Tree.chain(7, []))])
+    assert alone.tree is chain  # the shortcut: no tree built
+    assert (alone.tokens, alone.parents, alone.depths, alone.sources) == (
+        beside.tokens, beside.parents, beside.depths, beside.sources)
+    branching = Tree.from_parents(torch.tensor([7, 3, 4]), torch.tensor([-1, 0, 0]))
+    assert merge_trees(7, [(0, branching)]).sources[2] == [Source(0, 1, 1, 0)]  # not a chain: the general path
 
 
 def test_a_round_whose_components_found_nothing_does_not_switch_speculation_off():

@@ -433,6 +433,8 @@ class AdaptiveDrafter:
         optimistic rates: path products of conditional rates; a node proposed by
         several drafters takes the best of their rates."""
         cell, parents, size = self.table.cell, merged.parents, len(merged.tokens)
+        if size == 1:  # nothing proposed: no rates needed
+            return [1.0], [1.0]
         by_parent: dict[int, list[int]] = {}
         for node in range(1, size):
             by_parent.setdefault(parents[node], []).append(node)

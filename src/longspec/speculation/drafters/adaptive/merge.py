@@ -35,6 +35,10 @@ class MergedTree:
 def merge_trees(root: int, trees: Sequence[tuple[int, Tree]]) -> MergedTree:
     """Merge (drafter index, tree) pairs; equal paths become one node. Deterministic
     candidates only: the merged tree carries no draft probabilities."""
+    if len(trees) == 1 and trees[0][1].draft_probs is None:
+        single = _single_chain(*trees[0])
+        if single is not None:
+            return single
     tokens, parents, depths = [root], [-1], [0]
     sources: list[list[Source]] = [[]]
     index: dict[tuple[int, int], int] = {}
@@ -62,6 +66,20 @@ def merge_trees(root: int, trees: Sequence[tuple[int, Tree]]) -> MergedTree:
             sources[merged].append(Source(drafter, depths[merged], rank, runs[node]))
             mapped[node] = merged
     return MergedTree(_tree(tokens, parents, depths), sources, tokens, parents, depths)
+
+
+def _single_chain(drafter: int, tree: Tree) -> MergedTree | None:
+    """One drafter's chain (a lookup's copy, the common round) merged with nothing: the
+    tree as it is, None if it is not a chain."""
+    if tree.children_sampled:
+        return None  # merge_trees refuses it, naming the rule
+    n = tree.size
+    parents = tree.parents.tolist()
+    if parents != list(range(-1, n - 1)):
+        return None
+    runs = tree.copied_runs.tolist() if tree.copied_runs is not None else [0] * n
+    sources = [[]] + [[Source(drafter, depth, 0, runs[depth])] for depth in range(1, n)]
+    return MergedTree(tree, sources, tree.tokens.tolist(), parents, list(range(n)))
 
 
 def subtree(merged: MergedTree, keep: Sequence[int]) -> tuple[Tree, list[int]]:
