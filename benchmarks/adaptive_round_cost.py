@@ -14,7 +14,10 @@ with (greedy decoding of a target that writes that text). The forwards are model
 those forwards, so it decides as it would on a machine with that cost; only the host
 work is timed. A compiled GPU step costs ~2 ms for a 270M target, where `auto`'s own
 ~0.9 ms a round cost 18-29% of its speed (BENCHMARKS.md, "`auto` on a GPU"): run this
-on the GPU machine's host to see its share there without a GPU.
+on the GPU machine's host to see its share there without a GPU. The last method lets
+`auto` learn while each forward runs, as the engine has it on a GPU
+(`EngineOptions.learn_while_verifying`): its learning is then free up to the forward's
+time, a model of that overlap, to be confirmed on a GPU (`gpu_check.py`).
 """
 
 from __future__ import annotations
@@ -56,19 +59,21 @@ def linear_cost(forward_s: float, per_token_s: float) -> ForwardCost:
     return ForwardCost({"modeled": True}, ks, tuple(forward_s + per_token_s * (k - 1) for k in ks))
 
 
-def replay(stream: list[int], prompt: int, vocab: int, drafter, cost: ForwardCost) -> dict:
-    """Host seconds per round (`kind` -> list), rounds and tokens per round."""
+def replay(stream: list[int], prompt: int, vocab: int, drafter, cost: ForwardCost, overlap: bool = False) -> dict:
+    """Host seconds per round (`kind` -> list), rounds and tokens per round. With
+    `overlap`, the drafter's `learn` runs during each modeled forward, as the engine
+    calls it on a GPU, and its time is hidden up to the forward's."""
     tokens = torch.tensor(stream)
     clock = ModeledClock()
     if drafter is not None and hasattr(drafter, "forward_cost"):
         drafter.forward_cost, drafter.clock = cost, clock
     committed = prompt
     if drafter is not None:
-        drafter.begin(DraftContext(tokens=tokens[:committed], max_nodes=MAX_NODES))
+        drafter.begin(DraftContext(tokens=tokens[:committed], max_nodes=MAX_NODES, learns_while_verifying=overlap))
     stats, kinds = GenerationStats(), {"with nodes": [], "root only": []}
     forwards = 0.0
     while committed < tokens.numel():
-        context = DraftContext(tokens=tokens[:committed], max_nodes=MAX_NODES)
+        context = DraftContext(tokens=tokens[:committed], max_nodes=MAX_NODES, learns_while_verifying=overlap)
         start = time.perf_counter()
         if drafter is None:
             tree = Tree.chain(int(tokens[committed - 1]), [])
@@ -80,6 +85,10 @@ def replay(stream: list[int], prompt: int, vocab: int, drafter, cost: ForwardCos
         forward = cost.seconds_for(tree.size)
         clock.advance(forward)  # the forward `auto` times its round by
         forwards += forward
+        if overlap:
+            start = time.perf_counter()
+            drafter.learn()
+            spent += max(0.0, time.perf_counter() - start - forward)  # beyond the forward, the host is late
         start = time.perf_counter()
         if drafter is not None:
             drafter.observe(step)
@@ -104,12 +113,13 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     cost = linear_cost(args.forward_ms / 1e3, args.per_token_ms / 1e3)
-    methods = {"ar": lambda: None, "pld": PromptLookupDrafter, "auto": make_auto}
+    methods = {"ar": (lambda: None, False), "pld": (PromptLookupDrafter, False), "auto": (make_auto, False),
+               "auto, learning during forwards": (make_auto, True)}
     rows = []
     for index in range(args.streams):
         stream, vocab = word_stream(args.prompt_tokens + args.new_tokens, skip=40 * index)
-        for name, make in methods.items():
-            result = replay(stream, args.prompt_tokens, vocab, make(), cost)
+        for name, (make, overlap) in methods.items():
+            result = replay(stream, args.prompt_tokens, vocab, make(), cost, overlap)
             row = {"stream": index, "method": name, "rounds": result["rounds"],
                    "tokens_per_round": round(result["tokens_per_round"], 3),
                    "modeled_tokens_per_s": round(result["tokens_per_s"], 1)}

@@ -133,6 +133,71 @@ def test_sampled_sequences_through_auto_follow_the_target_distribution(sampling_
     assert goodness_of_fit(exact, counts) > 1e-3
 
 
+class LoggedDrafter(ReferenceChain):
+    """The oracle, logging the engine's calls (and `learn`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls: list[str] = []
+
+    def begin(self, context: DraftContext) -> None:
+        self.calls.append(f"begin {context.learns_while_verifying}")
+
+    def propose(self, context: DraftContext) -> Tree:
+        self.calls.append("propose")
+        return super().propose(context)
+
+    def learn(self) -> None:
+        self.calls.append("learn")
+
+    def observe(self, committed: torch.Tensor) -> None:
+        self.calls.append("observe")
+
+
+def test_the_engine_calls_learn_during_each_verification_where_asked():
+    model, _ = diverse_model("qwen2")
+    prompt = random_ids(20, seed=6)[0]
+    reference = run(model, prompt, max_new_tokens=30)
+    for setting, called in ((True, True), (False, False), (None, False)):  # None: not on the CPU
+        drafter = LoggedDrafter(reference, prompt.numel())
+        engine = SpeculativeEngine(model, dataclasses.replace(OPTIONS, learn_while_verifying=setting))
+        assert torch.equal(torch.cat(list(engine.generate(prompt, max_new_tokens=30, drafter=drafter))), reference)
+        rounds = drafter.calls.count("propose")
+        each = ["propose", "learn", "observe"] if called else ["propose", "observe"]
+        assert drafter.calls == [f"begin {called}", *each * (rounds - 1), *each[:-1]], setting  # the last round: no observe
+    with pytest.raises(ValueError, match="learn_while_verifying must be True, False or None"):
+        EngineOptions(learn_while_verifying="yes")
+
+
+def test_auto_learning_while_the_target_verifies_stays_exact_and_still_learns():
+    """With `learn` called during each verification forward (a GPU's setting, forced on
+    the CPU here), the acceptance statistics lag a round: the output is still the
+    target's, greedy and seeded, the garbage is still dropped and the oracle verified deep."""
+    engine = SpeculativeEngine(*diverse_model("qwen2")[:1], dataclasses.replace(OPTIONS, learn_while_verifying=True))
+    model = engine.model
+    prompt = random_ids(20, seed=6)[0]
+    reference = run(model, prompt, max_new_tokens=300)
+    results = {}
+    for name, chains in (("garbage", [("garbage", ReferenceChain(reference, prompt.numel(), garbage=True))]),
+                         ("oracle", [("garbage", ReferenceChain(reference, prompt.numel(), garbage=True)),
+                                     ("oracle", ReferenceChain(reference, prompt.numel()))])):
+        drafter = AdaptiveDrafter(chains, forward_cost=cheap_trees_cost(0.1), clock=FakeClock())
+        stats = GenerationStats()
+        out = torch.cat(list(engine.generate(prompt, max_new_tokens=300, drafter=drafter, stats=stats)))
+        assert torch.equal(out, reference), name
+        results[name] = stats
+    garbage, oracle = results["garbage"].controller, results["oracle"]
+    assert garbage["speculation_off_rounds"] >= 0.8 * garbage["rounds"], garbage
+    assert oracle.tau > 5 and oracle.controller["credited_tokens"]["oracle"] > 10 * oracle.controller["credited_tokens"]["garbage"]
+    lookups = AdaptiveDrafter(components(model, ("pld", "ngram")), forward_cost=cheap_trees_cost())
+    repetitive = random_ids(30, seed=4)[0] % 24
+    params = PROCESSORS["top_k"]
+    seeded = run(model, repetitive, params=params, max_new_tokens=150, seed=9)
+    generator = torch.Generator().manual_seed(9)
+    assert torch.equal(torch.cat(list(engine.generate(repetitive, params=params, max_new_tokens=150, drafter=lookups,
+                                                      generator=generator))), seeded)
+
+
 def test_garbage_components_switch_speculation_off_and_an_oracle_gets_deep_trees():
     model, _ = diverse_model("qwen2")
     prompt = random_ids(20, seed=6)[0]

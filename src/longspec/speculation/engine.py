@@ -40,12 +40,18 @@ class EngineOptions:
     prefill_chunk: int = 256
     max_tree_nodes: int = 64  # speculative nodes per verification forward (root excluded)
     progress: bool = True
+    # Call a drafter's `learn()` while each verification forward runs (its statistics
+    # then lag a round): None does where the device computes asynchronously (not the
+    # CPU, whose forward returns when it is done, so nothing would overlap).
+    learn_while_verifying: bool | None = None
 
     def __post_init__(self) -> None:
         if self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
         if self.max_tree_nodes < 0:
             raise ValueError(f"max_tree_nodes must be >= 0, got {self.max_tree_nodes}")
+        if self.learn_while_verifying not in (None, True, False):
+            raise ValueError(f"learn_while_verifying must be True, False or None, got {self.learn_while_verifying!r}")
 
 
 class SpeculativeEngine:
@@ -109,17 +115,20 @@ class SpeculativeEngine:
         view = TargetView(self.model, cache)
         view.prefill_hidden = prefill_hidden
         draft_generator = drafter_generator(generator) if generator is not None else None
+        learn = self._learn_while_verifying(drafter)
         if drafter is not None:
-            drafter.begin(DraftContext(tokens[:length], view, tree_budget, draft_generator))
+            drafter.begin(DraftContext(tokens[:length], view, tree_budget, draft_generator,
+                                       learns_while_verifying=learn is not None))
         produced = 0
         while produced < max_new_tokens:
             t0 = time.perf_counter()
             if drafter is None:
                 tree = Tree.chain(int(tokens[length - 1]), [])
             else:
-                tree = self._propose(drafter, DraftContext(tokens[:length], view, tree_budget, draft_generator))
+                tree = self._propose(drafter, DraftContext(tokens[:length], view, tree_budget, draft_generator,
+                                                           learns_while_verifying=learn is not None))
             t1 = time.perf_counter()
-            verdict, hidden = self._verify_round(tree, tokens, length, cache, params, generator)
+            verdict, hidden = self._verify_round(tree, tokens, length, cache, params, generator, learn)
             view.last_hidden = hidden[verdict.path.to(hidden.device)]
             t2 = time.perf_counter()
             cache.commit(verdict.path)
@@ -162,10 +171,20 @@ class SpeculativeEngine:
                     kept.append(out.hidden[0])
         return torch.cat(kept) if kept else None
 
-    def _verify_round(self, tree, tokens, length, cache, params, generator):
+    def _learn_while_verifying(self, drafter):
+        """The drafter's `learn`, where the engine calls it during verification forwards."""
+        learn = getattr(drafter, "learn", None)
+        wanted = self.options.learn_while_verifying
+        if wanted is None:
+            wanted = self.model.device.type != "cpu"
+        return learn if wanted else None
+
+    def _verify_round(self, tree, tokens, length, cache, params, generator, learn=None):
         positions = cache.length + tree.depths
         mask = None if tree.is_chain() else tree.ancestor_mask()
         out = self.model(tree.tokens.unsqueeze(0), cache, tree_mask=mask, positions=positions)
+        if learn is not None:
+            learn()  # queued on a GPU, the forward runs meanwhile; its result is read below
         histories = None
         if params.uses_history:
             histories = node_histories(tokens[:length], tree, params.penalty_window)

@@ -16,7 +16,10 @@ measured it; and ``widen(context, nodes) -> Tree``, the tree of the last
 for (with ``BatchOptions.fill_padding``) when another row's tree is wider (its padding
 slots turned into speculation); and ``sizes_tree_from_cost = True`` when it sizes its
 trees from the measured forward cost at the batch's width itself (`auto`), so that the
-batched engine's joint budget leaves its trees whole.
+batched engine's joint budget leaves its trees whole; and ``learn()``, work that can
+wait for the target (updating statistics from the last rounds' verdicts): an engine that
+says so in `DraftContext.learns_while_verifying` calls it each round after queuing the
+verification forward and before reading its result, where a GPU computes meanwhile.
 """
 
 from __future__ import annotations
@@ -47,6 +50,10 @@ class DraftContext:
     rows_in_forward: how many sequences share the verification forward (a batch);
         a drafter that sizes its tree from cost sees that its nodes are verified
         beside the other rows' nodes.
+    learns_while_verifying: the engine calls the drafter's ``learn()`` each round while
+        the verification forward runs (a device that computes asynchronously), so
+        work that can wait may be left to it: it then overlaps the forward, and the
+        next ``propose`` sees statistics one round older.
     """
 
     tokens: torch.Tensor
@@ -54,6 +61,7 @@ class DraftContext:
     max_nodes: int = 64
     generator: torch.Generator | None = None
     rows_in_forward: int = 1
+    learns_while_verifying: bool = False
 
     @property
     def root(self) -> int:

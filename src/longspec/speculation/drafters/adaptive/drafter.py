@@ -154,6 +154,10 @@ class AdaptiveDrafter:
         # Moving average of the controller's own seconds in a round with proposals
         # (the components' calls included): a machine's, carried over sequences.
         self._own_seconds: float | None = None
+        # Rounds whose verdicts the acceptance table has yet to learn (`learn`), and
+        # whether the engine calls `learn` during its forwards (else `observe` does).
+        self._verdicts: list[tuple] = []
+        self._deferred = False
 
     # --------------------------------------------------------------- protocol
     def check_target(self, config) -> None:
@@ -177,6 +181,8 @@ class AdaptiveDrafter:
         return max((int(getattr(c.drafter, "prefill_hidden_rows", 0) or 0) for c in self.components), default=0)
 
     def begin(self, context: DraftContext) -> None:
+        self.learn()  # the last sequence's last round: what was learned carries over
+        self._deferred = bool(context.learns_while_verifying)
         if context.target is not None:
             self.check_target(context.target.config)
         for component in self.components:
@@ -271,6 +277,7 @@ class AdaptiveDrafter:
         return round_["tree"]
 
     def observe(self, committed: torch.Tensor) -> None:
+        self.learn()  # the last round's verdicts first: held nodes are decided in order
         for component in self.components:
             component.drafter.observe(committed)
         round_ = self._round
@@ -296,22 +303,17 @@ class AdaptiveDrafter:
         agreement = round_["agreement"]
         on_path = set(accepted_nodes) | {0}
         exclusive = {index: 0 for index in round_["called"]}
-        parents = merged.parents
-        for node in kept[1:]:
-            if parents[node] not in on_path:
-                continue  # its parent was rejected: this node was never tested
-            accepted = node in on_path
-            for source in merged.sources[node]:
-                self.table.record(source, accepted, agreement[node])
-            if accepted:
-                proposers = {s.drafter for s in merged.sources[node]}
-                for index in proposers:
-                    self.components[index].credited += 1
-                if len(proposers) == 1:
-                    exclusive[next(iter(proposers))] += 1
-        self._hold_unverified(merged, kept, agreement)
-        self._resolve_unverified(committed.tolist())
-        self.table.end_round()
+        for node in accepted_nodes:
+            proposers = {s.drafter for s in merged.sources[node]}
+            for index in proposers:
+                self.components[index].credited += 1
+            if len(proposers) == 1:
+                exclusive[next(iter(proposers))] += 1
+        # The acceptance table learns from the verdicts now or, where the engine calls
+        # `learn` during the next verification forward, then.
+        self._verdicts.append((merged, kept, on_path, agreement, committed.tolist()))
+        if not self._deferred:
+            self.learn()
         for index, gained in exclusive.items():
             component = self.components[index]
             previous = component.exclusive_gain
@@ -334,6 +336,28 @@ class AdaptiveDrafter:
         t.nodes_widened += len(kept) - 1 - round_["k"]
         t.predicted_accepted += round_["predicted"]
         t.realised_accepted += len(accepted_nodes)
+
+    def learn(self) -> None:
+        """Record the queued rounds' verdicts in the acceptance table: each verified node
+        whose parent was accepted, accepted or not; the nodes left unverified held until
+        the committed tokens decide them. Where the engine calls this while the next
+        forward runs (`DraftContext.learns_while_verifying`), also the rates that round's
+        successor will rank its nodes with, so that none of this waits for the host."""
+        if not self._verdicts:
+            return
+        for merged, kept, on_path, agreement, committed in self._verdicts:
+            parents = merged.parents
+            for node in kept[1:]:
+                if parents[node] not in on_path:
+                    continue  # its parent was rejected: this node was never tested
+                for source in merged.sources[node]:
+                    self.table.record(source, node in on_path, agreement[node])
+            self._hold_unverified(merged, kept, agreement)
+            self._resolve_unverified(committed)
+            self.table.end_round()
+        self._verdicts.clear()
+        if self._deferred:
+            self.table.deciding_rates()
 
     def telemetry(self) -> dict:
         t = self.telemetry_state
