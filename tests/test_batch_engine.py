@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -419,6 +421,23 @@ def test_generate_batch_equals_generate(tmp_path):
     assert stopped.stats.stop_reason == "stop" and stop not in stopped.text
     with pytest.raises(TypeError, match="list of prompts"):
         model.generate_batch("one prompt")
+
+
+def test_auto_rows_learning_while_the_batch_verifies_stay_exact():
+    """With each row's `learn` called during the shared forward (a GPU's setting, forced
+    on the CPU here), `auto` rows beside other rows still equal their B = 1 runs."""
+    model, _ = diverse_model("qwen2")
+    prompts = [random_ids(5 + 7 * i, seed=30 + i)[0] % 20 for i in range(3)]
+    references = [single_run(model, p, max_new_tokens=40) for p in prompts]
+    autos = [AdaptiveDrafter([("pld", PromptLookupDrafter(num_tokens=5)), ("ngram", NgramDrafter(k=3))],
+                             forward_cost=ForwardCost({}, (1, 8, 64), (0.01, 0.012, 0.03))) for _ in range(2)]
+    options = dataclasses.replace(OPTIONS, learn_while_verifying=True)
+    engine = BatchEngine(model, options, BatchOptions(max_rows=3, row_capacity=120))
+    handles = [engine.submit(p, max_new_tokens=40, drafter=d) for p, d in zip(prompts, [*autos, None])]
+    engine.run()
+    for handle, reference in zip(handles, references):
+        assert torch.equal(handle.tokens, reference)
+    assert all(auto._deferred and auto.telemetry_state.rounds > 0 for auto in autos)
 
 
 def test_auto_fills_the_padding_of_a_batch_forward_and_stays_exact():

@@ -37,6 +37,7 @@ from longspec.speculation.engine import (
     SpeculativeEngine,
     record_controller,
     checked_proposal,
+    learn_while_verifying,
     node_histories,
     truncate_at_stop,
 )
@@ -370,7 +371,9 @@ class BatchEngine:
             budget = min(budget, self.batch.max_forward_nodes // rows)
         if rows > 1 and budget > 0 and self.batch.forward_cost_limit is not None and not self.batch.joint_budget:
             budget = min(budget, self._affordable_nodes(rows, row.length))
-        return DraftContext(row.tokens[: row.length], row.view, budget, row.draft_generator, rows_in_forward=rows)
+        learns = learn_while_verifying(row.drafter, self.options, self.model.device) is not None
+        return DraftContext(row.tokens[: row.length], row.view, budget, row.draft_generator, rows_in_forward=rows,
+                            learns_while_verifying=learns)
 
     # -------------------------------------------------------------------- round
     def _widen(self, rows: list[_Row], trees: list[Tree], vocab: int) -> None:
@@ -456,7 +459,11 @@ class BatchEngine:
         hidden = out.hidden.reshape(-1, out.hidden.shape[-1])[real]
         logits = self.model.logits(hidden).split([tree.size for tree in trees])
         hidden = hidden.split([tree.size for tree in trees])
-        forward_s = (time.perf_counter() - t0) / len(rows)  # the shared forward, split evenly
+        for row in rows:  # queued on a GPU, the forward runs meanwhile; its result is read below
+            learn = learn_while_verifying(row.drafter, self.options, self.model.device)
+            if learn is not None:
+                learn()
+        forward_s = (time.perf_counter() - t0) / len(rows)  # the shared forward (and the learning), split evenly
 
         paths = []
         for row, tree, row_logits, row_hidden in zip(rows, trees, logits, hidden):

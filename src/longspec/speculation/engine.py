@@ -115,7 +115,7 @@ class SpeculativeEngine:
         view = TargetView(self.model, cache)
         view.prefill_hidden = prefill_hidden
         draft_generator = drafter_generator(generator) if generator is not None else None
-        learn = self._learn_while_verifying(drafter)
+        learn = learn_while_verifying(drafter, self.options, self.model.device)
         if drafter is not None:
             drafter.begin(DraftContext(tokens[:length], view, tree_budget, draft_generator,
                                        learns_while_verifying=learn is not None))
@@ -171,14 +171,6 @@ class SpeculativeEngine:
                     kept.append(out.hidden[0])
         return torch.cat(kept) if kept else None
 
-    def _learn_while_verifying(self, drafter):
-        """The drafter's `learn`, where the engine calls it during verification forwards."""
-        learn = getattr(drafter, "learn", None)
-        wanted = self.options.learn_while_verifying
-        if wanted is None:
-            wanted = self.model.device.type != "cpu"
-        return learn if wanted else None
-
     def _verify_round(self, tree, tokens, length, cache, params, generator, learn=None):
         positions = cache.length + tree.depths
         mask = None if tree.is_chain() else tree.ancestor_mask()
@@ -192,6 +184,15 @@ class SpeculativeEngine:
 
     def _propose(self, drafter: Drafter, context: DraftContext) -> Tree:
         return checked_proposal(drafter, context, self.model.config.vocab_size)
+
+
+def learn_while_verifying(drafter, options: EngineOptions, device: torch.device):
+    """The drafter's `learn` where an engine calls it during verification forwards
+    (`EngineOptions.learn_while_verifying`), else None."""
+    wanted = options.learn_while_verifying
+    if wanted is None:
+        wanted = device.type != "cpu"
+    return getattr(drafter, "learn", None) if wanted else None
 
 
 def checked_proposal(drafter: Drafter, context: DraftContext, vocab_size: int, propose=None) -> Tree:

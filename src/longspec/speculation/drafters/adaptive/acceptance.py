@@ -164,10 +164,11 @@ class AcceptanceTable:
 def _compose_down_levels(offset: np.ndarray, slope: np.ndarray) -> None:
     """In place: level d's map r -> offset_d + slope_d * r (axis 1) becomes the
     composition of the maps of levels 0..d, so that rate_d = offset_d + slope_d * rate
-    for the rate below level 0. Composing by doubling (an inclusive scan): log2(levels)
-    steps over every cell at once, where walking the levels one by one took a step
-    each (~100 µs a round at 32 levels; ~30 µs this way). Only products and sums, no
-    division: a product of slopes that underflows is as good as zero."""
+    for the rate below level 0. Composing by doubling (an inclusive scan) takes
+    log2(levels) steps of NumPy calls over every cell, where walking the levels took one
+    step per level (32 here); with the cached priors, the rates cost half what they did
+    (BENCHMARKS.md, "`auto`'s own round"). Only products and sums, no division: a
+    product of slopes that underflows is as good as zero."""
     levels = offset.shape[1]
     shift = 1
     while shift < levels:

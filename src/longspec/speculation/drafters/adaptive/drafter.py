@@ -466,7 +466,7 @@ class AdaptiveDrafter:
         estimates = []
         for rates in (self.table.predicting_rates(), self.table.deciding_rates()):
             rate = rates.item  # a Python float per cell
-            conditional = [1.0] + [rate(*c[0]) if len(c) == 1 else max(rate(*cell) for cell in c) for c in cells[1:]]
+            conditional = [1.0] + [rate(*c[0]) if len(c) == 1 else max(rate(*index) for index in c) for c in cells[1:]]
             # One child at most is accepted: siblings' conditionals sum to at most 1.
             for children in by_parent.values():
                 total = sum(conditional[c] for c in children)
