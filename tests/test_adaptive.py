@@ -496,6 +496,24 @@ class TimedSwitching(Switching):
         return super().propose(context)
 
 
+def run_with_10_ms_forwards(model, prompt, drafter, clock: FakeClock, reference: torch.Tensor) -> dict:
+    """The controller's telemetry of a run (which must equal `reference`) in which every
+    forward, whatever its width, takes 10 ms on the fake clock."""
+    original = model.forward
+
+    def forward_taking_10_ms(*args, **kwargs):
+        clock.now += 0.01
+        return original(*args, **kwargs)
+
+    stats = GenerationStats()
+    model.forward = forward_taking_10_ms
+    try:
+        assert torch.equal(run(model, prompt, drafter, max_new_tokens=reference.numel(), stats=stats), reference)
+    finally:
+        model.forward = original
+    return stats.controller
+
+
 def test_rounds_off_skip_the_components_so_the_controller_costs_one_percent_of_plain_decoding():
     """Where a decode step is short beside the controller's own work (a GPU's compiled
     step: ~2.5 ms against ~1 ms), rounds with speculation off skip the components
@@ -504,22 +522,10 @@ def test_rounds_off_skip_the_components_so_the_controller_costs_one_percent_of_p
     prompt = random_ids(20, seed=6)[0]
     reference = run(model, prompt, max_new_tokens=300)
     clock = FakeClock()
-    original = model.forward
-
-    def forward_taking_10_ms(*args, **kwargs):
-        clock.now += 0.01  # every forward, whatever its width, as the synthetic cost below says
-        return original(*args, **kwargs)
-
     # Each call of the component takes 0.5 ms: 5% of a plain step, so one round in five asks it.
     switching = TimedSwitching(clock, 5e-4, reference, prompt.numel(), garbage_rounds=25)
     drafter = AdaptiveDrafter([("switching", switching)], forward_cost=cheap_trees_cost(0.1), clock=clock)
-    stats = GenerationStats()
-    model.forward = forward_taking_10_ms
-    try:
-        assert torch.equal(run(model, prompt, drafter, max_new_tokens=300, stats=stats), reference)
-    finally:
-        model.forward = original
-    telemetry = stats.controller
+    telemetry = run_with_10_ms_forwards(model, prompt, drafter, clock, reference)
     # Four rounds or more skipped after each asking round with speculation off (~1% of a
     # step), except around the switch, where a committed token that matches a held
     # proposal ends the wait: speculation is back within three more asking rounds.
@@ -567,22 +573,10 @@ def test_a_round_whose_components_found_nothing_does_not_switch_speculation_off(
     prompt = random_ids(20, seed=6)[0]
     reference = run(model, prompt, max_new_tokens=120)
     clock = FakeClock()
-    original = model.forward
-
-    def forward_taking_10_ms(*args, **kwargs):
-        clock.now += 0.01
-        return original(*args, **kwargs)
-
     # 0.5 ms a call: after a round that chose plain decoding over candidates, four rounds would skip asking.
     lookup = Intermittent(clock, 5e-4, reference, prompt.numel())
     drafter = AdaptiveDrafter([("lookup", lookup)], forward_cost=cheap_trees_cost(0.1), clock=clock)
-    stats = GenerationStats()
-    model.forward = forward_taking_10_ms
-    try:
-        assert torch.equal(run(model, prompt, drafter, max_new_tokens=120, stats=stats), reference)
-    finally:
-        model.forward = original
-    telemetry = stats.controller
+    telemetry = run_with_10_ms_forwards(model, prompt, drafter, clock, reference)
     assert telemetry["rounds_without_proposals"] == 0, telemetry
     assert lookup.calls >= telemetry["rounds"], telemetry  # every round asked (the last one is not observed)
     assert telemetry["credited_tokens"]["lookup"] > 60, telemetry  # the oracle's rounds verified
