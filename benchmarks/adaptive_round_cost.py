@@ -1,11 +1,12 @@
 """`auto`'s own work per round, on this machine's host CPU: what a round costs besides
-the target's forward, for plain decoding, prompt lookup and `auto`, timed as the engine
+the target's forward, for plain decoding, prompt lookup, `auto` over prompt lookup, a
+fixed oracle chain and `auto` over that oracle (`gpu_check.py`'s pair), timed as the engine
 runs them (the drafter's propose, the engine's check of its tree, observe and the
 controller's telemetry) over the same token stream, and the modeled speed of each
 (tokens over the modeled forwards plus the host's time).
 
     python benchmarks/adaptive_round_cost.py                      # Python source, 2 ms forwards
-    python benchmarks/adaptive_round_cost.py --forward-ms 30 --per-token-ms 1.5   # a CPU's forwards
+    python benchmarks/adaptive_round_cost.py --forward-ms 30 --per-token-ms 0.5   # a CPU's forwards
 
 No model and no data files: the stream is Python's standard library split into words
 (each distinct word one token id), and verification accepts what the stream continues
@@ -14,10 +15,10 @@ with (greedy decoding of a target that writes that text). The forwards are model
 those forwards, so it decides as it would on a machine with that cost; only the host
 work is timed. A compiled GPU step costs ~2 ms for a 270M target, where `auto`'s own
 ~0.9 ms a round cost 18-29% of its speed (BENCHMARKS.md, "`auto` on a GPU"): run this
-on the GPU machine's host to see its share there without a GPU. The last method lets
-`auto` learn while each forward runs, as the engine has it on a GPU
-(`EngineOptions.learn_while_verifying`): its learning is then free up to the forward's
-time, a model of that overlap, to be confirmed on a GPU (`gpu_check.py`).
+on the GPU machine's host to see its share there without a GPU. The methods "learning
+during forwards" let `auto` learn while each forward runs, as the engines have it on a
+GPU (`EngineOptions.learn_while_verifying`): its learning is then free up to the
+forward's time, a model of that overlap, to be confirmed on a GPU (`gpu_check.py`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 from adaptive_replay import ModeledClock
 from common import machine, stdlib_source_text, write_results
 from longspec.speculation.cost_model import ForwardCost
+from longspec.speculation.drafters.adaptive.drafter import AdaptiveDrafter
 from longspec.speculation.drafters.adaptive.presets import make_auto
 from longspec.speculation.drafters.base import DraftContext
 from longspec.speculation.drafters.prompt_lookup import PromptLookupDrafter
@@ -54,6 +56,23 @@ def word_stream(tokens: int, skip: int) -> tuple[list[int], int]:
     return ids[:tokens], len(vocabulary)
 
 
+class OracleChain:
+    """The stream's next `length` tokens every round (as `gpu_check.py`'s oracle): all accepted."""
+
+    def __init__(self, stream: list[int], length: int = 8) -> None:
+        self.stream, self.length = stream, length
+
+    def begin(self, context: DraftContext) -> None:
+        pass
+
+    def observe(self, committed: torch.Tensor) -> None:
+        pass
+
+    def propose(self, context: DraftContext) -> Tree:
+        done = context.tokens.numel()
+        return Tree.chain(context.root, self.stream[done : done + min(self.length, context.max_nodes)])
+
+
 def linear_cost(forward_s: float, per_token_s: float) -> ForwardCost:
     ks = (1, 2, 4, 8, 16, 32, 64, 128)
     return ForwardCost({"modeled": True}, ks, tuple(forward_s + per_token_s * (k - 1) for k in ks))
@@ -68,12 +87,13 @@ def replay(stream: list[int], prompt: int, vocab: int, drafter, cost: ForwardCos
     if drafter is not None and hasattr(drafter, "forward_cost"):
         drafter.forward_cost, drafter.clock = cost, clock
     committed = prompt
+    learning = {"learns_while_verifying": True} if overlap else {}  # code before `learn` runs without it
     if drafter is not None:
-        drafter.begin(DraftContext(tokens=tokens[:committed], max_nodes=MAX_NODES, learns_while_verifying=overlap))
+        drafter.begin(DraftContext(tokens=tokens[:committed], max_nodes=MAX_NODES, **learning))
     stats, kinds = GenerationStats(), {"with nodes": [], "root only": []}
     forwards = 0.0
     while committed < tokens.numel():
-        context = DraftContext(tokens=tokens[:committed], max_nodes=MAX_NODES, learns_while_verifying=overlap)
+        context = DraftContext(tokens=tokens[:committed], max_nodes=MAX_NODES, **learning)
         start = time.perf_counter()
         if drafter is None:
             tree = Tree.chain(int(tokens[committed - 1]), [])
@@ -109,17 +129,28 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=4, help="token streams (from successive stdlib files)")
     parser.add_argument("--forward-ms", type=float, default=2.0, help="modeled forward of one token")
     parser.add_argument("--per-token-ms", type=float, default=0.02, help="modeled cost of each further token")
+    parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run auto learning during the forwards (--no-overlap: code without `learn`)")
     parser.add_argument("--out", type=Path, default=Path("bench-out/adaptive_round_cost.jsonl"))
     args = parser.parse_args()
     torch.set_num_threads(1)
     cost = linear_cost(args.forward_ms / 1e3, args.per_token_ms / 1e3)
-    methods = {"ar": (lambda: None, False), "pld": (PromptLookupDrafter, False), "auto": (make_auto, False),
-               "auto, learning during forwards": (make_auto, True)}
+    def over_oracle(stream: list[int]) -> AdaptiveDrafter:
+        return AdaptiveDrafter([("oracle", OracleChain(stream))])
+
+    # name -> (drafter from the stream, whether it learns during the forwards)
+    methods = {"ar": (lambda stream: None, False), "pld": (lambda stream: PromptLookupDrafter(), False),
+               "auto": (lambda stream: make_auto(), False),
+               "auto, learning during forwards": (lambda stream: make_auto(), True),
+               "oracle chain": (OracleChain, False), "auto over the oracle": (over_oracle, False),
+               "auto over the oracle, learning during forwards": (over_oracle, True)}
+    if not args.overlap:
+        methods = {name: method for name, method in methods.items() if not method[1]}
     rows = []
     for index in range(args.streams):
         stream, vocab = word_stream(args.prompt_tokens + args.new_tokens, skip=40 * index)
         for name, (make, overlap) in methods.items():
-            result = replay(stream, args.prompt_tokens, vocab, make(), cost, overlap)
+            result = replay(stream, args.prompt_tokens, vocab, make(stream), cost, overlap)
             row = {"stream": index, "method": name, "rounds": result["rounds"],
                    "tokens_per_round": round(result["tokens_per_round"], 3),
                    "modeled_tokens_per_s": round(result["tokens_per_s"], 1)}
