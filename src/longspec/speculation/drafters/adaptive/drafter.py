@@ -251,7 +251,9 @@ class AdaptiveDrafter:
         # (ties broken by index: parents precede children) is a tree.
         order = sorted(range(1, merged.tree.size), key=lambda n: (-optimistic[n], n))[:budget]
         drafted_s = self.clock() - start
-        k = self.policy.choose([optimistic[n] for n in order], lambda k: drafted_s + self._verify_seconds(k))
+        base = self._measured_forward(0)
+        k = self.policy.choose([optimistic[n] for n in order],
+                               lambda k: drafted_s + self._verify_seconds(k, base))
         tree, kept = subtree(merged, order[:k])
         self._round = {"start": start, "merged": merged, "agreement": agreement, "kept": kept, "called": called, "k": k,
                        "predicted": sum(expected[n] for n in order[:k]), "drafted_s": drafted_s, "order": order,
@@ -398,11 +400,11 @@ class AdaptiveDrafter:
         """The measured seconds of a forward in which every row verifies k + 1 tokens."""
         return self.forward_cost.seconds_for(self._rows * (k + 1))
 
-    def _verify_seconds(self, k: int) -> float:
+    def _verify_seconds(self, k: int, base: float | None = None) -> float:
         """This row's share of a forward in which every row verifies k + 1 tokens (in a
         batch, its nodes are priced at the batch's width, not alone), as the machine
-        runs it now."""
-        base = self._measured_forward(0)
+        runs it now. `base`: `_measured_forward(0)`, where the caller has it."""
+        base = self._measured_forward(0) if base is None else base
         return self._cost_fit.seconds(base, self._measured_forward(k) - base) / self._rows
 
     @staticmethod
@@ -459,16 +461,20 @@ class AdaptiveDrafter:
         cell, parents, size = self.table.cell, merged.parents, len(merged.tokens)
         if size == 1:  # nothing proposed: no rates needed
             return [1.0], [1.0]
-        by_parent: dict[int, list[int]] = {}
-        for node in range(1, size):
-            by_parent.setdefault(parents[node], []).append(node)
+        # Siblings (normalised below); a chain (the common round) has none.
+        siblings: list[list[int]] = []
+        if parents != list(range(-1, size - 1)):
+            by_parent: dict[int, list[int]] = {}
+            for node in range(1, size):
+                by_parent.setdefault(parents[node], []).append(node)
+            siblings = [children for children in by_parent.values() if len(children) > 1]
         cells = [[cell(s, agreement[n]) for s in merged.sources[n]] for n in range(size)]
         estimates = []
         for rates in (self.table.predicting_rates(), self.table.deciding_rates()):
             rate = rates.item  # a Python float per cell
             conditional = [1.0] + [rate(*c[0]) if len(c) == 1 else max(rate(*index) for index in c) for c in cells[1:]]
             # One child at most is accepted: siblings' conditionals sum to at most 1.
-            for children in by_parent.values():
+            for children in siblings:
                 total = sum(conditional[c] for c in children)
                 if total > 1.0:
                     for c in children:
