@@ -18,7 +18,11 @@
    chain: ≥ 0.95× the fixed oracle chain) and over a drafter proposing garbage (it
    should switch speculation off: ≥ 0.97× AR), eager and compiled, beside AR and the
    fixed chain timed the same way: each method runs twice and the second run is timed
-   (`auto` keeps what it learned, as a server's controller would).
+   (`auto` keeps what it learned, as a server's controller would). Two A/B runs beside
+   them: `auto` over the oracle learning in the round (not during the forward, as the
+   engine does on a GPU), and `auto` over garbage with Python's collector kept off
+   the heap that exists before the run (`gc.freeze`); and for every timed run, the
+   compiler's events and the collections during it.
 
 With `--profile`, each shape's operator profile of a few decode steps (host and
 device time per operator) is written beside them.
@@ -131,17 +135,34 @@ def auto_rates(model, prompt: torch.Tensor, reference: list[int], args, label: s
     cost measurement and acceptance learned, left to the first): tokens/s, τ, the
     controller's telemetry, and whether the tokens equal AR's (reported, not required:
     bf16; past a token unlike AR's, the oracle is no oracle any more)."""
-    runs = {"ar": lambda: None,
-            "oracle chain": lambda: OracleDrafter(reference, args.prompt_tokens, args.oracle_tokens),
-            "auto over the oracle": lambda: AdaptiveDrafter(
-                [("oracle", OracleDrafter(reference, args.prompt_tokens, args.oracle_tokens))]),
-            "auto over garbage": lambda: AdaptiveDrafter(
-                [("garbage", GarbageDrafter(model.config.vocab_size, args.oracle_tokens))])}
+    def over_oracle():
+        return AdaptiveDrafter([("oracle", OracleDrafter(reference, args.prompt_tokens, args.oracle_tokens))])
+
+    def over_garbage():
+        return AdaptiveDrafter([("garbage", GarbageDrafter(model.config.vocab_size, args.oracle_tokens))])
+
+    default, in_the_round = EngineOptions(progress=False), EngineOptions(progress=False, learn_while_verifying=False)
+    # name -> (drafter, engine options, whether the timed run freezes the garbage collector's heap)
+    runs = {"ar": (lambda: None, default, False),
+            "oracle chain": (lambda: OracleDrafter(reference, args.prompt_tokens, args.oracle_tokens), default, False),
+            "auto over the oracle": (over_oracle, default, False),
+            "auto over garbage": (over_garbage, default, False),
+            # A/B on the same machine: the learning overlap (on by default on a GPU) and
+            # the collector walking the compiled heap (a suspect for rounds off that cost
+            # 0.9 ms more than plain decoding's on the H100).
+            "auto over the oracle, learning in the round": (over_oracle, in_the_round, False),
+            "auto over garbage, collector frozen": (over_garbage, default, True)}
     result = {}
-    for name, make in runs.items():
+    for name, (make, options, freeze) in runs.items():
         drafter = make()
-        decode_rate(model, prompt, args.new_tokens, drafter)
-        (tokens, stats, round_ms), events = with_events(lambda: decode_rate(model, prompt, args.new_tokens, drafter))
+        decode_rate(model, prompt, args.new_tokens, drafter, options)
+        if freeze:
+            gc.freeze()  # what exists now is left out of every collection
+        try:
+            (tokens, stats, round_ms), events = with_events(
+                lambda: decode_rate(model, prompt, args.new_tokens, drafter, options))
+        finally:
+            gc.unfreeze()
         if args.profile and name in ("ar", "auto over garbage"):  # where a round off costs more than plain decoding's
             write_profile(model, prompt, args.out / f"profile-{name.replace(' ', '-')}-{label}.txt", 16, drafter)
         result[name] = {"tokens_per_s": stats.decode_tokens_per_s, "tau": stats.tau, "equal": tokens == reference,
@@ -174,11 +195,11 @@ def with_events(run):
     return value, {key: count - before.get(key, 0) for key, count in after.items() if count != before.get(key, 0)}
 
 
-def decode_rate(model, prompt: torch.Tensor, new_tokens: int, drafter=None
-                ) -> tuple[list[int], GenerationStats, list[float]]:
+def decode_rate(model, prompt: torch.Tensor, new_tokens: int, drafter=None,
+                options: EngineOptions = EngineOptions(progress=False)) -> tuple[list[int], GenerationStats, list[float]]:
     """The tokens, the run's stats and each round's wall time in ms after the first (which
     also pays first-use costs: ~15 ms on an H100 in a fresh process)."""
-    engine = SpeculativeEngine(model, EngineOptions(progress=False))
+    engine = SpeculativeEngine(model, options)
     stats = GenerationStats()
     tokens, round_ms, last = [], [], None
     for new in engine.generate(prompt, max_new_tokens=new_tokens, drafter=drafter, stats=stats):
@@ -350,12 +371,15 @@ def markdown(rows: list[dict], ks: list[int]) -> str:
                      f"({garbage['tokens_per_s'] / ar['tokens_per_s']:.2f}×), "
                      f"{100 * garbage['speculation_off_share']:.0f}% ({garbage['rounds_without_proposals']}) | {equal} |")
     if steps:
-        lines += ["", "What happened during those timed runs (`with_events`): compiler counters that changed, and "
-                      "garbage collections per generation.", "", "| shape | steps | run | events |", "|---|---|---|---|"]
+        lines += ["", "Every timed run of those, with what happened during it (`with_events`): compiler counters that "
+                      "changed, and garbage collections per generation.", "",
+                  "| shape | steps | run | tok/s | median round ms | events |", "|---|---|---|---|---|---|"]
     for shape, mode, auto in steps:
         for name, run in auto.items():
             events = ", ".join(f"{key} {count:+d}" for key, count in sorted(run.get("events", {}).items())) or "none"
-            lines.append(f"| {shape} | {mode} | {name} | {events} |")
+            median = run["median_round_ms"]
+            lines.append(f"| {shape} | {mode} | {name} | {run['tokens_per_s']:.1f} | "
+                         f"{'–' if median is None else f'{median:.2f}'} | {events} |")
     return "\n".join(lines) + "\n"
 
 
