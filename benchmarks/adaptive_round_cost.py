@@ -135,6 +135,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     cost = linear_cost(args.forward_ms / 1e3, args.per_token_ms / 1e3)
+
     def over_oracle(stream: list[int]) -> AdaptiveDrafter:
         return AdaptiveDrafter([("oracle", OracleChain(stream))])
 
