@@ -147,9 +147,8 @@ class Tree:
             n = len(tokens) + 1
             arrays = torch.tensor([[root, *tokens], range(-1, n - 1), range(n)], dtype=torch.long, device=HOST)
             return Tree.assembled(*arrays.unbind(), **kwargs)
-        else:
-            tokens = torch.as_tensor(tokens, dtype=torch.long, device=HOST).reshape(-1)
-            all_tokens = torch.cat([torch.tensor([root], dtype=torch.long, device=HOST), tokens])
+        tokens = torch.as_tensor(tokens, dtype=torch.long, device=HOST).reshape(-1)
+        all_tokens = torch.cat([torch.tensor([root], dtype=torch.long, device=HOST), tokens])
         n = all_tokens.numel()
         parents = torch.arange(-1, n - 1, dtype=torch.long, device=HOST)
         return Tree.assembled(all_tokens, parents, torch.arange(n, dtype=torch.long, device=HOST), **kwargs)
