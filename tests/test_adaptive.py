@@ -173,8 +173,8 @@ def test_auto_learning_while_the_target_verifies_stays_exact_and_still_learns():
     """With `learn` called during each verification forward (a GPU's setting, forced on
     the CPU here), the acceptance statistics lag a round: the output is still the
     target's, greedy and seeded, the garbage is still dropped and the oracle verified deep."""
-    engine = SpeculativeEngine(*diverse_model("qwen2")[:1], dataclasses.replace(OPTIONS, learn_while_verifying=True))
-    model = engine.model
+    model, _ = diverse_model("qwen2")
+    engine = SpeculativeEngine(model, dataclasses.replace(OPTIONS, learn_while_verifying=True))
     prompt = random_ids(20, seed=6)[0]
     reference = run(model, prompt, max_new_tokens=300)
     results = {}
