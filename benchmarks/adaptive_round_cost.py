@@ -1,6 +1,6 @@
 """`auto`'s own work per round, on this machine's host CPU: what a round costs besides
 the target's forward, for plain decoding, prompt lookup, `auto` over prompt lookup, a
-fixed oracle chain and `auto` over that oracle (`gpu_check.py`'s pair), timed as the engine
+fixed oracle chain and `auto` over that oracle and over garbage (`gpu_check.py`'s pairs), timed as the engine
 runs them (the drafter's propose, the engine's check of its tree, observe and the
 controller's telemetry) over the same token stream, and the modeled speed of each
 (tokens over the modeled forwards plus the host's time).
@@ -73,6 +73,24 @@ class OracleChain:
         return Tree.chain(context.root, self.stream[done : done + min(self.length, context.max_nodes)])
 
 
+class Garbage:
+    """`length` random ids every round (as `gpu_check.py`'s garbage drafter): none accepted."""
+
+    def __init__(self, vocab: int, length: int = 8, seed: int = 7) -> None:
+        self.vocab, self.length = vocab, length
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def begin(self, context: DraftContext) -> None:
+        pass
+
+    def observe(self, committed: torch.Tensor) -> None:
+        pass
+
+    def propose(self, context: DraftContext) -> Tree:
+        count = min(self.length, context.max_nodes)
+        return Tree.chain(context.root, torch.randint(self.vocab, (count,), generator=self.generator).tolist())
+
+
 def linear_cost(forward_s: float, per_token_s: float) -> ForwardCost:
     ks = (1, 2, 4, 8, 16, 32, 64, 128)
     return ForwardCost({"modeled": True}, ks, tuple(forward_s + per_token_s * (k - 1) for k in ks))
@@ -139,12 +157,17 @@ def main() -> None:
     def over_oracle(stream: list[int]) -> AdaptiveDrafter:
         return AdaptiveDrafter([("oracle", OracleChain(stream))])
 
+    def over_garbage(stream: list[int]) -> AdaptiveDrafter:
+        return AdaptiveDrafter([("garbage", Garbage(max(stream) + 1))])
+
     # name -> (drafter from the stream, whether it learns during the forwards)
     methods = {"ar": (lambda stream: None, False), "pld": (lambda stream: PromptLookupDrafter(), False),
                "auto": (lambda stream: make_auto(), False),
                "auto, learning during forwards": (lambda stream: make_auto(), True),
                "oracle chain": (OracleChain, False), "auto over the oracle": (over_oracle, False),
-               "auto over the oracle, learning during forwards": (over_oracle, True)}
+               "auto over the oracle, learning during forwards": (over_oracle, True),
+               "auto over garbage": (over_garbage, False),
+               "auto over garbage, learning during forwards": (over_garbage, True)}
     if not args.overlap:
         methods = {name: method for name, method in methods.items() if not method[1]}
     rows = []

@@ -17,15 +17,17 @@
 3. `auto` on that machine's measured cost: over the oracle (it should verify the whole
    chain: ≥ 0.95× the fixed oracle chain) and over a drafter proposing garbage (it
    should switch speculation off: ≥ 0.97× AR), eager and compiled, beside AR and the
-   fixed chain timed the same way: each method runs twice and the second run is timed
-   (`auto` keeps what it learned, as a server's controller would). Two A/B runs beside
-   them: `auto` over the oracle learning in the round (not during the forward, as the
+   fixed chain timed the same way: each method runs once untimed, then every one is
+   timed `--alternations` times in turns (`auto` keeps what it learned, as a server's
+   controller would). Plain decoding through the engine's drafter path (a drafter that
+   proposes nothing) shows what of `auto`'s extra time is the engine's. Two A/B runs: `auto` over the oracle learning in the round (not during the forward, as the
    engine does on a GPU), and `auto` over garbage with Python's collector kept off
    the heap that exists before the run (`gc.freeze`); and for every timed run, the
    compiler's events and the collections during it.
 
 With `--profile`, each shape's operator profile of a few decode steps (host and
-device time per operator) is written beside them.
+device time per operator) is written beside them, and for AR and `auto` over garbage
+in each mode also a profile of Python functions (where the host's time goes).
 
 Writes a markdown table and the raw numbers (JSON) to --out.
 """
@@ -129,12 +131,29 @@ class GarbageDrafter:
         return Tree.chain(context.root, torch.randint(0, self.vocab_size, (count,), generator=self.generator).tolist())
 
 
+class RootOnlyDrafter:
+    """Proposes nothing, every round: plain decoding through the engine's drafter path
+    (what a round costs the engine, beside AR's, without any controller work)."""
+
+    def begin(self, context: DraftContext) -> None:
+        pass
+
+    def observe(self, committed: torch.Tensor) -> None:
+        pass
+
+    def propose(self, context: DraftContext) -> Tree:
+        return Tree.chain(context.root, [])
+
+
 def auto_rates(model, prompt: torch.Tensor, reference: list[int], args, label: str) -> dict:
     """`auto` over the oracle and over garbage, beside AR and the fixed oracle chain timed
-    the same way (each run twice, the second timed: first-use costs and, for `auto`, the
-    cost measurement and acceptance learned, left to the first): tokens/s, τ, the
-    controller's telemetry, and whether the tokens equal AR's (reported, not required:
-    bf16; past a token unlike AR's, the oracle is no oracle any more)."""
+    the same way: each drafter runs once untimed (first-use costs and, for `auto`, the
+    cost measurement and acceptance learned), then every run is timed `--alternations`
+    times, the runs taking turns so that a drift of the machine spreads over all of
+    them. Reported per run: the median over the turns of tokens/s and of the median
+    round, the mean split of a round (drafting, forward + verification, bookkeeping),
+    the controller's telemetry, and whether the tokens equal AR's (reported, not
+    required: bf16; past a token unlike AR's, the oracle is no oracle any more)."""
     def over_oracle():
         return AdaptiveDrafter([("oracle", OracleDrafter(reference, args.prompt_tokens, args.oracle_tokens))])
 
@@ -147,26 +166,40 @@ def auto_rates(model, prompt: torch.Tensor, reference: list[int], args, label: s
             "oracle chain": (lambda: OracleDrafter(reference, args.prompt_tokens, args.oracle_tokens), default, False),
             "auto over the oracle": (over_oracle, default, False),
             "auto over garbage": (over_garbage, default, False),
+            # What the engine's drafter path costs without a controller: the share of
+            # auto-over-garbage's extra time that is not auto's own.
+            "root only through the drafter path": (RootOnlyDrafter, default, False),
             # A/B on the same machine: the learning overlap (on by default on a GPU) and
             # the collector walking the compiled heap (a suspect for rounds off that cost
             # 0.9 ms more than plain decoding's on the H100).
             "auto over the oracle, learning in the round": (over_oracle, in_the_round, False),
             "auto over garbage, collector frozen": (over_garbage, default, True)}
+    drafters = {}
+    for name, (make, options, _) in runs.items():
+        drafters[name] = make()
+        decode_rate(model, prompt, args.new_tokens, drafters[name], options)
+    timed: dict[str, list] = {name: [] for name in runs}
+    for _ in range(args.alternations):
+        for name, (_, options, freeze) in runs.items():
+            if freeze:
+                gc.freeze()  # what exists now is left out of every collection
+            try:
+                timed[name].append(with_events(lambda: decode_rate(model, prompt, args.new_tokens, drafters[name],
+                                                                   options)))
+            finally:
+                gc.unfreeze()
     result = {}
-    for name, (make, options, freeze) in runs.items():
-        drafter = make()
-        decode_rate(model, prompt, args.new_tokens, drafter, options)
-        if freeze:
-            gc.freeze()  # what exists now is left out of every collection
-        try:
-            (tokens, stats, round_ms), events = with_events(
-                lambda: decode_rate(model, prompt, args.new_tokens, drafter, options))
-        finally:
-            gc.unfreeze()
-        if args.profile and name in ("ar", "auto over garbage"):  # where a round off costs more than plain decoding's
-            write_profile(model, prompt, args.out / f"profile-{name.replace(' ', '-')}-{label}.txt", 16, drafter)
-        result[name] = {"tokens_per_s": stats.decode_tokens_per_s, "tau": stats.tau, "equal": tokens == reference,
-                        "median_round_ms": statistics.median(round_ms) if round_ms else None, "events": events}
+    for name, turns in timed.items():
+        (tokens, stats, round_ms), events = turns[-1]
+        rates = [turn_stats.decode_tokens_per_s for (_, turn_stats, _), _ in turns]
+        medians = [statistics.median(ms) for (_, _, ms), _ in turns if ms]
+        splits = [round_split(turn_stats, ms) for (_, turn_stats, ms), _ in turns]
+        result[name] = {"tokens_per_s": statistics.median(rates), "tokens_per_s_turns": rates, "tau": stats.tau,
+                        "equal": all(turn_tokens == reference for (turn_tokens, _, _), _ in turns),
+                        "median_round_ms": statistics.median(medians) if medians else None,
+                        "split_ms": {part: statistics.fmean(s[part] for s in splits)
+                                     for part in ("draft_ms", "verify_ms", "bookkeeping_ms")},
+                        "events": {key: sum(e.get(key, 0) for _, e in turns) for key in {k for _, e in turns for k in e}}}
         telemetry = stats.controller
         if telemetry:
             result[name].update(
@@ -175,7 +208,29 @@ def auto_rates(model, prompt: torch.Tensor, reference: list[int], args, label: s
                 rounds_without_proposals=telemetry["rounds_without_proposals"],
                 predicted_accepted_per_round=telemetry["predicted_accepted_per_round"],
                 realised_accepted_per_round=telemetry["realised_accepted_per_round"])
+    if args.profile:  # where a round off costs more than plain decoding's: operators, then Python functions
+        for name in ("ar", "auto over garbage"):
+            stem = f"{name.replace(' ', '-')}-{label}"
+            write_profile(model, prompt, args.out / f"profile-{stem}.txt", 16, drafters[name])
+            write_python_profile(lambda: decode_rate(model, prompt, args.new_tokens, drafters[name], runs[name][1]),
+                                 args.out / f"python-profile-{stem}.txt")
     return result
+
+
+def write_python_profile(run, path: Path) -> None:
+    """Where a run's host time goes by Python function (cProfile, sorted by own time):
+    time a function spends waiting on the device shows in the call that waits."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(run)
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text.getvalue())
+    print(f"Python profile: {path}", flush=True)
 
 
 def with_events(run):
@@ -356,7 +411,8 @@ def markdown(rows: list[dict], ks: list[int]) -> str:
     steps = [(r["shape"], "eager", r["auto"]) for r in rows if r.get("auto")]
     steps += [(r["shape"], "compiled", r["compiled"]["auto"]) for r in compiled if r["compiled"].get("auto")]
     if steps:
-        lines += ["", "Each run twice, the second timed. auto over the oracle: × the fixed oracle chain, nodes a round, "
+        lines += ["", "Each run once untimed, then timed in turns with the others (`--alternations`): medians. auto over "
+                      "the oracle: × the fixed oracle chain, nodes a round, "
                       "predicted / realised accepted a round; auto over garbage: × AR, rounds off (of them without "
                       "proposals); = AR: tokens equal AR's (bf16: reported, not required).", "",
                   "| shape | steps | AR tok/s | oracle chain tok/s | auto over the oracle | auto over garbage | = AR |",
@@ -373,13 +429,16 @@ def markdown(rows: list[dict], ks: list[int]) -> str:
     if steps:
         lines += ["", "Every timed run of those, with what happened during it (`with_events`): compiler counters that "
                       "changed, and garbage collections per generation.", "",
-                  "| shape | steps | run | tok/s | median round ms | events |", "|---|---|---|---|---|---|"]
+                  "| shape | steps | run | tok/s (each turn) | median round ms | draft / forward + verify / "
+                  "bookkeeping ms (means) | events |", "|---|---|---|---|---|---|---|"]
     for shape, mode, auto in steps:
         for name, run in auto.items():
             events = ", ".join(f"{key} {count:+d}" for key, count in sorted(run.get("events", {}).items())) or "none"
             median = run["median_round_ms"]
-            lines.append(f"| {shape} | {mode} | {name} | {run['tokens_per_s']:.1f} | "
-                         f"{'–' if median is None else f'{median:.2f}'} | {events} |")
+            turns = ", ".join(f"{rate:.0f}" for rate in run["tokens_per_s_turns"])
+            split = " / ".join(f"{run['split_ms'][part]:.2f}" for part in ("draft_ms", "verify_ms", "bookkeeping_ms"))
+            lines.append(f"| {shape} | {mode} | {name} | {run['tokens_per_s']:.1f} ({turns}) | "
+                         f"{'–' if median is None else f'{median:.2f}'} | {split} | {events} |")
     return "\n".join(lines) + "\n"
 
 
@@ -409,8 +468,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="also write each shape's operator profile of decode steps")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="also measure compiled static steps (default: on a GPU only)")
+    parser.add_argument("--alternations", type=int, default=1,
+                        help="timed turns of each run in the auto table, the runs taking turns")
     parser.add_argument("--out", type=Path, default=Path("bench-out/gpu_check"))
     args = parser.parse_args(argv)
+    if args.alternations < 1:
+        parser.error(f"--alternations must be at least 1, got {args.alternations}")
     device = resolve_device(args.device)
     if args.compile is None:
         args.compile = device.type == "cuda"

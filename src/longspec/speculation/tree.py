@@ -68,6 +68,8 @@ class Tree:
         parent, depth = parents.numpy(), depths.numpy()
         if parent[0] != -1 or depth[0] != 0:
             return f"node 0 must be the root (parent -1, depth 0), got parent {int(parent[0])}, depth {int(depth[0])}"
+        if n == 1:  # the root alone (plain decoding): every round of a drafter that found nothing
+            return self._optional_problem()
         problem = _parents_problem(parent)
         if problem:
             return problem
