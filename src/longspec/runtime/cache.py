@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from longspec.runtime.config import DecoderConfig
+from longspec.runtime.device import HOST
 
 EMPTY_SLOT = -(2**62)  # position of ring slots holding nothing visible
 
@@ -165,12 +166,15 @@ class KVCache:
             kept_count = T
             in_place = True
         else:
-            kept = kept.to(device=self.device, dtype=torch.long)
+            # Checked on the host, where the engines keep their paths: on a GPU, checks of a
+            # device copy would wait for the device three times a round.
+            kept = kept.to(device=HOST, dtype=torch.long)
             kept_count = kept.numel()
             if kept_count > T or (kept_count and (int(kept.max()) >= T or int(kept.min()) < 0)):
                 raise ValueError(f"kept indices {kept.tolist()} out of range for {T} pending tokens")
-            in_place = bool((kept == torch.arange(kept_count, device=self.device)).all())
+            in_place = bool((kept == torch.arange(kept_count, device=HOST)).all())
         if not in_place:
+            kept = kept.to(self.device)
             src = L + kept
             dst = L + torch.arange(kept_count, device=self.device)
             if self.full_k.shape[0]:

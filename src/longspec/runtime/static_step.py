@@ -59,6 +59,16 @@ class CompileOptions:
         return CompileOptions(mode="reduce-overhead" if device.type == "cuda" else None, buckets=buckets)
 
 
+def padded_mask(tree_mask: torch.Tensor | None, tokens: int, size: int, device: torch.device) -> torch.Tensor:
+    """[size, size] visibility among a step's tokens: the `tokens` real ones' tree mask
+    (causal where None) and padding tokens that see only themselves."""
+    if tree_mask is None:
+        tree_mask = torch.ones((tokens, tokens), dtype=torch.bool, device=device).tril_()
+    mask = torch.eye(size, dtype=torch.bool, device=device)
+    mask[:tokens, :tokens] = tree_mask
+    return mask
+
+
 class StaticSteps:
     """The compiled step of one `Decoder`. One function serves every bucket: the
     compiler keeps a graph per shape it meets."""
@@ -71,6 +81,7 @@ class StaticSteps:
             step, backend=options.backend, mode=options.mode, fullgraph=True, dynamic=None)
         self.failure: str | None = None  # why compiling failed: every later forward runs eagerly
         self.calls = 0  # forwards served by a static step (tests and reports read it)
+        self._chain_masks: dict[tuple[int, int], torch.Tensor] = {}  # (bucket, tokens) -> padded causal mask
 
     def bucket(self, tokens: int, cache) -> int | None:
         """The smallest bucket that holds `tokens` new tokens and fits the cache, or
@@ -86,8 +97,12 @@ class StaticSteps:
         T = input_ids.shape[1]
         device = self.decoder.device
         pad = size - T
-        mask = torch.eye(size, dtype=torch.bool, device=device)  # padding tokens see only themselves
-        mask[:T, :T] = torch.ones((T, T), dtype=torch.bool, device=device).tril_() if tree_mask is None else tree_mask
+        if tree_mask is None:  # a chain: the same mask at every step of this shape, made once
+            mask = self._chain_masks.get((size, T))
+            if mask is None:
+                mask = self._chain_masks[size, T] = padded_mask(None, T, size, device)
+        else:
+            mask = padded_mask(tree_mask, T, size, device)
         # Padding tokens repeat the last real one at the root's position: harmless
         # values, invisible to real tokens, forgotten after the step. (Copies even
         # without padding: the compiled step then always sees tensors made here.)

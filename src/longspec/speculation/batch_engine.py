@@ -472,7 +472,7 @@ class BatchEngine:
             if row.params.uses_history:
                 histories = node_histories(row.tokens[: row.length], tree, row.params.penalty_window)
             verdict = verify(tree, row_logits, histories, row.params, row.generator)
-            row.view.last_hidden = row_hidden[verdict.path.to(row_hidden.device)]
+            row.view.last_hidden = verdict.path_rows(row_hidden)
             paths.append(verdict)
             row.stats.verify_s += forward_s + time.perf_counter() - t1
         t1 = time.perf_counter()

@@ -129,7 +129,7 @@ class SpeculativeEngine:
                                                            learns_while_verifying=learn is not None))
             t1 = time.perf_counter()
             verdict, hidden = self._verify_round(tree, tokens, length, cache, params, generator, learn)
-            view.last_hidden = hidden[verdict.path.to(hidden.device)]
+            view.last_hidden = verdict.path_rows(hidden)
             t2 = time.perf_counter()
             cache.commit(verdict.path)
             new = torch.cat([tree.tokens[verdict.path[1:]], torch.tensor([verdict.bonus], device=HOST)])

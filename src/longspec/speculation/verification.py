@@ -35,6 +35,15 @@ class Verdict:
         """Speculative tokens accepted (root excluded)."""
         return self.path.numel() - 1
 
+    def path_rows(self, values: torch.Tensor) -> torch.Tensor:
+        """The rows of `values` (one per tree node, on any device) along the accepted
+        path. A path that is the tree's first nodes (any chain's; node indices grow
+        along a path) is a slice: no index copied to the device."""
+        n = self.path.numel()
+        if int(self.path[-1]) == n - 1:
+            return values[:n]
+        return values[self.path.to(values.device)]
+
 
 def verify(
     tree: Tree,
