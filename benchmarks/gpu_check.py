@@ -179,7 +179,7 @@ def auto_rates(model, prompt: torch.Tensor, reference: list[int], args, label: s
         drafters[name] = make()
         decode_rate(model, prompt, args.new_tokens, drafters[name], options)
     timed: dict[str, list] = {name: [] for name in runs}
-    for _ in range(args.alternations):
+    for turn in range(args.alternations):
         for name, (_, options, freeze) in runs.items():
             if freeze:
                 gc.freeze()  # what exists now is left out of every collection
@@ -188,6 +188,10 @@ def auto_rates(model, prompt: torch.Tensor, reference: list[int], args, label: s
                                                                    options)))
             finally:
                 gc.unfreeze()
+            (_, stats, round_ms), _ = timed[name][-1]
+            # As it comes: a run cut short by a time limit keeps what it measured in its log.
+            print(f"{label} | {name} | turn {turn + 1}: {stats.decode_tokens_per_s:.1f} tok/s, median round "
+                  f"{statistics.median(round_ms) if round_ms else float('nan'):.2f} ms", flush=True)
     result = {}
     for name, turns in timed.items():
         (tokens, stats, round_ms), events = turns[-1]
@@ -293,6 +297,8 @@ def measure_shape(name: str, config, args, device: torch.device) -> dict:
     reference, ar, ar_rounds = decode_rate(model, prompt, args.new_tokens)
     oracle = OracleDrafter(reference, args.prompt_tokens, args.oracle_tokens)
     tokens, spec, spec_rounds = decode_rate(model, prompt, args.new_tokens, oracle)
+    print(f"{name} eager: AR {ar.decode_tokens_per_s:.1f} tok/s, oracle chain {spec.decode_tokens_per_s:.1f}",
+          flush=True)
     # Reported, not required: in bf16 a many-token and a one-token forward may round a
     # near-tie of random weights apart (the device tests prove identity in float64); past
     # such a token the oracle's chain stops matching, which τ shows.
@@ -353,6 +359,7 @@ def compiled_rates(name: str, model, prompt: torch.Tensor, reference: list[int],
     engine = EngineOptions()
     model.static_steps.warm_up(max(engine.prefill_chunk, engine.max_tree_nodes + 1))  # before anything is timed
     compile_s = time.perf_counter() - started
+    print(f"{name}: compiled steps {buckets} in {compile_s:.0f} s", flush=True)
     context = min(args.contexts)
     cost = measure_forward_cost(model, context=context, ks=(1, largest), repeats=args.repeats)
     ar_tokens, ar, ar_rounds = decode_rate(model, prompt, args.new_tokens)

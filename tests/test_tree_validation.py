@@ -79,6 +79,16 @@ MALFORMED = {
     "assembled-runs": (lambda r: Tree.assembled(torch.tensor([r, 5]), torch.tensor([-1, 0]), torch.tensor([0, 1]),
                                                 copied_runs=torch.tensor([0])),
                        "copied_runs must be a host int64 tensor of one value per node (2)"),
+    # The root alone (what a drafter that found nothing proposes) has its own short path.
+    "root-only-parent": (lambda r: Tree.assembled(torch.tensor([r]), torch.tensor([0]), torch.tensor([0])),
+                         "node 0 must be the root (parent -1, depth 0), got parent 0"),
+    "root-only-depth": (lambda r: Tree.assembled(torch.tensor([r]), torch.tensor([-1]), torch.tensor([2])),
+                        "node 0 must be the root (parent -1, depth 0), got parent -1, depth 2"),
+    "root-only-token-range": (lambda r: Tree.chain(VOCAB_SIZE + 3, []), f"node 0 carries token {VOCAB_SIZE + 3}"),
+    "root-only-wrong-root": (lambda r: Tree.chain((r + 1) % VOCAB_SIZE, []), "but the root (last committed token) is"),
+    "root-only-runs": (lambda r: Tree.assembled(torch.tensor([r]), torch.tensor([-1]), torch.tensor([0]),
+                                                copied_runs=torch.tensor([0, 1])),
+                       "copied_runs must be a host int64 tensor of one value per node (1)"),
 }
 
 

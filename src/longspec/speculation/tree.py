@@ -63,12 +63,15 @@ class Tree:
             return "a tree needs at least its root node"
         if parents.numel() != n or depths.numel() != n:
             return f"tokens, parents and depths must have the same length (got {n}, {parents.numel()}, {depths.numel()})"
-        # NumPy views of the host tensors: on trees of a few dozen nodes its operations cost
-        # ~1 µs against PyTorch's ~5, and every round validates at least one tree.
-        parent, depth = parents.numpy(), depths.numpy()
+        if n == 1:  # the root alone (plain decoding): every round of a drafter that found nothing
+            parent, depth = parents.tolist(), depths.tolist()
+        else:
+            # NumPy views of the host tensors: on trees of a few dozen nodes its operations
+            # cost ~1 µs against PyTorch's ~5, and every round validates at least one tree.
+            parent, depth = parents.numpy(), depths.numpy()
         if parent[0] != -1 or depth[0] != 0:
             return f"node 0 must be the root (parent -1, depth 0), got parent {int(parent[0])}, depth {int(depth[0])}"
-        if n == 1:  # the root alone (plain decoding): every round of a drafter that found nothing
+        if n == 1:
             return self._optional_problem()
         problem = _parents_problem(parent)
         if problem:
@@ -99,8 +102,11 @@ class Tree:
         problem = self.structure_problem()
         if problem:
             return problem
-        tokens = self.tokens.numpy()
-        bad_token = _first_index((tokens < 0) | (tokens >= vocab_size))
+        if self.size == 1:
+            bad_token = None if 0 <= self.tokens.tolist()[0] < vocab_size else 0
+        else:
+            tokens = self.tokens.numpy()
+            bad_token = _first_index((tokens < 0) | (tokens >= vocab_size))
         if bad_token is not None:
             return f"node {bad_token} carries token {int(self.tokens[bad_token])}, outside the vocabulary [0, {vocab_size})"
         q = self.draft_probs
