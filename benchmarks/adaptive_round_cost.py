@@ -110,10 +110,14 @@ def replay(stream: list[int], prompt: int, vocab: int, drafter, cost: ForwardCos
         drafter.begin(DraftContext(tokens=tokens[:committed], max_nodes=MAX_NODES, **learning))
     stats, kinds = GenerationStats(), {"with nodes": [], "root only": []}
     forwards = 0.0
+    plain_rounds = getattr(drafter, "plain_rounds", None)
+    plain_left, plain_start = 0, committed  # rounds left to plain decoding, as the engine runs them
     while committed < tokens.numel():
         context = DraftContext(tokens=tokens[:committed], max_nodes=MAX_NODES, **learning)
         start = time.perf_counter()
-        if drafter is None:
+        if plain_rounds is not None and not plain_left:
+            plain_left, plain_start = plain_rounds(), committed
+        if drafter is None or plain_left:
             tree = Tree.chain(int(tokens[committed - 1]), [])
         else:
             tree = checked_proposal(drafter, context, vocab)
@@ -128,7 +132,12 @@ def replay(stream: list[int], prompt: int, vocab: int, drafter, cost: ForwardCos
             drafter.learn()
             spent += max(0.0, time.perf_counter() - start - forward)  # beyond the forward, the host is late
         start = time.perf_counter()
-        if drafter is not None:
+        if plain_left:
+            plain_left -= 1
+            if not plain_left:  # the last of them: the drafter is told of them all at once
+                drafter.observe(tokens[plain_start : committed + step.numel()])
+                record_controller(drafter, stats)
+        elif drafter is not None:
             drafter.observe(step)
             record_controller(drafter, stats)
         spent += time.perf_counter() - start

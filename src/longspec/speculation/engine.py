@@ -116,13 +116,19 @@ class SpeculativeEngine:
         view.prefill_hidden = prefill_hidden
         draft_generator = drafter_generator(generator) if generator is not None else None
         learn = learn_while_verifying(drafter, self.options, self.model.device)
+        plain_rounds = getattr(drafter, "plain_rounds", None)
         if drafter is not None:
             drafter.begin(DraftContext(tokens[:length], view, tree_budget, draft_generator,
                                        learns_while_verifying=learn is not None))
         produced = 0
+        # Rounds the drafter left to plain decoding (`plain_rounds`): their tokens and
+        # root states, handed to it at once after the last of them.
+        plain_left, plain_tokens, plain_hidden = 0, [], []
         while produced < max_new_tokens:
             t0 = time.perf_counter()
-            if drafter is None:
+            if plain_rounds is not None and not plain_left:
+                plain_left = plain_rounds()
+            if drafter is None or plain_left:
                 tree = Tree.chain(int(tokens[length - 1]), [])
             else:
                 tree = self._propose(drafter, DraftContext(tokens[:length], view, tree_budget, draft_generator,
@@ -137,15 +143,27 @@ class SpeculativeEngine:
             tokens[length : length + new.numel()] = new
             length += new.numel()
             produced += new.numel()
-            if drafter is not None and not stop_reason:
-                drafter.observe(new)
+            observed = None  # the tokens the drafter is told of this round (never the last round's)
+            if drafter is not None and not plain_left:
+                observed = None if stop_reason else new
+            elif drafter is not None:
+                if not stop_reason:
+                    plain_tokens.append(new)
+                    plain_hidden.append(view.last_hidden)
+                plain_left -= 1
+                if plain_tokens and (not plain_left or stop_reason):  # the last of them, or the sequence ends
+                    view.last_hidden, observed = torch.cat(plain_hidden), torch.cat(plain_tokens)
+                    plain_tokens, plain_hidden = [], []
+            if observed is not None:
+                drafter.observe(observed)
             t3 = time.perf_counter()
             stats.draft_s += t1 - t0
             stats.verify_s += t2 - t1
             stats.bookkeeping_s += t3 - t2
             stats.new_tokens = produced
             stats.record_round(tree.max_depth, verdict.accepted_tokens, tree.size - 1)
-            record_controller(drafter, stats)
+            if observed is not None:
+                record_controller(drafter, stats)
             yield new
             if stop_reason:
                 stats.stop_reason = stop_reason

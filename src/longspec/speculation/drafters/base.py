@@ -19,7 +19,11 @@ trees from the measured forward cost at the batch's width itself (`auto`), so th
 batched engine's joint budget leaves its trees whole; and ``learn()``, work that can
 wait for the target (updating statistics from the last rounds' verdicts): an engine that
 says so in `DraftContext.learns_while_verifying` calls it each round after queuing the
-verification forward and before reading its result, where a GPU computes meanwhile.
+verification forward and before reading its result, where a GPU computes meanwhile; and
+``plain_rounds() -> int``, how many coming rounds it would propose nothing in whatever
+they commit (speculation switched off): the single-sequence engine then runs them as
+plain decoding, without `propose` and `observe`, and afterwards calls `observe` once
+with their tokens (`TargetView.last_hidden` holding the states of all their roots).
 """
 
 from __future__ import annotations

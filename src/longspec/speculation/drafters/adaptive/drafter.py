@@ -33,6 +33,8 @@ Each round:
    proposals (plain decoding steps) space out the ones with, so that the controller's
    own work costs at most `_OFF_OVERHEAD_SHARE` of plain decoding, where a decode step
    is short beside it; a committed token that matches a held proposal ends the wait.
+   An engine may run such rounds as plain decoding and report them at once
+   (`plain_rounds`): the wait then ends when it reports them.
    A round whose components found nothing is not such a verdict: they are asked again
    next round.
 
@@ -204,13 +206,22 @@ class AdaptiveDrafter:
         # Rounds' unverified nodes waiting for the committed tokens that decide them.
         self._unverified: list[tuple[UnverifiedNodes, list, list[bool]]] = []
 
+    def plain_rounds(self) -> int:
+        """How many coming rounds this controller proposes nothing in, whatever they
+        commit: while speculation is off, those before it asks its components again.
+        An engine may decode them as plain decoding without calling `propose` or
+        `observe`, then hand over their tokens in one `observe`: where a decode step is
+        short (a GPU's), what a round through a drafter costs the engine is then paid
+        once for them all. 0: the next round goes through `propose`."""
+        rounds = self._rounds_to_skip() - self._rounds_without_proposals if self._off else 0
+        if rounds > 0:
+            self._round = {"start": self.clock(), "skipped": True, "drafted_s": 0.0}
+        return max(rounds, 0)
+
     def propose(self, context: DraftContext) -> Tree:
         start = self.clock()
         self._rows = max(int(context.rows_in_forward), 1)
         if self._off and self._rounds_without_proposals < self._rounds_to_skip():
-            self._rounds_without_proposals += 1
-            for component in self.components:
-                component.rounds_out += 1  # a costly one's probe wait counts the sequence's rounds
             tree = Tree.chain(context.root, [])
             self._round = {"start": start, "skipped": True, "tree": tree, "drafted_s": self.clock() - start}
             return tree
@@ -290,14 +301,20 @@ class AdaptiveDrafter:
         seconds = self.clock() - round_["start"]
         base = self._measured_forward(0)
         t = self.telemetry_state
-        t.rounds += 1
-        if round_.get("skipped"):
+        if round_.get("skipped"):  # plain decoding, one token a round (`propose`'s or `plain_rounds`')
+            rounds = int(committed.numel())
+            self._rounds_without_proposals += rounds
+            for component in self.components:
+                component.rounds_out += rounds  # a costly one's probe wait counts the sequence's rounds
             if self._resolve_unverified(committed.tolist()):
                 self._off = False  # the last proposals start to match: ask the components next round
-            self._cost_fit.observe(base, 0.0, max(seconds - round_["drafted_s"], 1e-9), 0)
-            t.speculation_off_rounds += 1
-            t.rounds_without_proposals += 1
+            for _ in range(rounds):
+                self._cost_fit.observe(base, 0.0, max(seconds - round_["drafted_s"], 1e-9) / rounds, 0)
+            t.rounds += rounds
+            t.speculation_off_rounds += rounds
+            t.rounds_without_proposals += rounds
             return
+        t.rounds += 1
         observe_start = self.clock()
         merged: MergedTree = round_["merged"]
         kept = round_["kept"]

@@ -1,0 +1,99 @@
+"""`plain_rounds`: a drafter that leaves rounds to plain decoding is neither asked nor
+told during them, then told of them all at once: their tokens, and the target's
+states of their roots, exactly as a drafter told round by round would have seen them.
+Outputs stay AR's (greedy, float64) and the seeded ones the same under sampling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from longspec.speculation.drafters import PromptLookupDrafter
+from longspec.speculation.drafters.base import DraftContext
+from longspec.speculation.engine import EngineOptions, SpeculativeEngine
+from longspec.speculation.processors import SamplingParams
+from longspec.speculation.tree import Tree
+from tiny_models import random_ids, tiny_decoder
+
+OPTIONS = EngineOptions(max_tree_nodes=8, progress=False)
+
+
+class Recorder:
+    """Proposes a prompt lookup's chain on `ask` rounds, nothing on the others, and keeps
+    what it is told: with `plain`, it leaves the others to plain decoding; without, it
+    goes through every one of them (the reference)."""
+
+    def __init__(self, pattern: list[int], plain: bool) -> None:
+        self.pattern, self.plain = pattern, plain  # rounds proposed, then rounds left plain, repeated
+        self.lookup = PromptLookupDrafter(num_tokens=4)
+        self.proposals, self.observed, self.hidden = 0, [], []
+
+    def begin(self, context: DraftContext) -> None:
+        self.view, self.cycle = context.target, 0
+        self.lookup.begin(context)
+
+    def _plain_now(self) -> int:
+        ask, plain = self.pattern
+        position = self.cycle % (ask + plain)
+        return ask + plain - position if position >= ask else 0
+
+    def plain_rounds(self) -> int:
+        if not self.plain:
+            return 0
+        rounds = self._plain_now()
+        self.cycle += rounds
+        return rounds
+
+    def propose(self, context: DraftContext) -> Tree:
+        self.proposals += 1
+        plain_now = self._plain_now()
+        self.cycle += 1
+        return Tree.chain(context.root, []) if plain_now else self.lookup.propose(context)
+
+    def observe(self, committed: torch.Tensor) -> None:
+        self.lookup.observe(committed)
+        self.observed.append(committed.tolist())
+        self.hidden.append(self.view.last_hidden.clone())
+
+
+def generate(model, prompt, drafter, params=SamplingParams(), seed=None, max_new_tokens=60):
+    engine = SpeculativeEngine(model, OPTIONS)
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    return torch.cat(list(engine.generate(prompt, params=params, max_new_tokens=max_new_tokens, drafter=drafter,
+                                          generator=generator)))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_plain_rounds_are_told_at_once_with_every_root_state(family):
+    model = tiny_decoder(family, dtype=torch.float64)
+    prompt = torch.cat([random_ids(12, seed=3)[0]] * 3)  # repeats: the lookup's chains are accepted
+    reference = generate(model, prompt, None)
+    plain, each = Recorder([2, 5], plain=True), Recorder([2, 5], plain=False)
+    assert torch.equal(generate(model, prompt, plain), reference)
+    assert torch.equal(generate(model, prompt, each), reference)
+    assert plain.proposals < each.proposals  # the plain rounds were not asked
+    # Told the same tokens, the plain rounds in one piece ...
+    assert sum(plain.observed, []) == sum(each.observed, [])
+    assert any(len(tokens) == 5 for tokens in plain.observed)
+    # ... with one state a root, equal to those of the rounds told one by one.
+    assert torch.allclose(torch.cat(plain.hidden), torch.cat(each.hidden), rtol=0, atol=1e-12)
+    for tokens, hidden in zip(plain.observed, plain.hidden):
+        assert hidden.shape[0] == len(tokens)  # a plain round, or a round whose accepted path has as many nodes
+
+
+def test_a_sequence_that_ends_among_plain_rounds_tells_all_but_the_last_round():
+    model = tiny_decoder("qwen2", dtype=torch.float64)
+    prompt = random_ids(16, seed=4)[0]
+    drafter = Recorder([1, 30], plain=True)
+    out = generate(model, prompt, drafter, max_new_tokens=20)
+    assert torch.equal(out, generate(model, prompt, None, max_new_tokens=20))
+    assert sum(drafter.observed, []) == out.tolist()[:-1]  # the last round is never told, as without plain rounds
+
+
+def test_plain_rounds_keep_seeded_sampling_identical():
+    model = tiny_decoder("llama", dtype=torch.float64)
+    prompt = torch.cat([random_ids(10, seed=5)[0]] * 3)
+    params = SamplingParams(temperature=0.8, top_p=0.9)
+    with_plain = generate(model, prompt, Recorder([2, 4], plain=True), params, seed=11)
+    told_each = generate(model, prompt, Recorder([2, 4], plain=False), params, seed=11)
+    assert torch.equal(with_plain, told_each)
