@@ -97,3 +97,14 @@ def test_plain_rounds_keep_seeded_sampling_identical():
     with_plain = generate(model, prompt, Recorder([2, 4], plain=True), params, seed=11)
     told_each = generate(model, prompt, Recorder([2, 4], plain=False), params, seed=11)
     assert torch.equal(with_plain, told_each)
+
+
+@pytest.mark.parametrize("answer", [-1, 2.0, None, True])
+def test_a_plain_rounds_answer_that_is_not_a_count_fails_naming_the_drafter(answer):
+    class Broken(Recorder):
+        def plain_rounds(self):
+            return answer
+
+    model = tiny_decoder("llama", dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"drafter Broken\.plain_rounds\(\) returned"):
+        generate(model, random_ids(8, seed=1)[0], Broken([1, 1], plain=True))

@@ -127,7 +127,7 @@ class SpeculativeEngine:
         while produced < max_new_tokens:
             t0 = time.perf_counter()
             if plain_rounds is not None and not plain_left:
-                plain_left = plain_rounds()
+                plain_left = checked_plain_rounds(drafter, plain_rounds)
             if drafter is None or plain_left:
                 tree = Tree.chain(int(tokens[length - 1]), [])
             else:
@@ -231,6 +231,15 @@ def checked_proposal(drafter: Drafter, context: DraftContext, vocab_size: int, p
     if problem:
         raise MalformedTreeError(f"drafter {name} proposed a malformed tree: {problem}")
     return tree
+
+
+def checked_plain_rounds(drafter: Drafter, plain_rounds) -> int:
+    """The drafter's `plain_rounds()`, which must be a count."""
+    rounds = plain_rounds()
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
+        raise ValueError(f"drafter {type(drafter).__name__}.plain_rounds() returned {rounds!r}; "
+                         "it must return how many coming rounds to leave to plain decoding (an int >= 0)")
+    return rounds
 
 
 def node_histories(committed: torch.Tensor, tree: Tree, window: int) -> torch.Tensor:
