@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from adaptive_replay import ModeledClock
-from common import machine, stdlib_source_text, write_results
+from common import GarbageDrafter, machine, stdlib_source_text, write_results
 from longspec.speculation.cost_model import ForwardCost
 from longspec.speculation.drafters.adaptive.drafter import AdaptiveDrafter
 from longspec.speculation.drafters.adaptive.presets import make_auto
@@ -71,24 +71,6 @@ class OracleChain:
     def propose(self, context: DraftContext) -> Tree:
         done = context.tokens.numel()
         return Tree.chain(context.root, self.stream[done : done + min(self.length, context.max_nodes)])
-
-
-class Garbage:
-    """`length` random ids every round (as `gpu_check.py`'s garbage drafter): none accepted."""
-
-    def __init__(self, vocab: int, length: int = 8, seed: int = 7) -> None:
-        self.vocab, self.length = vocab, length
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def begin(self, context: DraftContext) -> None:
-        pass
-
-    def observe(self, committed: torch.Tensor) -> None:
-        pass
-
-    def propose(self, context: DraftContext) -> Tree:
-        count = min(self.length, context.max_nodes)
-        return Tree.chain(context.root, torch.randint(self.vocab, (count,), generator=self.generator).tolist())
 
 
 def linear_cost(forward_s: float, per_token_s: float) -> ForwardCost:
@@ -167,7 +149,7 @@ def main() -> None:
         return AdaptiveDrafter([("oracle", OracleChain(stream))])
 
     def over_garbage(stream: list[int]) -> AdaptiveDrafter:
-        return AdaptiveDrafter([("garbage", Garbage(max(stream) + 1))])
+        return AdaptiveDrafter([("garbage", GarbageDrafter(max(stream) + 1))])
 
     # name -> (drafter from the stream, whether it learns during the forwards)
     methods = {"ar": (lambda stream: None, False), "pld": (lambda stream: PromptLookupDrafter(), False),

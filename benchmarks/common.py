@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from longspec.bench.floor import decode_bytes_per_forward, machine, read_bandwidth_gbs  # noqa: F401  (re-exported)
+from longspec.speculation.tree import Tree
 
 
 def stdlib_source_text(min_chars: int, *, skip: int = 0) -> str:
@@ -104,3 +105,23 @@ def baseline_library(source: Path, library: str):
     load(name=library, sources=[str(copy)], extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
          extra_include_paths=[str(KERNELS)], is_python_module=False, verbose=False)
     return getattr(torch.ops, library)
+
+
+class GarbageDrafter:
+    """Proposes `length` random tokens every round: none is ever accepted (what `auto`
+    must switch off)."""
+
+    def __init__(self, vocab_size: int, length: int = 8, seed: int = 7) -> None:
+        self.vocab_size, self.length = vocab_size, length
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def begin(self, context) -> None:
+        pass
+
+    def observe(self, committed: torch.Tensor) -> None:
+        pass
+
+    def propose(self, context) -> Tree:
+        count = min(self.length, context.max_nodes)
+        return Tree.chain(context.root, torch.randint(0, self.vocab_size, (count,), generator=self.generator).tolist())
+

@@ -47,7 +47,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # common.py, also when loaded from elsewhere (tests)
 
+from common import GarbageDrafter  # noqa: E402
 from longspec.runtime.device import HOST, device_name, resolve_device, synchronize  # noqa: E402
 from longspec.runtime.loading import decoder_from_state_dict  # noqa: E402
 from longspec.runtime.static_step import CompileOptions  # noqa: E402
@@ -111,24 +113,6 @@ class OracleDrafter:
     def propose(self, context: DraftContext) -> Tree:
         done = context.tokens.numel() - self.prompt_length
         return Tree.chain(context.root, self.reference[done : done + min(self.length, context.max_nodes)])
-
-
-class GarbageDrafter:
-    """Proposes `length` random tokens every round: none is ever accepted."""
-
-    def __init__(self, vocab_size: int, length: int, seed: int = 7) -> None:
-        self.vocab_size, self.length = vocab_size, length
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def begin(self, context: DraftContext) -> None:
-        pass
-
-    def observe(self, committed: torch.Tensor) -> None:
-        pass
-
-    def propose(self, context: DraftContext) -> Tree:
-        count = min(self.length, context.max_nodes)
-        return Tree.chain(context.root, torch.randint(0, self.vocab_size, (count,), generator=self.generator).tolist())
 
 
 class RootOnlyDrafter:
