@@ -20,10 +20,11 @@
    fixed chain timed the same way: each method runs once untimed, then every one is
    timed `--alternations` times in turns (`auto` keeps what it learned, as a server's
    controller would). Plain decoding through the engine's drafter path (a drafter that
-   proposes nothing) shows what of `auto`'s extra time is the engine's. Two A/B runs: `auto` over the oracle learning in the round (not during the forward, as the
-   engine does on a GPU), and `auto` over garbage with Python's collector kept off
-   the heap that exists before the run (`gc.freeze`); and for every timed run, the
-   compiler's events and the collections during it.
+   proposes nothing) shows what of `auto`'s extra time is the engine's. Two A/B runs:
+   `auto` over the oracle learning in the round (not during the forward, as the engine
+   does on a GPU), and `auto` over garbage with Python's collector kept off the heap
+   that exists before the run (`gc.freeze`); and for every timed run, the compiler's
+   events and the collections during it.
 
 With `--profile`, each shape's operator profile of a few decode steps (host and
 device time per operator) is written beside them, and for AR and `auto` over garbage
@@ -154,8 +155,8 @@ def auto_rates(model, prompt: torch.Tensor, reference: list[int], args, label: s
             # auto-over-garbage's extra time that is not auto's own.
             "root only through the drafter path": (RootOnlyDrafter, default, False),
             # A/B on the same machine: the learning overlap (on by default on a GPU) and
-            # the collector walking the compiled heap (a suspect for rounds off that cost
-            # 0.9 ms more than plain decoding's on the H100).
+            # the collector walking the compiled heap (once a suspect for the extra cost of
+            # rounds off on the H100; it made no difference there).
             "auto over the oracle, learning in the round": (over_oracle, in_the_round, False),
             "auto over garbage, collector frozen": (over_garbage, default, True)}
     drafters = {}
