@@ -110,6 +110,37 @@ def test_batched_tree_forward_matches_single_rows(family, packed):
             kept.append(path)
         view.commit(kept)
         assert batch.lengths[: len(lengths)].tolist() == [s.length for s in singles]
+        assert batch.host_lengths[: len(lengths)].tolist() == [s.length for s in singles]
+
+
+def test_the_host_copy_of_row_lengths_follows_every_row_operation():
+    """What the host reads of the rows' lengths (so that a GPU forward never waits to
+    learn them) stays equal to the device's through commits, swaps, releases and copies."""
+    model = tiny_decoder("gemma3", dtype=torch.float64)
+    batch = BatchKVCache(model.config, 64, 4, max_forward_tokens=16, dtype=torch.float64)
+
+    def agree():
+        assert torch.equal(batch.lengths.cpu(), batch.host_lengths), (batch.lengths, batch.host_lengths)
+
+    rows = []
+    for i, length in enumerate([3, 11, 7]):
+        rows.append(batch.acquire())
+        view = rows[-1].view()
+        model(random_ids(length, seed=i), view, positions=view.next_positions(length))
+        view.commit()
+        agree()
+    view = batch.rows()
+    model(torch.zeros(3, 2, dtype=torch.long), view, positions=view.next_positions(2))
+    view.commit([torch.tensor([0]), torch.tensor([0, 1]), torch.empty(0, dtype=torch.long)])
+    agree()
+    assert [row.length for row in rows] == [4, 13, 7]
+    batch.swap(rows[0], rows[2])
+    agree()
+    batch.release(rows[1])
+    agree()
+    batch.copy_row(rows[2], rows[0])
+    agree()
+    assert [row.length for row in (rows[0], rows[2])] == [7, 7]  # the source's
 
 
 @pytest.mark.skipif(attention_ops() is None, reason="the native bf16 kernels need AVX-512 BF16 or AVX2")

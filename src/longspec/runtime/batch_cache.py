@@ -37,7 +37,7 @@ class CacheRow:
 
     @property
     def length(self) -> int:
-        return int(self._cache.lengths[self.slot])
+        return int(self._cache.host_lengths[self.slot])
 
     def prefix(self, layer: int, include_pending: bool = False):
         """This row's committed K/V [1, Hkv, length, D] of a full layer (a view), or its ring."""
@@ -81,6 +81,9 @@ class BatchKVCache:
         self.ring_v = torch.zeros_like(self.ring_k)
         self.ring_positions = torch.full((max_rows, self.ring_size), EMPTY_SLOT, dtype=torch.long, device=device)
         self.lengths = torch.zeros(max_rows, dtype=torch.long, device=device)
+        # The same on the host: what the host reads (the longest row, a row's length) it
+        # reads here, so that no forward on a GPU waits for the device to answer.
+        self.host_lengths = torch.zeros(max_rows, dtype=torch.long, device=HOST)
         self._rows: list[CacheRow] = []  # occupied, in slot order
         self.pending_view: RowsView | None = None  # the view whose forward awaits commit
 
@@ -170,6 +173,7 @@ class BatchKVCache:
     # ------------------------------------------------------------- internals
     def _clear(self, slot: int) -> None:
         self.lengths[slot] = 0
+        self.host_lengths[slot] = 0
         if self.ring_size:
             self.ring_positions[slot] = EMPTY_SLOT
 
@@ -178,9 +182,10 @@ class BatchKVCache:
             t[:, [a, b]] = t[:, [b, a]]
         self.ring_positions[[a, b]] = self.ring_positions[[b, a]]
         self.lengths[[a, b]] = self.lengths[[b, a]]
+        self.host_lengths[[a, b]] = self.host_lengths[[b, a]]
 
     def _move(self, src: int, dst: int) -> None:
-        length = int(self.lengths[src])
+        length = int(self.host_lengths[src])
         self.full_k[:, dst, :, :length] = self.full_k[:, src, :, :length]
         self.full_v[:, dst, :, :length] = self.full_v[:, src, :, :length]
         if self.ring_size:
@@ -188,6 +193,7 @@ class BatchKVCache:
             self.ring_v[:, dst] = self.ring_v[:, src]
             self.ring_positions[dst] = self.ring_positions[src]
         self.lengths[dst] = length
+        self.host_lengths[dst] = length
 
 
 class RowsView:
@@ -210,11 +216,16 @@ class RowsView:
         return self.cache.lengths[self.begin : self.end]
 
     @property
+    def host_lengths(self) -> torch.Tensor:
+        """`lengths` on the host (reading them waits for no device)."""
+        return self.cache.host_lengths[self.begin : self.end]
+
+    @property
     def length(self) -> int:
         """A single row's committed length (what a drafter's view reads)."""
         if self.batch_size != 1:
             raise ValueError("length is per row: read `lengths` for a view of several rows")
-        return int(self.lengths[0])
+        return int(self.host_lengths[0])
 
     @property
     def pending(self) -> int:
@@ -233,7 +244,7 @@ class RowsView:
             raise RuntimeError("the previous forward's tokens were neither committed nor dropped")
         if T > self.cache.max_forward_tokens:
             raise ValueError(f"a forward of {T} tokens per row exceeds max_forward_tokens={self.cache.max_forward_tokens}")
-        longest = int(self.lengths.max())
+        longest = int(self.host_lengths.max())
         if longest + T > self.cache.row_capacity:
             raise ValueError(f"a row is full: {longest} committed + {T} new tokens > row capacity {self.cache.row_capacity}")
         self._pending = T
@@ -265,7 +276,7 @@ class RowsView:
         rows = slice(self.begin, self.end)
         if self.config.layer_is_sliding[layer]:
             return c.ring_k[j, rows], c.ring_v[j, rows]
-        end = int(self.lengths.max()) + (self.pending if include_pending else 0)
+        end = int(self.host_lengths.max()) + (self.pending if include_pending else 0)
         return c.full_k[j, rows, :, :end], c.full_v[j, rows, :, :end]
 
     def as_sequence(self) -> "OneRowPlan":
@@ -283,7 +294,7 @@ class RowsView:
         """[B, T, S] visibility of full-layer slots 0..S-1 (S = longest row + T):
         a row's committed prefix, then its own pending tokens under its tree mask."""
         T = self.pending
-        S = int(self.lengths.max()) + T
+        S = int(self.host_lengths.max()) + T
         visible = torch.arange(S, device=self.cache.device).view(1, 1, S) < self.lengths.view(-1, 1, 1)
         visible = visible.expand(-1, T, -1).clone()
         visible.scatter_(2, self.pending_slots.unsqueeze(1).expand(-1, T, -1), tree_mask)
@@ -311,9 +322,9 @@ class RowsView:
         if c.pending_view is not self:
             raise RuntimeError("this view has no pending forward to commit")
         device = c.device
-        lengths = self.lengths.clone()
+        lengths = self.host_lengths.tolist()
         if kept is None:
-            counts = torch.full((B,), T, dtype=torch.long, device=device)
+            counts = [T] * B
         else:
             if len(kept) != B:
                 raise ValueError(f"commit needs one kept-index tensor per row ({B}), got {len(kept)}")
@@ -322,13 +333,12 @@ class RowsView:
             for b, k in enumerate(kept):
                 if k.numel() > T or (k.numel() and (int(k.max()) >= T or int(k.min()) < 0)):
                     raise ValueError(f"row {b}: kept indices {k.tolist()} out of range for {T} pending tokens")
-            counts = torch.tensor([k.numel() for k in kept], dtype=torch.long, device=device)
+            counts = [k.numel() for k in kept]
             moves = [(b, k) for b, k in enumerate(kept) if not bool((k == torch.arange(k.numel(), device=HOST)).all())]
             if moves:
-                host_lengths = lengths.tolist()
                 rows = torch.cat([torch.full((k.numel(),), self.begin + b, device=HOST) for b, k in moves]).to(device)
-                src = torch.cat([host_lengths[b] + k for b, k in moves]).to(device)
-                dst = torch.cat([host_lengths[b] + torch.arange(k.numel(), device=HOST) for b, k in moves]).to(device)
+                src = torch.cat([lengths[b] + k for b, k in moves]).to(device)
+                dst = torch.cat([lengths[b] + torch.arange(k.numel(), device=HOST) for b, k in moves]).to(device)
                 if c.full_k.shape[0]:
                     c.full_k[:, rows, :, dst] = c.full_k[:, rows, :, src]
                     c.full_v[:, rows, :, dst] = c.full_v[:, rows, :, src]
@@ -338,12 +348,17 @@ class RowsView:
                     c.ring_v[:, rows, :, rdst] = c.ring_v[:, rows, :, rsrc]
         if c.ring_size and T:
             c.ring_positions[self._batch_index, self.pending_ring_slots] = EMPTY_SLOT
-            index = torch.arange(T, device=device).unsqueeze(0)
-            keep = index < counts.unsqueeze(1)  # [B, T]
-            new_positions = lengths.unsqueeze(1) + index
-            rows = self._batch_index.expand(-1, T)[keep]
-            c.ring_positions[rows, new_positions[keep] % c.ring_size] = new_positions[keep]
-        c.lengths[self.begin : self.end] = lengths + counts
+            # The kept tokens' slots and positions, listed on the host (a mask applied on
+            # the device would wait for it).
+            rows = [self.begin + b for b, count in enumerate(counts) for _ in range(count)]
+            if rows:
+                kept_positions = torch.tensor([lengths[b] + i for b, count in enumerate(counts) for i in range(count)],
+                                              dtype=torch.long, device=HOST).to(device)
+                c.ring_positions[torch.tensor(rows, device=HOST).to(device), kept_positions % c.ring_size] = kept_positions
+        new_lengths = torch.tensor([length + count for length, count in zip(lengths, counts)], dtype=torch.long,
+                                   device=HOST)
+        c.host_lengths[self.begin : self.end] = new_lengths
+        c.lengths[self.begin : self.end] = new_lengths.to(device)
         self._pending = 0
         c.pending_view = None
 
