@@ -10,7 +10,9 @@
    machine may have neither): Gemma 3 270M's and a 1B-class Llama's. Per shape: AR
    decode tokens/s, speculation with an oracle drafter (a chain of the true next
    tokens, so every round accepts `--oracle-tokens`; what a perfect drafter buys),
-   AR throughput of the continuous-batching engine at each of `--batch-sizes` rows,
+   AR throughput of the continuous-batching engine at each of `--batch-sizes` rows
+   (and rows of `auto` over garbage beside it: ≥ 0.97× AR, its rounds off run as plain
+   decoding; the same asked every round, as before),
    and the cost of verifying k tree tokens relative to one decode forward. With
    `--compile` (the default on a GPU), AR, the oracle chain and the largest tree again
    through compiled static-shape steps (CUDA graphs there), beside the eager numbers.
@@ -256,12 +258,16 @@ def decode_rate(model, prompt: torch.Tensor, new_tokens: int, drafter=None,
     return tokens, stats, round_ms
 
 
-def batch_throughput(model, prompt: torch.Tensor, new_tokens: int, rows: int) -> float:
-    """Generated tokens/s across `rows` AR requests decoded together (prefill excluded)."""
-    engine = BatchEngine(model, EngineOptions(progress=False),
-                         BatchOptions(max_rows=rows, row_capacity=prompt.numel() + new_tokens + 1,
+def batch_throughput(model, prompt: torch.Tensor, new_tokens: int, rows: int, drafters: list | None = None) -> float:
+    """Generated tokens/s across `rows` requests decoded together (prefill excluded):
+    AR, or one of `drafters` per row."""
+    options = EngineOptions(progress=False)
+    budget = options.max_tree_nodes  # room for a drafter's tree; AR rows get it too: every run, the same cache
+    engine = BatchEngine(model, options,
+                         BatchOptions(max_rows=rows, row_capacity=prompt.numel() + new_tokens + budget + 1,
                                       prefill_tokens_per_step=prompt.numel()))
-    handles = [engine.submit(prompt, max_new_tokens=new_tokens) for _ in range(rows)]
+    handles = [engine.submit(prompt, max_new_tokens=new_tokens, drafter=drafters[row] if drafters else None)
+               for row in range(rows)]
     while any(h.stats.new_tokens == 0 for h in handles):  # every row prefilled and past its first token
         engine.step()
     synchronize(model.device)
@@ -269,6 +275,37 @@ def batch_throughput(model, prompt: torch.Tensor, new_tokens: int, rows: int) ->
     engine.run()
     synchronize(model.device)
     return (sum(h.stats.new_tokens for h in handles) - done) / (time.perf_counter() - start)
+
+
+class AskedEveryRound(AdaptiveDrafter):
+    """`auto` without `plain_rounds`: the engines ask it every round, speculation off or
+    not, as they did before plain rounds (the batched A/B)."""
+
+    plain_rounds = None
+
+
+def batch_rates(model, prompt: torch.Tensor, args) -> dict[int, dict[str, float]]:
+    """Per batch size, tokens/s of AR rows and of rows of `auto` over garbage, with its
+    rounds off run as plain decoding and asked every round: each run once untimed (the
+    cost measurement, what `auto` learns), then timed `--alternations` times in turns;
+    medians."""
+    def garbage() -> list:
+        return [("garbage", GarbageDrafter(model.config.vocab_size, args.oracle_tokens))]
+
+    makers = {"ar": lambda: None, "auto over garbage": lambda: AdaptiveDrafter(garbage()),
+              "auto over garbage, asked every round": lambda: AskedEveryRound(garbage())}
+    rates = {}
+    for rows in args.batch_sizes:
+        drafters = {name: [make() for _ in range(rows)] for name, make in makers.items()}
+        timed: dict[str, list[float]] = {name: [] for name in makers}
+        for turn in range(args.alternations + 1):  # the first turn untimed
+            for name in makers:
+                rate = batch_throughput(model, prompt, args.new_tokens, rows, drafters[name])
+                if turn:
+                    timed[name].append(rate)
+                    print(f"batch of {rows} | {name} | turn {turn}: {rate:.1f} tok/s", flush=True)
+        rates[rows] = {name: statistics.median(values) for name, values in timed.items()}
+    return rates
 
 
 def measure_shape(name: str, config, args, device: torch.device) -> dict:
@@ -293,7 +330,7 @@ def measure_shape(name: str, config, args, device: torch.device) -> dict:
     auto = auto_rates(model, prompt, reference, args, f"{name}-eager") if args.auto else None
     compiled = compiled_rates(name, model, prompt, reference, args) if args.compile else None
     batch_throughput(model, prompt[:64], 4, max(args.batch_sizes))  # warm-up: batched shapes and masks
-    batches = {rows: batch_throughput(model, prompt, args.new_tokens, rows) for rows in args.batch_sizes}
+    batches = batch_rates(model, prompt, args)
     costs = {}
     for context in args.contexts:
         if context + max(args.ks) <= config.max_position_embeddings:
@@ -303,7 +340,8 @@ def measure_shape(name: str, config, args, device: torch.device) -> dict:
         "shape": name, "device": device_name(device), "dtype": args.dtype, "build_s": built_s,
         "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
         "ar_tokens_per_s": ar.decode_tokens_per_s, "oracle_tokens_per_s": spec.decode_tokens_per_s,
-        "oracle_tau": spec.tau, "oracle_first_difference": first_difference, "batch_tokens_per_s": batches,
+        "oracle_tau": spec.tau, "oracle_first_difference": first_difference, "batch_tokens_per_s": {rows: rates["ar"] for rows, rates in batches.items()},
+        "batch_auto": batches,
         "forward_seconds": costs, "compiled": compiled, "ar_split": round_split(ar, ar_rounds),
         "oracle_split": round_split(spec, spec_rounds), "auto": auto,
     }
@@ -381,6 +419,15 @@ def markdown(rows: list[dict], ks: list[int]) -> str:
         rates = r["batch_tokens_per_s"]
         lines.append(f"| {r['shape']} | " + " | ".join(
             f"{rates[b]:.1f} ({rates[b] / rates[sizes[0]]:.2f})" if b in rates else "–" for b in sizes) + " |")
+    lines += ["", "Rows of `auto` over garbage × AR rows, batch by batch: its rounds off as plain decoding / asked "
+                  "every round (medians of the turns).", "",
+              "| shape | " + " | ".join(f"{b} rows" for b in sizes) + " |", "|---|" + "---|" * len(sizes)]
+    for r in rows:
+        autos = r.get("batch_auto", {})
+        lines.append(f"| {r['shape']} | " + " | ".join(
+            f"{autos[b]['auto over garbage'] / autos[b]['ar']:.2f} / "
+            f"{autos[b]['auto over garbage, asked every round'] / autos[b]['ar']:.2f}" if b in autos else "–"
+            for b in sizes) + " |")
     lines += ["", "| shape | context | " + " | ".join(f"k={k}" for k in ks) + " |",
               "|---|---|" + "---|" * len(ks)]
     for r in rows:

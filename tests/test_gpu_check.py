@@ -20,6 +20,9 @@ def test_gpu_check_smoke_run_on_cpu(tmp_path):
     rows = json.loads((out / "results.json").read_text())
     assert rows[0]["oracle_tau"] > 1 and set(rows[0]["forward_seconds"]["64"]) == {"1", "8"}
     assert set(rows[0]["batch_tokens_per_s"]) == {"1", "2"} and min(rows[0]["batch_tokens_per_s"].values()) > 0
+    batch_auto = rows[0]["batch_auto"]["2"]
+    assert set(batch_auto) == {"ar", "auto over garbage", "auto over garbage, asked every round"}
+    assert min(batch_auto.values()) > 0
     auto = rows[0]["auto"]
     assert all(run["equal"] for run in auto.values())  # float32 on the CPU: every method's tokens are AR's
     assert auto["auto over the oracle"]["tau"] > 1 and auto["auto over garbage"]["realised_accepted_per_round"] == 0

@@ -6,7 +6,8 @@ stopping rule. Each `step()`:
 1. admits waiting requests into free cache rows (FIFO) and runs a bounded amount of
    their prefill (`BatchOptions.prefill_tokens_per_step`), so a long prompt that
    joins does not stall the rows already decoding for more than that budget;
-2. runs one round for every decoding row: each row's drafter proposes its tree; the
+2. runs one round for every decoding row: each row's drafter proposes its tree (or,
+   in rounds it leaves to plain decoding (`plain_rounds.py`), is not asked); the
    trees are padded to a common node count and verified in ONE target forward with
    per-row positions and tree masks (`RowsView`); each row is verified by the same
    lossless rules as a single sequence (DESIGN.md §5) with its own random stream;
@@ -43,6 +44,7 @@ from longspec.speculation.engine import (
 )
 from longspec.speculation.joint_budget import ReachHistory, cut_to_depth, joint_depths, tree_levels
 from longspec.speculation.metrics import GenerationStats
+from longspec.speculation.plain_rounds import PlainRounds
 from longspec.speculation.processors import SamplingParams
 from longspec.speculation.seeding import drafter_generator
 from longspec.speculation.tree import Tree
@@ -160,6 +162,7 @@ class _Row:
     draft_generator: torch.Generator | None = None
     prefill_hidden: list[torch.Tensor] = field(default_factory=list)
     reach: ReachHistory = field(default_factory=ReachHistory)  # acceptance by level, for the joint budget
+    plain: PlainRounds | None = None  # rounds its drafter leaves to plain decoding (set when it starts decoding)
 
     @property
     def stats(self) -> GenerationStats:
@@ -359,6 +362,9 @@ class BatchEngine:
         row.view.prefill_hidden = torch.cat(row.prefill_hidden) if row.prefill_hidden else None
         row.prefill_hidden = []
         row.draft_generator = drafter_generator(row.generator) if row.generator is not None else None
+        # With `fill_padding` every round asks the drafter: another row's wider tree
+        # leaves padding that its proposals may fill.
+        row.plain = PlainRounds(row.drafter, enabled=not self.batch.fill_padding)
         if row.drafter is not None:
             # Buffers sized at begin must hold the row's whole budget: the cost cap of
             # this round's rows loosens when rows leave.
@@ -435,7 +441,7 @@ class BatchEngine:
         trees: list[Tree] = []
         for row in rows:
             t0 = time.perf_counter()
-            if row.drafter is None:
+            if row.plain.now():
                 trees.append(Tree.chain(int(row.tokens[row.length - 1]), []))
             else:
                 trees.append(checked_proposal(row.drafter, self._context(row), vocab))
@@ -489,13 +495,15 @@ class BatchEngine:
             row.tokens[row.length : row.length + new.numel()] = new
             row.length += new.numel()
             row.produced += new.numel()
-            if row.drafter is not None and not stop_reason:
-                row.drafter.observe(new)
+            observed = row.plain.told(new, stop_reason, row.view)  # never the last round's tokens
+            if observed is not None:
+                row.drafter.observe(observed)
             stats = row.stats
             stats.bookkeeping_s += commit_s + time.perf_counter() - t2
             stats.new_tokens = row.produced
             stats.record_round(tree.max_depth, verdict.accepted_tokens, tree.size - 1)
-            record_controller(row.drafter, stats)
+            if observed is not None:
+                record_controller(row.drafter, stats)
             row.handle._push(new)
             if stop_reason:
                 finished.append((row, stop_reason))

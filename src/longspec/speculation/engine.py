@@ -23,6 +23,7 @@ from longspec.runtime.device import HOST, synchronize
 from longspec.runtime.model import Decoder
 from longspec.speculation.drafters.base import DraftContext, Drafter, TargetView
 from longspec.speculation.metrics import GenerationStats
+from longspec.speculation.plain_rounds import PlainRounds
 from longspec.speculation.processors import SamplingParams
 from longspec.speculation.seeding import drafter_generator
 from longspec.speculation.tree import MalformedTreeError, Tree
@@ -116,19 +117,14 @@ class SpeculativeEngine:
         view.prefill_hidden = prefill_hidden
         draft_generator = drafter_generator(generator) if generator is not None else None
         learn = learn_while_verifying(drafter, self.options, self.model.device)
-        plain_rounds = getattr(drafter, "plain_rounds", None)
         if drafter is not None:
             drafter.begin(DraftContext(tokens[:length], view, tree_budget, draft_generator,
                                        learns_while_verifying=learn is not None))
         produced = 0
-        # Rounds the drafter left to plain decoding (`plain_rounds`): their tokens and
-        # root states, handed to it at once after the last of them.
-        plain_left, plain_tokens, plain_hidden = 0, [], []
+        plain = PlainRounds(drafter)
         while produced < max_new_tokens:
             t0 = time.perf_counter()
-            if plain_rounds is not None and not plain_left:
-                plain_left = checked_plain_rounds(drafter, plain_rounds)
-            if drafter is None or plain_left:
+            if plain.now():
                 tree = Tree.chain(int(tokens[length - 1]), [])
             else:
                 tree = self._propose(drafter, DraftContext(tokens[:length], view, tree_budget, draft_generator,
@@ -143,17 +139,7 @@ class SpeculativeEngine:
             tokens[length : length + new.numel()] = new
             length += new.numel()
             produced += new.numel()
-            observed = None  # the tokens the drafter is told of this round (never the last round's)
-            if drafter is not None and not plain_left:
-                observed = None if stop_reason else new
-            elif drafter is not None:
-                if not stop_reason:
-                    plain_tokens.append(new)
-                    plain_hidden.append(view.last_hidden)
-                plain_left -= 1
-                if plain_tokens and (not plain_left or stop_reason):  # the last of them, or the sequence ends
-                    view.last_hidden, observed = torch.cat(plain_hidden), torch.cat(plain_tokens)
-                    plain_tokens, plain_hidden = [], []
+            observed = plain.told(new, stop_reason, view)  # never the last round's tokens
             if observed is not None:
                 drafter.observe(observed)
             t3 = time.perf_counter()
@@ -231,15 +217,6 @@ def checked_proposal(drafter: Drafter, context: DraftContext, vocab_size: int, p
     if problem:
         raise MalformedTreeError(f"drafter {name} proposed a malformed tree: {problem}")
     return tree
-
-
-def checked_plain_rounds(drafter: Drafter, plain_rounds) -> int:
-    """The drafter's `plain_rounds()`, which must be a count."""
-    rounds = plain_rounds()
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
-        raise ValueError(f"drafter {type(drafter).__name__}.plain_rounds() returned {rounds!r}; "
-                         "it must return how many coming rounds to leave to plain decoding (an int >= 0)")
-    return rounds
 
 
 def node_histories(committed: torch.Tensor, tree: Tree, window: int) -> torch.Tensor:

@@ -21,9 +21,9 @@ wait for the target (updating statistics from the last rounds' verdicts): an eng
 says so in `DraftContext.learns_while_verifying` calls it each round after queuing the
 verification forward and before reading its result, where a GPU computes meanwhile; and
 ``plain_rounds() -> int``, how many coming rounds it would propose nothing in whatever
-they commit (speculation switched off): the single-sequence engine then runs them as
-plain decoding, without `propose` and `observe`, and afterwards calls `observe` once
-with their tokens (`TargetView.last_hidden` holding the states of all their roots).
+they commit (speculation switched off): the engines then run them as plain decoding,
+without `propose` and `observe`, and afterwards call `observe` once with their tokens
+(`TargetView.last_hidden` holding the states of all their roots; `plain_rounds.py`).
 """
 
 from __future__ import annotations
