@@ -7,6 +7,9 @@ import pytest
 import torch
 
 from longspec.runtime.attention import fused_attention, reference_attention, sdpa_attention
+from longspec.runtime.batch_cache import BatchKVCache
+from longspec.runtime.cache import EMPTY_SLOT, KVCache
+from longspec.speculation.tree import Tree
 from tiny_models import SLIDING_WINDOW, random_ids, tiny_decoder
 
 EXACT = 1e-10
@@ -383,3 +386,46 @@ def test_tree_kernel_fallback_is_taken_and_logged(monkeypatch, caplog):
         assert not attention.tree_kernel_fits(q, None)
         assert attention.tree_kernel_fits(q.float(), None)
     assert "does not compute in torch.float64" in caplog.text
+
+
+# ----------------------------------------------------------------------------- (e)
+def relabelled(labels: list[int], slots: list[int], length: int, kept_count: int) -> None:
+    """The ring's labels after a commit, the plain way: every pending slot freed, then
+    kept token i labelled with position length + i in slot (length + i) % ring."""
+    for slot in slots:
+        labels[slot] = EMPTY_SLOT
+    for i in range(kept_count):
+        labels[(length + i) % len(labels)] = length + i
+
+
+@pytest.mark.parametrize("name", SLIDING_MODELS)
+def test_ring_labels_after_every_kind_of_commit_match_the_plain_relabelling(name):
+    """Commits that keep every token in place (AR's, a chain accepted whole) skip the
+    relabelling, the others write all labels in one operation: the labels stay those of
+    the plain relabelling, in one sequence and in each row of a batch, rings wrapping."""
+    config = tiny_decoder(name).config
+    generator = torch.Generator().manual_seed(5)
+    single = KVCache(config, 400, max_forward_tokens=6)
+    batch = BatchKVCache(config, 400, 3, max_forward_tokens=6)
+    rows = [batch.acquire() for _ in range(3)]
+    expected = [[EMPTY_SLOT] * single.ring_size for _ in range(4)]  # the single cache's, then each row's
+    for step in range(150):
+        T = 1 + step % 6
+        trees = [Tree.from_parents(torch.zeros(T, dtype=torch.long), random_tree(T, generator)) for _ in range(4)]
+        paths = [tree.path_to(int(torch.randint(0, T, (), generator=generator))) if step % 3 else
+                 torch.arange(T if tree.is_chain() else 1) for tree in trees]  # every third commit in place
+        single.begin_forward(single.length + trees[0].depths)
+        view = batch.rows()
+        view.begin_forward(view.lengths.unsqueeze(1) + torch.stack([tree.depths for tree in trees[1:]]))
+        lengths = [single.length, *view.host_lengths.tolist()]
+        for labels, tree, length in zip(expected, trees, lengths):
+            slots = [(length + i) % len(labels) for i in range(T)]
+            for slot, depth in zip(slots, tree.depths.tolist()):
+                labels[slot] = length + depth  # what the forward writes
+        single.commit(paths[0])
+        view.commit(paths[1:])
+        for labels, path, length in zip(expected, paths, lengths):
+            relabelled(labels, [(length + i) % len(labels) for i in range(T)], length, path.numel())
+        assert single.ring_positions.tolist() == expected[0], f"step {step}"
+        assert batch.ring_positions[: len(rows)].tolist() == expected[1:], f"step {step}"
+

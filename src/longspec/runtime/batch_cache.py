@@ -323,6 +323,7 @@ class RowsView:
             raise RuntimeError("this view has no pending forward to commit")
         device = c.device
         lengths = self.host_lengths.tolist()
+        moves = []  # rows whose kept tokens move (not the first ones, in order)
         if kept is None:
             counts = [T] * B
         else:
@@ -346,15 +347,13 @@ class RowsView:
                     rsrc, rdst = src % c.ring_size, dst % c.ring_size
                     c.ring_k[:, rows, :, rdst] = c.ring_k[:, rows, :, rsrc]
                     c.ring_v[:, rows, :, rdst] = c.ring_v[:, rows, :, rsrc]
-        if c.ring_size and T:
-            c.ring_positions[self._batch_index, self.pending_ring_slots] = EMPTY_SLOT
-            # The kept tokens' slots and positions, listed on the host (a mask applied on
-            # the device would wait for it).
-            rows = [self.begin + b for b, count in enumerate(counts) for _ in range(count)]
-            if rows:
-                kept_positions = torch.tensor([lengths[b] + i for b, count in enumerate(counts) for i in range(count)],
-                                              dtype=torch.long, device=HOST).to(device)
-                c.ring_positions[torch.tensor(rows, device=HOST).to(device), kept_positions % c.ring_size] = kept_positions
+        if c.ring_size and T and (moves or min(counts) < T):
+            # Row b's kept token i now sits in its pending slot i, (length + i) % ring; the
+            # rest are freed. Labels built on the host, written in one operation; rows that
+            # keep every token in place (AR's rounds) already have theirs (`KVCache.commit`).
+            labels = self.host_lengths.unsqueeze(1) + torch.arange(T, device=HOST)
+            labels[torch.arange(T, device=HOST) >= torch.tensor(counts, device=HOST).unsqueeze(1)] = EMPTY_SLOT
+            c.ring_positions[self._batch_index, self.pending_ring_slots] = labels.to(device)
         new_lengths = torch.tensor([length + count for length, count in zip(lengths, counts)], dtype=torch.long,
                                    device=HOST)
         c.host_lengths[self.begin : self.end] = new_lengths

@@ -184,10 +184,14 @@ class KVCache:
                 rsrc, rdst = src % self.ring_size, dst % self.ring_size
                 self.ring_k[:, :, :, rdst] = self.ring_k[:, :, :, rsrc]
                 self.ring_v[:, :, :, rdst] = self.ring_v[:, :, :, rsrc]
-        if self.ring_size and T:
-            self.ring_positions[self.pending_ring_slots] = EMPTY_SLOT
-            kept_positions = L + torch.arange(kept_count, device=self.device)
-            self.ring_positions[kept_positions % self.ring_size] = kept_positions
+        if self.ring_size and T and not (in_place and kept_count == T):
+            # Kept token i now sits in pending slot i, (L + i) % ring (a forward's slots
+            # never wrap onto each other); the rest are freed. Every token kept in place
+            # (AR's round, a chain accepted whole) already has its label: the forward gave
+            # it position L + i, as a committed token must have.
+            labels = torch.arange(L, L + T, device=HOST)
+            labels[kept_count:] = EMPTY_SLOT
+            self.ring_positions[self.pending_ring_slots] = labels.to(self.device)
         self.length = L + kept_count
         self.pending = 0
 
