@@ -329,17 +329,21 @@ class RowsView:
         else:
             if len(kept) != B:
                 raise ValueError(f"commit needs one kept-index tensor per row ({B}), got {len(kept)}")
-            # Paths are host bookkeeping: check and index them there, move the indexes once.
-            kept = [k.to(device=HOST, dtype=torch.long).reshape(-1) for k in kept]
+            # Paths are host bookkeeping: check and index them there as lists (a tensor
+            # operation per check costs more than the check), move the indexes once.
+            kept = [[int(i) for i in k.reshape(-1).tolist()] for k in kept]
             for b, k in enumerate(kept):
-                if k.numel() > T or (k.numel() and (int(k.max()) >= T or int(k.min()) < 0)):
-                    raise ValueError(f"row {b}: kept indices {k.tolist()} out of range for {T} pending tokens")
-            counts = [k.numel() for k in kept]
-            moves = [(b, k) for b, k in enumerate(kept) if not bool((k == torch.arange(k.numel(), device=HOST)).all())]
+                if len(k) > T or (k and (max(k) >= T or min(k) < 0)):
+                    raise ValueError(f"row {b}: kept indices {k} out of range for {T} pending tokens")
+            counts = [len(k) for k in kept]
+            moves = [(b, k) for b, k in enumerate(kept) if k != list(range(len(k)))]
             if moves:
-                rows = torch.cat([torch.full((k.numel(),), self.begin + b, device=HOST) for b, k in moves]).to(device)
-                src = torch.cat([lengths[b] + k for b, k in moves]).to(device)
-                dst = torch.cat([lengths[b] + torch.arange(k.numel(), device=HOST) for b, k in moves]).to(device)
+                def indexes(values: list[int]) -> torch.Tensor:
+                    return torch.tensor(values, dtype=torch.long, device=HOST).to(device)
+
+                rows = indexes([self.begin + b for b, k in moves for _ in k])
+                src = indexes([lengths[b] + i for b, k in moves for i in k])
+                dst = indexes([lengths[b] + i for b, k in moves for i in range(len(k))])
                 if c.full_k.shape[0]:
                     c.full_k[:, rows, :, dst] = c.full_k[:, rows, :, src]
                     c.full_v[:, rows, :, dst] = c.full_v[:, rows, :, src]

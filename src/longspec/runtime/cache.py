@@ -166,17 +166,17 @@ class KVCache:
             kept_count = T
             in_place = True
         else:
-            # Checked on the host, where the engines keep their paths: on a GPU, checks of a
-            # device copy would wait for the device three times a round.
-            kept = kept.to(device=HOST, dtype=torch.long)
-            kept_count = kept.numel()
-            if kept_count > T or (kept_count and (int(kept.max()) >= T or int(kept.min()) < 0)):
-                raise ValueError(f"kept indices {kept.tolist()} out of range for {T} pending tokens")
-            in_place = bool((kept == torch.arange(kept_count, device=HOST)).all())
+            # Checked as a list on the host, where the engines keep their paths: on a GPU,
+            # checks of a device copy would wait for the device, and a tensor operation per
+            # check costs more than the check.
+            indices = [int(i) for i in kept.reshape(-1).tolist()]
+            kept_count = len(indices)
+            if kept_count > T or (indices and (max(indices) >= T or min(indices) < 0)):
+                raise ValueError(f"kept indices {indices} out of range for {T} pending tokens")
+            in_place = indices == list(range(kept_count))
         if not in_place:
-            kept = kept.to(self.device)
-            src = L + kept
-            dst = L + torch.arange(kept_count, device=self.device)
+            src = torch.tensor([L + i for i in indices], dtype=torch.long, device=HOST).to(self.device)
+            dst = torch.arange(L, L + kept_count, device=HOST).to(self.device)
             if self.full_k.shape[0]:
                 self.full_k[:, :, :, dst] = self.full_k[:, :, :, src]
                 self.full_v[:, :, :, dst] = self.full_v[:, :, :, src]
