@@ -541,14 +541,18 @@ def _pad_trees(trees: Sequence[Tree], lengths: torch.Tensor):
     skips its per-token work (`Packing`). Built on the host (trees live there); the
     forward moves ids and masks to the device in one copy each."""
     B, width = len(trees), max(tree.size for tree in trees)
+    if width == 1:  # every row a root alone (AR rows, plain rounds): one token each, no padding
+        ids = torch.cat([tree.tokens for tree in trees]).reshape(B, 1)
+        masks = torch.ones((B, 1, 1), dtype=torch.bool, device=HOST)
+        return ids, lengths.unsqueeze(1).clone(), masks, masks[:, :, 0].clone()
     ids = torch.zeros((B, width), dtype=torch.long, device=HOST)
     depths = torch.zeros((B, width), dtype=torch.long, device=HOST)
     masks = torch.eye(width, dtype=torch.bool, device=HOST).repeat(B, 1, 1)
-    real = torch.zeros((B, width), dtype=torch.bool, device=HOST)
-    for b, tree in enumerate(trees):
-        n = tree.size
+    sizes = [tree.size for tree in trees]
+    real = torch.arange(width, device=HOST) < torch.tensor(sizes, device=HOST).unsqueeze(1)
+    for b, (tree, n) in enumerate(zip(trees, sizes)):
         ids[b, :n] = tree.tokens
-        depths[b, :n] = tree.depths
-        masks[b, :n, :n] = tree.ancestor_mask()
-        real[b, :n] = True
+        if n > 1:  # a root alone has depth 0, and the identity mask lets it see itself
+            depths[b, :n] = tree.depths
+            masks[b, :n, :n] = tree.ancestor_mask()
     return ids, lengths.unsqueeze(1) + depths.to(lengths.device), masks, real
