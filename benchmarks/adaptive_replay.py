@@ -48,7 +48,7 @@ from adaptive_cost_fits import NodesOnlyCostFit, ThreeTermCostFit
 from common import machine, write_results
 from longspec.bench.tasks import PromptFilter, TaskSpec, build_prompts
 from longspec.speculation.cost_model import DEFAULT_KS, ForwardCost, forward_cost_at, measure_forward_cost
-from longspec.speculation.drafters.adaptive.acceptance import AcceptanceTable
+from longspec.speculation.drafters.adaptive.acceptance import AcceptanceTable, CrossFittedAcceptance
 from longspec.speculation.drafters.adaptive.presets import make_auto
 from longspec.speculation.drafters.base import DraftContext
 from longspec.speculation.drafters.prompt_lookup import PromptLookupDrafter
@@ -161,6 +161,36 @@ def auto_one_table() -> object:
     return drafter
 
 
+class FixedRoles(CrossFittedAcceptance):
+    """Cross-fitted halves whose roles never swap: the first always decides, the other
+    always predicts (whether the swap each round biases the predictions)."""
+
+    def end_round(self) -> None:
+        self.table.end_round()
+
+
+class RandomFeed(CrossFittedAcceptance):
+    """Cross-fitted halves fed by a seeded coin instead of in turn per cell (whether
+    the alternation, in step with the rounds, biases the predictions)."""
+
+    def __init__(self, drafters: int) -> None:
+        super().__init__(drafters)
+        self.coin = np.random.default_rng(0)
+
+    def record(self, source, accepted: bool, agreed: bool = False) -> None:
+        cell = self.cell(source, agreed)
+        half = int(self.coin.integers(2))
+        self.table.record_cell((cell[0] + half * self.drafters, *cell[1:]), accepted)
+
+
+def auto_with_table(table_type) -> Callable[[], object]:
+    def make():
+        drafter = make_auto(components="pld")
+        drafter.table = table_type(len(drafter.components))
+        return drafter
+    return make
+
+
 VARIANTS: dict[str, Callable[[], object]] = {
     "pld": PromptLookupDrafter,  # the fixed method: a 10-token chain every round
     "auto-pld-by-depth": auto_over("pld", depth_only=True),
@@ -173,6 +203,8 @@ VARIANTS: dict[str, Callable[[], object]] = {
     "auto-before-continued-copies": auto_before_continued_copies,
     "auto-pld-flat-prior": auto_flat_prior,
     "auto-pld-one-table": auto_one_table,
+    "auto-pld-fixed-roles": auto_with_table(FixedRoles),
+    "auto-pld-random-feed": auto_with_table(RandomFeed),
     # Lookup lengths (auto-pld10: the fixed method's copies, auto's before; auto-pld
     # itself offers 12 tokens that continue into their own draft).
     **{f"auto-pld{n}{'-continue' if c else ''}": auto_pld_chain(n, c) for n in (10, 12, 16, 24) for c in (False, True)},

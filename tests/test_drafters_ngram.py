@@ -208,6 +208,46 @@ def test_pld_continued_copies_match_brute_force(max_candidates):
             assert (tuple(want) in root_paths(tree)) if want else tree.size == 1, seq
 
 
+def test_pld_longest_run_copies_the_occurrence_whose_context_agrees_longest():
+    # "7 8" ends at 2 (after 6 5) and at 8 (after 4 4): the suffix "6 5 7 8" agrees
+    # with the older occurrence 4 tokens back, with the most recent one 2.
+    tokens = [6, 5, 7, 8, 1, 2, 4, 4, 7, 8, 3, 3, 6, 5, 7, 8]
+    assert proposed(PromptLookupDrafter(num_tokens=3, max_ngram=2), tokens).tokens.tolist() == [8, 3, 3, 6]
+    tree = proposed(PromptLookupDrafter(num_tokens=3, max_ngram=2, longest_run=True), tokens)
+    assert tree.tokens.tolist() == [8, 1, 2, 4]
+    assert tree.copied_runs.tolist() == [0, 4, 5, 6]
+    with pytest.raises(ValueError, match="longest_run must be a bool"):
+        PromptLookupDrafter(longest_run=1)
+
+
+def brute_force_longest_run_copy(seq: list[int], num_tokens: int, max_ngram: int, scan: int) -> list[int]:
+    """Of the `scan` most recent matches of the longest matching suffix, the copy after
+    the one whose preceding tokens agree longest with the sequence's end (the most
+    recent among equals)."""
+    length = len(seq)
+    for n in range(max_ngram, 0, -1):
+        ends = [e for e in range(n - 1, length - 1) if seq[e - n + 1 : e + 1] == seq[length - n :]]
+        if ends:
+            def agreement(end: int) -> int:
+                run = 0
+                while run <= end and seq[end - run] == seq[length - 1 - run]:
+                    run += 1
+                return run
+            best = max(reversed(ends[-scan:]), key=agreement)  # max keeps the first (most recent) of equals
+            return seq[best + 1 : best + 1 + num_tokens]
+    return []
+
+
+def test_pld_longest_run_matches_brute_force():
+    rng = random.Random(11)
+    for _ in range(300):
+        seq = [rng.randrange(rng.choice([2, 3, 4])) for _ in range(rng.randint(2, 60))]
+        num_tokens, max_ngram = rng.randint(1, 8), rng.randint(1, 3)
+        drafter = PromptLookupDrafter(num_tokens=num_tokens, max_ngram=max_ngram, longest_run=True)
+        want = brute_force_longest_run_copy(seq, num_tokens, max_ngram, drafter.scan_factor)
+        assert root_paths(proposed(drafter, seq)) == ({tuple(want)} if want else set()), seq
+
+
 def test_pld_multi_candidate_skips_identical_continuations():
     tokens = [5, 1, 5, 1, 5, 2, 5]
     tree = proposed(PromptLookupDrafter(num_tokens=1, max_ngram=1, max_candidates=3), tokens)

@@ -66,7 +66,7 @@ def real_drafters(model) -> dict:
     layer, which an all-sliding target (Mistral) does not have."""
     drafters = {
         "pld": lambda: PromptLookupDrafter(num_tokens=6),
-        "pld-continued": lambda: PromptLookupDrafter(num_tokens=12, continue_copies=True),
+        "pld-continued": lambda: PromptLookupDrafter(num_tokens=12, continue_copies=True, longest_run=True),  # auto's
         "ngram": lambda: NgramDrafter(k=5),
         "tokenswift": lambda: TokenSwiftDrafter(TokenSwiftHeads.for_target(model.config).randomize(torch.Generator().manual_seed(0)),
                                                 budget=24, sinks=2, forward_chunk=8, k=5),

@@ -33,6 +33,13 @@ class PromptLookupDrafter:
     text would if it kept repeating: a loop of period 10 is then copied 32 tokens at a
     time when ``num_tokens`` is 32. Verification decides as for any draft.
 
+    With ``longest_run`` the copy follows, of the ``scan_factor`` most recent
+    occurrences, the one whose preceding tokens agree longest with the sequence's
+    (`Tree.copied_runs`; the most recent among equals): in a loop whose short n-grams
+    recur at other phases, the most recent match can break off after a few tokens
+    where an older one continues (`auto` copies this way; BENCHMARKS.md, "The lookup's
+    longest run").
+
     With ``max_candidates > 1`` the most recent occurrences whose continuations
     differ are merged into one tree (most recent first, shared prefixes merged by
     `Tree.with_chains`). At most ``scan_factor * max_candidates`` of the most
@@ -68,6 +75,7 @@ class PromptLookupDrafter:
         max_ngram: int = 3,
         max_candidates: int = 1,
         continue_copies: bool = False,
+        longest_run: bool = False,
     ) -> None:
         self.num_tokens = _check_positive_int("num_tokens", num_tokens, 1)
         self.min_ngram = _check_positive_int("min_ngram", min_ngram, 1)
@@ -78,6 +86,9 @@ class PromptLookupDrafter:
         if not isinstance(continue_copies, bool):
             raise ValueError(f"continue_copies must be a bool, got {continue_copies!r}")
         self.continue_copies = continue_copies
+        if not isinstance(longest_run, bool):
+            raise ValueError(f"longest_run must be a bool, got {longest_run!r}")
+        self.longest_run = longest_run
         self._reset()
 
     # ------------------------------------------------------------------ state
@@ -160,7 +171,7 @@ class PromptLookupDrafter:
             if not ends:
                 continue
             if self.max_candidates == 1:
-                end = ends[-1]
+                end = self._longest_run_end(ends) if self.longest_run else ends[-1]
                 return [(end, self._continuation(end, limit))]
             matches: list[tuple[int, list[int]]] = []
             seen: set[tuple[int, ...]] = set()
@@ -186,6 +197,18 @@ class PromptLookupDrafter:
             period = len(copied)
             copied = [copied[i % period] for i in range(limit)]
         return copied
+
+    def _longest_run_end(self, ends: list[int]) -> int:
+        """Of the `scan_factor` most recent occurrences, the one whose preceding tokens
+        agree longest with the sequence's (the most recent among equals)."""
+        best, best_run = ends[-1], self._run_length(ends[-1])
+        for i in range(len(ends) - 2, max(len(ends) - 1 - self.scan_factor, -1), -1):
+            if best_run >= self.max_run:
+                break
+            run = self._run_length(ends[i])
+            if run > best_run:
+                best, best_run = ends[i], run
+        return best
 
     def _run_length(self, end: int) -> int:
         """How many tokens, back from the root, equal those back from `end` (the

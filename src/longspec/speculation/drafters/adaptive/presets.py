@@ -21,10 +21,17 @@ from longspec.speculation.drafters.prompt_lookup import PromptLookupDrafter
 # own draft"): +0.4% to +1.6% over 10-token copies that stop at the sequence's end on
 # four sets of outputs; 16 or 24 tokens won more on the Spec-Bench/AIME loops but lost
 # up to 3% on the full preset, with trees sized from over-predicted deep nodes.
+# It copies from the recent occurrence whose preceding tokens agree longest with the
+# sequence's (`longest_run`), not from the most recent one: in a loop whose short
+# n-grams recur at other phases, the most recent match broke off after 3-7 tokens at
+# the same points every period, and `auto`, verifying short trees there, could lock
+# into those points (greedy Spec-Bench 101: 0.83x PLD in one run, tau 1.7 against 4.7
+# in others). Replayed: +2.6% on the full preset, +2.9% on Spec-Bench/AIME
+# (BENCHMARKS.md, "The lookup's longest run").
 AUTO_LOOKUP_TOKENS = 12
 
 COMPONENTS: dict[str, Callable[[], Drafter]] = {
-    "pld": partial(PromptLookupDrafter, num_tokens=AUTO_LOOKUP_TOKENS, continue_copies=True),
+    "pld": partial(PromptLookupDrafter, num_tokens=AUTO_LOOKUP_TOKENS, continue_copies=True, longest_run=True),
     "ngram": NgramDrafter,
     "longspec": make_longspec,  # the shipped draft (beam trees); left out on targets it does not fit
     # The shipped external drafters (opt-in), as chains.
