@@ -37,8 +37,8 @@ class PromptLookupDrafter:
     occurrences, the one whose preceding tokens agree longest with the sequence's
     (`Tree.copied_runs`; the most recent among equals): in a loop whose short n-grams
     recur at other phases, the most recent match can break off after a few tokens
-    where an older one continues (`auto` copies this way; BENCHMARKS.md, "The lookup's
-    longest run").
+    where an older one continues (`auto` copies this way; BENCHMARKS.md, "A lookup
+    that locked `auto` into the wrong points of a loop").
 
     With ``max_candidates > 1`` the most recent occurrences whose continuations
     differ are merged into one tree (most recent first, shared prefixes merged by

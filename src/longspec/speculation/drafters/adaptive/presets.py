@@ -27,7 +27,7 @@ from longspec.speculation.drafters.prompt_lookup import PromptLookupDrafter
 # the same points every period, and `auto`, verifying short trees there, could lock
 # into those points (greedy Spec-Bench 101: 0.83x PLD in one run, tau 1.7 against 4.7
 # in others). Replayed: +2.6% on the full preset, +2.9% on Spec-Bench/AIME
-# (BENCHMARKS.md, "The lookup's longest run").
+# (BENCHMARKS.md, "A lookup that locked `auto` into the wrong points of a loop").
 AUTO_LOOKUP_TOKENS = 12
 
 COMPONENTS: dict[str, Callable[[], Drafter]] = {
