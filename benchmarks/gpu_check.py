@@ -340,8 +340,8 @@ def measure_shape(name: str, config, args, device: torch.device) -> dict:
         "shape": name, "device": device_name(device), "dtype": args.dtype, "build_s": built_s,
         "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
         "ar_tokens_per_s": ar.decode_tokens_per_s, "oracle_tokens_per_s": spec.decode_tokens_per_s,
-        "oracle_tau": spec.tau, "oracle_first_difference": first_difference, "batch_tokens_per_s": {rows: rates["ar"] for rows, rates in batches.items()},
-        "batch_auto": batches,
+        "oracle_tau": spec.tau, "oracle_first_difference": first_difference,
+        "batch_tokens_per_s": {rows: rates["ar"] for rows, rates in batches.items()}, "batch_auto": batches,
         "forward_seconds": costs, "compiled": compiled, "ar_split": round_split(ar, ar_rounds),
         "oracle_split": round_split(spec, spec_rounds), "auto": auto,
     }
