@@ -25,6 +25,7 @@ def test_gpu_check_smoke_run_on_cpu(tmp_path):
     assert min(batch_auto.values()) > 0
     auto = rows[0]["auto"]
     assert all(run["equal"] for run in auto.values())  # float32 on the CPU: every method's tokens are AR's
-    assert auto["auto over the oracle"]["tau"] > 1 and auto["auto over garbage"]["realised_accepted_per_round"] == 0
+    # Garbage is uniform over the tiny shape's 512 tokens: a node matches now and then by chance.
+    assert auto["auto over the oracle"]["tau"] > 1 and auto["auto over garbage"]["realised_accepted_per_round"] < 0.5
     table = (out / "results.md").read_text()
     assert "oracle chain" in table and "auto over garbage" in table
