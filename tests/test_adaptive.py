@@ -620,6 +620,49 @@ def test_a_drafter_that_runs_a_model_is_asked_only_where_the_lookups_found_nothi
     assert costly.calls > 0 and stats.controller["credited_tokens"]["model"] > 0
 
 
+class CostlyGarbage(CountingModelDrafter):
+    """A draft network whose proposals are never accepted; each call takes 5 ms."""
+
+    def __init__(self, clock, *args, **kwargs):
+        super().__init__(*args, garbage=True, **kwargs)
+        self.clock = clock
+
+    def propose(self, context: DraftContext) -> Tree:
+        self.clock.now += 5e-3
+        return super().propose(context)
+
+
+class TickingClock:
+    """A fake clock on which the controller's own work takes time: each reading is 0.1 ms
+    later than the one before."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1e-4
+        return self.now
+
+
+def test_a_round_in_which_every_component_sat_out_switches_speculation_off():
+    """A costly component that adds nothing sits out until its next probe; the rounds in
+    between are rounds off (plain decoding, the controller not asked), not rounds that
+    ask again and find it sitting out. (Asked every round, 16 batched rows of `auto`
+    over garbage ran the controller in 6 of their 16 row-rounds in 16.)"""
+    model, _ = diverse_model("qwen2")
+    prompt = random_ids(20, seed=6)[0]
+    reference = run(model, prompt, max_new_tokens=200)
+    clock = TickingClock()
+    costly = CostlyGarbage(clock, reference, prompt.numel())
+    drafter = AdaptiveDrafter([("model", costly)], forward_cost=cheap_trees_cost(0.1), clock=clock)
+    telemetry = run_with_10_ms_forwards(model, prompt, drafter, clock, reference)
+    assert costly.calls >= 2, telemetry  # the first call and at least one probe
+    asking_rounds = telemetry["rounds"] - telemetry["rounds_without_proposals"]
+    # Each asking round's own work (~0.5 ms on this clock) spreads over the next rounds
+    # off, for 1% of a 10 ms step: most rounds skip the controller.
+    assert telemetry["rounds_without_proposals"] >= 3 * asking_rounds, telemetry
+
+
 class FakeClock:
     def __init__(self) -> None:
         self.now = 0.0

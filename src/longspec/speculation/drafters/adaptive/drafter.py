@@ -29,10 +29,11 @@ Each round:
    from the tokens the sequence commits next (`unverified.py`), so the rates of
    deep nodes stay measured while the controller verifies short trees, and
    speculation switches back on as soon as the proposals start to match.
-5. While speculation is off (the last candidates did not pay), rounds without
-   proposals (plain decoding steps) space out the ones with, so that the controller's
-   own work costs at most `_OFF_OVERHEAD_SHARE` of plain decoding, where a decode step
-   is short beside it; a committed token that matches a held proposal ends the wait.
+5. While speculation is off (the last candidates did not pay, or every component sat
+   out as too costly), rounds without proposals (plain decoding steps) space out the
+   ones with, so that the controller's own work costs at most `_OFF_OVERHEAD_SHARE` of
+   plain decoding, where a decode step is short beside it; a committed token that
+   matches a held proposal ends the wait.
    An engine may run such rounds as plain decoding and report them at once
    (`plain_rounds`): the wait then ends when it reports them.
    A round whose components found nothing is not such a verdict: they are asked again
@@ -346,8 +347,12 @@ class AdaptiveDrafter:
         self.policy.update(round_["k"], int(committed.numel()), seconds, self._verify_seconds(0))
         # Plain decoding chosen over candidates: they do not pay, so the next rounds skip
         # asking. A round whose components found nothing says nothing about the next one
-        # (a lookup that missed may hit at the next token): they are asked again.
-        self._off = round_["k"] == 0 and bool(round_["order"])
+        # (a lookup that missed may hit at the next token): they are asked again. A round
+        # in which every component sat out (too costly for what it adds, or no node
+        # budget) is off too: asking again next round only finds them sitting out, and
+        # in a batch, where a row's share of the forward is short, that asking cost
+        # 16 rows of `auto` over garbage most of their rounds (BENCHMARKS.md).
+        self._off = round_["k"] == 0 and (bool(round_["order"]) or not round_["called"])
         own = round_["drafted_s"] + self.clock() - observe_start
         self._own_seconds = own if self._own_seconds is None else (1 - _EMA) * self._own_seconds + _EMA * own
         t.speculation_off_rounds += round_["k"] == 0
