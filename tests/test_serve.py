@@ -169,6 +169,32 @@ BAD_REQUESTS = [
     ("empty stop", "application/json", {"model": NAME, "prompt": "hi", "stop": [""]}, 400, "stop strings must be non-empty"),
     ("unknown model", "application/json", {"model": "gpt-9", "prompt": "hi"}, 404, "does not exist"),
     ("out-of-vocabulary ids", "application/json", {"model": NAME, "prompt": [1, 999999]}, 400, "token ids must lie"),
+    ("top_k beyond int64", "application/json", {"model": NAME, "prompt": "hi", "temperature": 1, "top_k": 2**63}, 400,
+     "top_k"),
+    # Drafter options over HTTP: paths and model ids are the server's configuration; the rest is bounded.
+    *[(f"{method} {option} from the request", "application/json",
+       {"model": NAME, "prompt": "hi", "method": method, "method_options": {option: value}}, 400,
+       "set by the server's configuration")
+      for method, option, value in [("longspec", "checkpoint", "/etc/passwd"), ("mamba", "model", "someone/some-repo"),
+                                    ("draft-model", "model", "/etc"), ("tokenswift", "heads", "/etc/passwd"),
+                                    ("medusa", "heads", "/nonexistent/heads")]],
+    ("widths above the vocabulary", "application/json", {"model": NAME, "prompt": "hi", "method": "tokenswift",
+                                                         "method_options": {"widths": [1, 300000]}}, 400,
+     "every width must be an integer in [1, 16]"),
+    ("a tree of 4369 nodes", "application/json", {"model": NAME, "prompt": "hi", "method": "tokenswift-onepass",
+                                                  "method_options": {"widths": [1, 16, 16, 16]}}, 400, "4369 nodes"),
+    ("a partial cache beyond the prompt limit", "application/json",
+     {"model": NAME, "prompt": "hi", "method": "magicdec", "method_options": {"budget": 10**9}}, 400,
+     "budget must be in [1, 1000]"),
+    ("auto components repeated", "application/json",
+     {"model": NAME, "prompt": "hi", "method": "auto", "method_options": {"components": ["pld"] * 1000}}, 400,
+     "names a component twice"),
+    ("n-gram order", "application/json", {"model": NAME, "prompt": "hi", "method": "ngram",
+                                          "method_options": {"n": 10**6}}, 400, "n must be in [1, 8]"),
+    ("option as text", "application/json", {"model": NAME, "prompt": "hi", "method": "pld",
+                                            "method_options": {"num_tokens": "5"}}, 400, "must be an integer"),
+    ("options not an object", "application/json", {"model": NAME, "prompt": "hi", "method": "pld",
+                                                   "method_options": [1, 2]}, 400, "method_options"),
 ]
 
 
@@ -182,8 +208,28 @@ def test_malformed_requests_get_the_right_status_and_the_server_keeps_serving(se
     error = response.json()["error"]
     assert fragment in error["message"], error
     assert error["type"]
+    assert "/etc" not in response.text and "/nonexistent" not in response.text  # nothing of the server's disk
     ok = server.client().completions.create(model=NAME, prompt="hi", max_tokens=3, temperature=0)
     assert ok.usage.completion_tokens >= 1
+
+
+def test_server_configured_drafter_options_apply_and_are_checked_at_startup(model):
+    """Options the server sets (paths among them) sit under the request's bounded ones;
+    a wrong one stops the server before it serves."""
+    configured = Server(model, ServeOptions(model_name=NAME, method="pld", method_options={"pld": {"num_tokens": 2}}))
+    try:
+        reference = model.generate(PROMPT, method="pld", method_options={"num_tokens": 2}, max_new_tokens=20)
+        text = configured.client().completions.create(model=NAME, prompt=PROMPT, max_tokens=20, temperature=0)
+        assert text.choices[0].text == reference.text
+        overridden = configured.client().completions.create(model=NAME, prompt=PROMPT, max_tokens=20, temperature=0,
+                                                            extra_body={"method_options": {"num_tokens": 5}})
+        assert overridden.choices[0].text == reference.text
+    finally:
+        configured.stop()
+    with pytest.raises(FileNotFoundError, match="not found"):
+        create_app(model, ServeOptions(model_name=NAME, method_options={"longspec": {"checkpoint": "/nonexistent.st"}}))
+    with pytest.raises(ValueError, match="unknown method"):
+        ServeOptions(model_name=NAME, method_options={"magic": {}})
 
 
 def test_chat_refusals(server):

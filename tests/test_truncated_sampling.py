@@ -94,6 +94,15 @@ def test_processed_probs_runs_the_kernel_for_truncated_float32_and_bf16_rows(mon
     torch.testing.assert_close(processed_probs(logits, history, params), got, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_top_k_beyond_the_vocabulary_keeps_every_token(dtype):
+    """A top_k beyond int64 (a request's) reaches neither the kernel nor topk as such."""
+    logits = (torch.randn(3, 500, generator=torch.Generator().manual_seed(5)) * 2).to(dtype)
+    for top_k in (500, 501, 2**40, 2**63 + 5):
+        got = processed_probs(logits, None, SamplingParams(temperature=0.7, top_k=top_k, top_p=0.9))
+        assert torch.equal(got, processed_probs(logits, None, SamplingParams(temperature=0.7, top_p=0.9)))
+
+
 def test_processed_probs_keeps_the_pytorch_path_where_the_kernel_does_not_apply(monkeypatch):
     """float64 (the exact tests), no truncation, eta: the PyTorch path, whatever the library."""
     calls = []

@@ -6,7 +6,7 @@ import ipaddress
 import sys
 from pathlib import Path
 
-from longspec.cli.options import add_device_argument
+from longspec.cli.options import add_device_argument, parse_option
 from longspec.speculation.methods import DEFAULT_METHOD, METHODS
 
 DEFAULT_HOST = "127.0.0.1"
@@ -28,6 +28,10 @@ def add_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=1024, help="largest max_tokens accepted, and the default of chat")
     p.add_argument("--method", default=DEFAULT_METHOD, choices=sorted(METHODS),
                    help=f"speculation method when a request names none (default: {DEFAULT_METHOD}, lossless)")
+    p.add_argument("--method-option", action="append", default=[], metavar="METHOD:KEY=VALUE",
+                   help="a drafter option of the server's, e.g. longspec:checkpoint=DIR/draft.safetensors or "
+                        "mamba:model=DIR (repeatable): options naming files or models are set here, never by requests, "
+                        "which may set only bounded numeric options (docs: serving)")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) | float32 | float64")
     add_device_argument(p)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
@@ -50,6 +54,18 @@ def exposure_warnings(host: str, api_key: str | None) -> list[str]:
     if api_key is None:
         lines.append(f"WARNING: no --api-key: anyone who can reach {host} can use the model")
     return lines
+
+
+def server_method_options(specs: list[str]) -> dict[str, dict]:
+    """'METHOD:KEY=VALUE' flags -> {METHOD: {KEY: VALUE}}."""
+    options: dict[str, dict] = {}
+    for spec in specs:
+        method, colon, option = spec.partition(":")
+        if not colon or method not in METHODS:
+            raise ValueError(f"--method-option {spec!r}: write METHOD:KEY=VALUE with METHOD one of {', '.join(METHODS)}")
+        key, value = parse_option(option, "METHOD:KEY=VALUE")
+        options.setdefault(method, {})[key] = value
+    return options
 
 
 def served_name(model_arg: str | None) -> str:
@@ -78,7 +94,7 @@ def run(args) -> int:
     options = ServeOptions(
         model_name=args.served_model_name or served_name(args.model), method=args.method, api_key=args.api_key,
         max_concurrent=args.max_concurrent, max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
-        max_batch=args.max_batch,
+        max_batch=args.max_batch, method_options=server_method_options(args.method_option),
     )
     for line in exposure_warnings(args.host, args.api_key):
         print(f"longspec serve: {line}", file=sys.stderr)

@@ -11,12 +11,15 @@ client expects: 400 invalid request, 401 missing or wrong key, 404 unknown model
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -26,11 +29,13 @@ from starlette.concurrency import run_in_threadpool
 from longspec.api import LongSpecModel, PreparedRequest
 from longspec.serve.metrics import ServerMetrics
 from longspec.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerationFields, error_body
+from longspec.serve.request_options import OptionError, ServerLimits, check_request_options
 from longspec.serve.worker import GenerationWorker, Job, QueueFull
 from longspec.speculation.batch_engine import BatchOptions
-from longspec.speculation.methods import DEFAULT_METHOD, METHODS
+from longspec.speculation.methods import DEFAULT_METHOD, METHODS, make_drafter
 
 SSE_DONE = b"data: [DONE]\n\n"
+logger = logging.getLogger("longspec.serve")
 
 
 @dataclass(frozen=True)
@@ -42,10 +47,16 @@ class ServeOptions:
     max_prompt_tokens: int | None = None  # None: the model's context
     max_new_tokens: int = 1024
     max_batch: int = 4  # requests decoded together (rows of the batch); the others wait for a row
+    # The server's own drafter options per method (paths to weights among them), under
+    # the few a request may set (`request_options.REQUEST_OPTIONS`).
+    method_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; available: {', '.join(METHODS)}")
+        unknown = sorted(set(self.method_options) - set(METHODS))
+        if unknown:
+            raise ValueError(f"options for unknown method(s) {', '.join(unknown)}; available: {', '.join(METHODS)}")
         for name in ("max_concurrent", "max_new_tokens", "max_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -69,6 +80,9 @@ def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
     # A row holds the longest prompt with the largest output, a tree and the root.
     row_capacity = min(prompt_limit + options.max_new_tokens, context) + model.engine.options.max_tree_nodes + 1
     batch = BatchOptions(max_rows=options.max_batch, row_capacity=row_capacity)
+    limits = ServerLimits(prompt_tokens=prompt_limit)
+    for method, configured in options.method_options.items():
+        make_drafter(method, **configured)  # a wrong path or option fails at startup, not in a request
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -166,16 +180,23 @@ def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
                 raise RequestError(400, f"the prompt has {ids.numel()} tokens, more than this server's limit of "
                                         f"{prompt_limit}", param="prompt", code="context_length_exceeded")
             max_new = body.max_tokens or max(1, min(options.max_new_tokens, context - ids.numel()))
+            method = body.method or options.method
+            drafter_options = {**options.method_options.get(method, {}),
+                               **check_request_options(method, body.method_options, limits)}
             return model.prepare(
-                ids, max_new_tokens=max_new, method=body.method or options.method,
-                method_options=body.method_options, temperature=body.temperature,
+                ids, max_new_tokens=max_new, method=method,
+                method_options=drafter_options, temperature=body.temperature,
                 top_p=body.top_p if body.top_p < 1.0 else None, top_k=body.top_k, min_p=body.min_p,
                 seed=body.seed, stop=body.stops,
             )
+        except OptionError as error:
+            raise RequestError(400, str(error), param="method_options") from None
         except (ValueError, TypeError) as error:
             raise RequestError(400, str(error)) from None
-        except FileNotFoundError as error:
-            raise RequestError(400, str(error), param="method_options") from None
+        except OSError as error:  # the server's own drafter files: the operator's to fix, not the client's to read
+            logger.error("preparing a request for method %r failed: %s", body.method or options.method, error)
+            raise RequestError(500, f"method {body.method or options.method!r} is unavailable on this server (its "
+                                    "drafter could not be loaded; see the server's log)", kind="server_error") from None
 
     async def _respond(body: GenerationFields, prepared: PreparedRequest, *, chat: bool):
         try:

@@ -39,7 +39,7 @@ class GenerationFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # longspec's own fields.
-    top_k: StrictInt | None = Field(default=None, ge=0)
+    top_k: StrictInt | None = Field(default=None, ge=0, le=2**31 - 1)
     min_p: StrictFloat | None = Field(default=None, ge=0.0, le=1.0)
     method: str | None = None
     method_options: dict[str, Any] | None = None

@@ -281,7 +281,9 @@ def processed_probs(
         scores = _penalized(logits, histories, params)
         if params.temperature != 1.0:
             scores = _temperature(scores, params.temperature)
-        return ops.truncated_probs(scores, params.top_k or 0, 1.0 if params.top_p is None else params.top_p,
+        # A top_k beyond the vocabulary keeps every token (and must not overflow the op's int64).
+        top_k = min(params.top_k or 0, scores.shape[-1])
+        return ops.truncated_probs(scores, top_k, 1.0 if params.top_p is None else params.top_p,
                                    params.min_p or 0.0)
     scores = processed_logits(logits, histories, params)
     if params.is_greedy:

@@ -201,7 +201,7 @@ def check_initial_drafter(directory: str | Path, architecture: str) -> None:
     if missing:
         raise FileNotFoundError(f"--init-from {directory} is not a trained drafter (no {', '.join(missing)}); pass the "
                                 "directory `longspec train mamba|draft-model --out` wrote, or a shipped drafter's")
-    model_type = AutoConfig.from_pretrained(str(directory)).model_type
+    model_type = AutoConfig.from_pretrained(str(directory), local_files_only=True).model_type
     if (model_type == "mamba") != (architecture == "mamba"):
         other = "mamba" if model_type == "mamba" else "draft-model"
         raise ValueError(f"--init-from {directory} holds a {model_type} model: continue it with `longspec train {other}`")
@@ -214,7 +214,7 @@ def initial_drafter(directory: str | Path, architecture: str, target_config) -> 
 
     check_initial_drafter(directory, architecture)
     vocab = VocabMap.load(directory)
-    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32, local_files_only=True)
     vocab.check_fits("drafter of --init-from", model.config.vocab_size, target_config)
     return model, vocab
 

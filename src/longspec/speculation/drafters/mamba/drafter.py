@@ -85,7 +85,7 @@ class MambaDrafter:
 
             if vocab is None:
                 vocab = VocabMap.load(model)
-            model = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32, local_files_only=True)
         self.vocab = vocab
         self.model = model.eval().requires_grad_(False)
         self.stepper = MambaStepper(self.model)
