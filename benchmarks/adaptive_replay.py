@@ -50,7 +50,7 @@ from longspec.bench.tasks import PromptFilter, TaskSpec, build_prompts
 from longspec.speculation.cost_model import DEFAULT_KS, ForwardCost, forward_cost_at, measure_forward_cost
 from longspec.speculation.drafters.adaptive.acceptance import AcceptanceTable, CrossFittedAcceptance
 from longspec.speculation.drafters.adaptive.presets import make_auto
-from longspec.speculation.drafters.base import DraftContext
+from longspec.speculation.drafters.base import DraftContext, Drafter
 from longspec.speculation.drafters.prompt_lookup import PromptLookupDrafter
 from longspec.speculation.joint_budget import walk_down
 from longspec.speculation.processors import SamplingParams, processed_probs, sample
@@ -61,7 +61,7 @@ RECORDED = Path("bench-out/replay/continuations.jsonl")
 ROUND_OVERHEAD_S = 1e-3  # engine work per round outside the forward and the drafter (measured 0.5-1.5 ms)
 
 
-class WithoutCopiedRuns:
+class WithoutCopiedRuns(Drafter):
     """A drafter whose trees do not carry `copied_runs`: `auto` then ranks its nodes by
     depth alone (the controller before copied runs)."""
 

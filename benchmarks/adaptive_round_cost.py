@@ -36,9 +36,9 @@ from common import GarbageDrafter, machine, stdlib_source_text, write_results
 from longspec.speculation.cost_model import ForwardCost
 from longspec.speculation.drafters.adaptive.drafter import AdaptiveDrafter
 from longspec.speculation.drafters.adaptive.presets import make_auto
-from longspec.speculation.drafters.base import DraftContext
+from longspec.speculation.drafters.base import DraftContext, Drafter
 from longspec.speculation.drafters.prompt_lookup import PromptLookupDrafter
-from longspec.speculation.engine import checked_proposal, record_controller
+from longspec.speculation.decode_round import checked_proposal
 from longspec.speculation.joint_budget import walk_down
 from longspec.speculation.metrics import GenerationStats
 from longspec.speculation.tree import Tree
@@ -56,7 +56,7 @@ def word_stream(tokens: int, skip: int) -> tuple[list[int], int]:
     return ids[:tokens], len(vocabulary)
 
 
-class OracleChain:
+class OracleChain(Drafter):
     """The stream's next `length` tokens every round (as `gpu_check.py`'s oracle): all accepted."""
 
     def __init__(self, stream: list[int], length: int = 8) -> None:
@@ -92,7 +92,7 @@ def replay(stream: list[int], prompt: int, vocab: int, drafter, cost: ForwardCos
         drafter.begin(DraftContext(tokens=tokens[:committed], max_nodes=MAX_NODES, **learning))
     stats, kinds = GenerationStats(), {"with nodes": [], "root only": []}
     forwards = 0.0
-    plain_rounds = getattr(drafter, "plain_rounds", None)
+    plain_rounds = drafter.plain_rounds if drafter is not None else None
     plain_left, plain_start = 0, committed  # rounds left to plain decoding, as the engine runs them
     while committed < tokens.numel():
         context = DraftContext(tokens=tokens[:committed], max_nodes=MAX_NODES, **learning)
@@ -118,10 +118,10 @@ def replay(stream: list[int], prompt: int, vocab: int, drafter, cost: ForwardCos
             plain_left -= 1
             if not plain_left:  # the last of them: the drafter is told of them all at once
                 drafter.observe(tokens[plain_start : committed + step.numel()])
-                record_controller(drafter, stats)
+                stats.controller = drafter.telemetry()
         elif drafter is not None:
             drafter.observe(step)
-            record_controller(drafter, stats)
+            stats.controller = drafter.telemetry()
         spent += time.perf_counter() - start
         kinds["with nodes" if tree.size > 1 else "root only"].append(spent)
         committed += step.numel()

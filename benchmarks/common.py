@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from longspec.bench.floor import decode_bytes_per_forward, machine, read_bandwidth_gbs  # noqa: F401  (re-exported)
+from longspec.speculation.drafters.base import Drafter
 from longspec.speculation.tree import Tree
 
 
@@ -107,7 +108,7 @@ def baseline_library(source: Path, library: str):
     return getattr(torch.ops, library)
 
 
-class GarbageDrafter:
+class GarbageDrafter(Drafter):
     """Proposes `length` random tokens every round: none is ever accepted (what `auto`
     must switch off)."""
 

@@ -59,7 +59,7 @@ from longspec.runtime.static_step import CompileOptions  # noqa: E402
 from longspec.speculation.batch_engine import BatchEngine, BatchOptions  # noqa: E402
 from longspec.speculation.cost_model import measure_forward_cost  # noqa: E402
 from longspec.speculation.drafters.adaptive.drafter import AdaptiveDrafter  # noqa: E402
-from longspec.speculation.drafters.base import DraftContext  # noqa: E402
+from longspec.speculation.drafters.base import DraftContext, Drafter  # noqa: E402
 from longspec.speculation.engine import EngineOptions, SpeculativeEngine  # noqa: E402
 from longspec.speculation.metrics import GenerationStats  # noqa: E402
 from longspec.speculation.tree import Tree  # noqa: E402
@@ -101,7 +101,7 @@ def random_decoder(config, dtype: torch.dtype, device: torch.device, seed: int =
     return decoder_from_state_dict(config, state, dtype).place(device)
 
 
-class OracleDrafter:
+class OracleDrafter(Drafter):
     """Proposes the next `length` tokens of a known greedy output: every round accepts them all."""
 
     def __init__(self, reference: list[int], prompt_length: int, length: int) -> None:
@@ -118,7 +118,7 @@ class OracleDrafter:
         return Tree.chain(context.root, self.reference[done : done + min(self.length, context.max_nodes)])
 
 
-class RootOnlyDrafter:
+class RootOnlyDrafter(Drafter):
     """Proposes nothing, every round: plain decoding through the engine's drafter path
     (what a round costs the engine, beside AR's, without any controller work)."""
 

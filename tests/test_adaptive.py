@@ -24,7 +24,7 @@ from longspec.speculation.drafters.adaptive.cost_fit import RealisedCostScale
 from longspec.speculation.drafters.adaptive.acceptance import AcceptanceTable, CrossFittedAcceptance
 from longspec.speculation.drafters.adaptive.merge import Source, merge_trees
 from longspec.speculation.drafters.adaptive.unverified import UnverifiedNodes
-from longspec.speculation.drafters.base import DraftContext
+from longspec.speculation.drafters.base import DraftContext, Drafter
 from longspec.speculation.drafters.longspec import BeamStrategy, LongSpecDrafter
 from longspec.speculation.engine import EngineOptions, SpeculativeEngine
 from longspec.speculation.methods import make_drafter
@@ -62,7 +62,7 @@ def run(model, prompt, drafter=None, *, params=SamplingParams(), max_new_tokens=
                                           generator=generator, stats=stats)))
 
 
-class ReferenceChain:
+class ReferenceChain(Drafter):
     """An oracle (the true continuation) or, with garbage=True, random tokens."""
 
     def __init__(self, reference: torch.Tensor, prompt_length: int, *, garbage: bool = False, length: int = 8):
@@ -316,7 +316,7 @@ def test_a_fresh_table_expects_a_started_copy_to_go_on():
     assert table.rate(Source(0, depth=2, rank=0, run=7)) < 0.2
 
 
-class CopiedRuns:
+class CopiedRuns(Drafter):
     """A copying drafter's chain of `length` tokens whose first node extends a copied
     run of `run` tokens (set by the caller before each round)."""
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from longspec.speculation.drafters import NgramDrafter, PromptLookupDrafter
-from longspec.speculation.drafters.base import DraftContext
+from longspec.speculation.drafters.base import DraftContext, Drafter
 from longspec.speculation.engine import EngineOptions, SpeculativeEngine
 from longspec.speculation.metrics import GenerationStats
 from longspec.speculation.processors import SamplingParams
@@ -19,7 +19,7 @@ def run(engine, prompt, drafter=None, params=SamplingParams(), max_new_tokens=40
     return torch.cat(list(engine.generate(prompt, params=params, max_new_tokens=max_new_tokens, drafter=drafter, stats=stats)))
 
 
-class OracleGarbageDrafter:
+class OracleGarbageDrafter(Drafter):
     """Adversarial drafter: random tree shapes whose nodes are sometimes the
     true continuation (so deep paths get accepted and compacted) and otherwise
     random or repeated garbage, with duplicate siblings allowed."""

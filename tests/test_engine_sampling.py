@@ -18,8 +18,9 @@ from scipy.stats import chisquare
 
 from longspec.runtime.native import native_ops
 from longspec.speculation import processors, verification
-from longspec.speculation.drafters.base import DraftContext
-from longspec.speculation.engine import EngineOptions, SpeculativeEngine, node_histories
+from longspec.speculation.drafters.base import DraftContext, Drafter
+from longspec.speculation.decode_round import node_histories
+from longspec.speculation.engine import EngineOptions, SpeculativeEngine
 from longspec.speculation.processors import SamplingParams, processed_probs, sample
 from longspec.speculation.tree import Tree
 from longspec.speculation.verification import Verdict
@@ -87,7 +88,7 @@ def goodness_of_fit(exact, counts) -> float:
 
 
 # ----------------------------------------------------------------------- drafters
-class FixedQ:
+class FixedQ(Drafter):
     """A drafter distribution unrelated to the target: fixed per depth."""
 
     def __init__(self, generator):
@@ -138,7 +139,7 @@ class SampledTreeDrafter(FixedQ):
         return Tree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths), draft_probs=q, children_sampled=True)
 
 
-class CartesianDrafter:
+class CartesianDrafter(Drafter):
     """Deterministic candidates: tokens {0, 1} at each of 3 depths (+ an extra chain)."""
 
     def __init__(self, generator=None):

@@ -32,12 +32,16 @@ def start_worker(root: Path, chunks: int = 40, delay: float = 0.05) -> subproces
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
-def wait_for_partial_weights(root: Path) -> None:
-    """Until a builder's temporary directory holds a non-empty weights file."""
+def wait_for_partial_weights(root: Path, worker: subprocess.Popen) -> None:
+    """Until a builder's temporary directory holds a non-empty weights file; a builder
+    that exits first fails the test with what it printed."""
     deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline:
         if any(p.stat().st_size > 0 for p in root.glob(".entry.*.partial/weights.bin")):
             return
+        if worker.poll() is not None:
+            out, err = worker.communicate()
+            raise AssertionError(f"the builder exited ({worker.returncode}) before writing: {out}{err}")
         time.sleep(0.02)
     raise AssertionError("the builder never started writing")
 
@@ -54,7 +58,7 @@ def builds(root: Path) -> int:
 
 def test_ctrl_c_during_a_build_leaves_nothing_and_the_next_run_builds(tmp_path):
     worker = start_worker(tmp_path)
-    wait_for_partial_weights(tmp_path)
+    wait_for_partial_weights(tmp_path, worker)
     worker.send_signal(signal.SIGINT)
     assert worker.wait(TIMEOUT_S) != 0
     assert not list(tmp_path.glob(".entry.*.partial")), "Ctrl-C left a partial build behind"
@@ -65,7 +69,7 @@ def test_ctrl_c_during_a_build_leaves_nothing_and_the_next_run_builds(tmp_path):
 
 def test_sigkill_during_a_build_is_cleaned_up_by_the_next_builder(tmp_path, caplog):
     worker = start_worker(tmp_path)
-    wait_for_partial_weights(tmp_path)
+    wait_for_partial_weights(tmp_path, worker)
     worker.kill()
     worker.wait(TIMEOUT_S)
     assert list(tmp_path.glob(".entry.*.partial")), "SIGKILL cannot clean up: a partial directory remains"
@@ -80,7 +84,7 @@ def test_sigkill_during_a_build_is_cleaned_up_by_the_next_builder(tmp_path, capl
 
 def test_two_processes_building_at_once_share_one_build(tmp_path):
     first = start_worker(tmp_path, chunks=100)  # ~5 s of writing
-    wait_for_partial_weights(tmp_path)
+    wait_for_partial_weights(tmp_path, first)
     second = start_worker(tmp_path, chunks=100)
     outputs = [p.communicate(timeout=TIMEOUT_S) for p in (first, second)]
     assert first.returncode == 0 and second.returncode == 0, outputs

@@ -11,7 +11,7 @@ import torch
 
 from longspec.speculation.batch_engine import BatchEngine, BatchOptions
 from longspec.speculation.drafters import PromptLookupDrafter
-from longspec.speculation.drafters.base import DraftContext
+from longspec.speculation.drafters.base import DraftContext, Drafter
 from longspec.speculation.engine import EngineOptions, SpeculativeEngine
 from longspec.speculation.processors import SamplingParams
 from longspec.speculation.tree import Tree
@@ -20,7 +20,7 @@ from tiny_models import random_ids, tiny_decoder
 OPTIONS = EngineOptions(max_tree_nodes=8, progress=False)
 
 
-class Recorder:
+class Recorder(Drafter):
     """Proposes a prompt lookup's chain on `ask` rounds, nothing on the others, and keeps
     what it is told: with `plain`, it leaves the others to plain decoding; without, it
     goes through every one of them (the reference)."""

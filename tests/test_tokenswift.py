@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from longspec.speculation.drafters.base import DraftContext
+from longspec.speculation.drafters.base import DraftContext, Drafter
 from longspec.speculation.drafters.tokenswift.drafter import TokenSwiftDrafter
 from longspec.speculation.drafters.tokenswift.heads import TokenSwiftHeads
 from longspec.speculation.engine import EngineOptions, SpeculativeEngine
@@ -120,7 +120,7 @@ def test_sampled_sequences_follow_the_target_distribution(small_vocab_model, par
     assert goodness_of_fit(exact, counts) > ALPHA
 
 
-class DuplicateSiblingsDrafter:
+class DuplicateSiblingsDrafter(Drafter):
     """A tree whose siblings repeat tokens (as an unmerged Cartesian + n-gram tree
     would): several equally long accepted paths spell the same tokens."""
 

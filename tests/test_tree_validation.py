@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from longspec.speculation.drafters.base import DraftContext
+from longspec.speculation.drafters.base import DraftContext, Drafter
 from longspec.speculation.engine import EngineOptions, SpeculativeEngine
 from longspec.speculation.processors import SamplingParams
 from longspec.speculation.tree import MalformedTreeError, Tree
 from tiny_models import VOCAB_SIZE, random_ids, tiny_decoder
 
 
-class FixedTree:
+class FixedTree(Drafter):
     """Proposes whatever `build(root)` returns (nodes below the given root)."""
 
     def __init__(self, build):

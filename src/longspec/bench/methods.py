@@ -116,11 +116,10 @@ class EngineMethod:
             tokens.extend(new.tolist())
             timeline.append((len(tokens), time.perf_counter() - start - stats.prefill_s))
         total = time.perf_counter() - start
-        state = getattr(drafter, "state_nbytes", None)
         return RunOutput(
             tokens, stats.prefill_s, stats.decode_s, total, _thin(timeline), stats.to_dict(),
             self.cache_bytes(prompt.numel(), max_new_tokens, drafter is not None),
-            int(state()) if callable(state) else None,
+            drafter.state_nbytes() if drafter is not None else None,
         )
 
 

@@ -6,17 +6,16 @@ stopping rule. Each `step()`:
 1. admits waiting requests into free cache rows (FIFO) and runs a bounded amount of
    their prefill (`BatchOptions.prefill_tokens_per_step`), so a long prompt that
    joins does not stall the rows already decoding for more than that budget;
-2. runs one round for every decoding row: each row's drafter proposes its tree (or,
-   in rounds it leaves to plain decoding (`plain_rounds.py`), is not asked); the
-   trees are padded to a common node count and verified in ONE target forward with
-   per-row positions and tree masks (`RowsView`); each row is verified by the same
-   lossless rules as a single sequence (DESIGN.md §5) with its own random stream;
-   every row's accepted path is compacted into its cache in one operation;
+2. runs one round for every decoding row (`decode_round`, the single-sequence
+   engine's round): the trees are padded to a common node count and verified in ONE
+   target forward with per-row positions and tree masks (`RowsView`), each row by the
+   lossless rules with its own random stream; every row's accepted path is compacted
+   into its cache in one operation;
 3. hands each row's committed tokens to its `RequestHandle`; rows that hit EOS,
    their token limit or a cancellation leave, and their cache row is reused.
 
 A row's output is the output of `SpeculativeEngine.generate` for the same request:
-the rows share forwards, never state.
+the rows share forwards and the round's code, never state.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,23 +31,14 @@ from longspec.runtime.batch_cache import BatchKVCache, CacheRow
 from longspec.runtime.device import HOST
 from longspec.runtime.model import Decoder
 from longspec.speculation.cost_model import ForwardCost, batch_context_bucket, batch_forward_cost_at
+from longspec.speculation.decode_round import DecodingSequence
+from longspec.speculation.decode_round import checked_proposal, decode_round, prefill_piece
 from longspec.speculation.drafters.base import DraftContext, Drafter, TargetView
-from longspec.speculation.engine import (
-    EngineOptions,
-    SpeculativeEngine,
-    record_controller,
-    checked_proposal,
-    learn_while_verifying,
-    node_histories,
-    truncate_at_stop,
-)
+from longspec.speculation.engine import EngineOptions, learns_while_verifying
 from longspec.speculation.joint_budget import ReachHistory, cut_to_depth, joint_depths, tree_levels
 from longspec.speculation.metrics import GenerationStats
-from longspec.speculation.plain_rounds import PlainRounds
 from longspec.speculation.processors import SamplingParams
-from longspec.speculation.seeding import drafter_generator
 from longspec.speculation.tree import Tree
-from longspec.speculation.verification import verify
 
 
 @dataclass(frozen=True)
@@ -144,34 +134,18 @@ class RequestHandle:
 
 
 @dataclass(eq=False)  # compared by identity
-class _Row:
-    handle: RequestHandle
-    prompt: torch.Tensor
-    params: SamplingParams
-    max_new_tokens: int
-    drafter: Drafter | None
-    eos: torch.Tensor
-    generator: torch.Generator | None
-    tokens: torch.Tensor  # committed tokens (prompt, then output), preallocated
-    length: int  # committed tokens, the root included
-    tree_budget: int  # speculative nodes the drafter may propose per round
+class _Row(DecodingSequence):
+    """A sequence of the batch: the shared round's state, plus its place in the cache."""
+
+    handle: RequestHandle | None = None
     cache_row: CacheRow | None = None
-    view: TargetView | None = None
     prefilled: int = 0  # prompt tokens (all but the root) already in the cache
-    produced: int = 0
-    draft_generator: torch.Generator | None = None
     prefill_hidden: list[torch.Tensor] = field(default_factory=list)
     reach: ReachHistory = field(default_factory=ReachHistory)  # acceptance by level, for the joint budget
-    plain: PlainRounds | None = None  # rounds its drafter leaves to plain decoding (set when it starts decoding)
-
-    @property
-    def stats(self) -> GenerationStats:
-        return self.handle.stats
 
     @property
     def prefill_done(self) -> bool:
         return self.prefilled == self.prompt.numel() - 1
-
 
 
 class BatchEngine:
@@ -182,7 +156,6 @@ class BatchEngine:
         self.model = model
         self.options = options
         self.batch = batch
-        self._single = SpeculativeEngine(model, options)  # request checks shared with B = 1
         self.cache = BatchKVCache(
             model.config, batch.row_capacity, batch.max_rows, max_forward_tokens=self.max_forward_tokens(options, batch),
             dtype=model.dtype, device=model.embed_weight.device,
@@ -197,6 +170,7 @@ class BatchEngine:
         self.padding_nodes = 0
         self._reach_by_drafter: dict[type, ReachHistory] = {}
         self._affordable: dict[tuple[int, int], int] = {}  # (rows, context bucket) -> nodes per row
+        self._pending_view = None  # the rows view of the round's forward, until its commit
 
     @staticmethod
     def prefill_chunk(options: EngineOptions, batch: BatchOptions) -> int:
@@ -232,12 +206,10 @@ class BatchEngine:
     ) -> RequestHandle:
         """Queue a request; it joins at the next `step` with a free row. Everything
         that can be refused is refused here, before any prefill."""
-        prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=HOST).reshape(-1)
-        self._single.check_request(prompt.numel(), max_new_tokens)
-        check_target = getattr(drafter, "check_target", None)
-        if check_target is not None:
-            check_target(self.model.config)
-        budget = self.options.max_tree_nodes if drafter is not None else 0
+        row = _Row.create(self.model, prompt_ids, params=params, max_new_tokens=max_new_tokens, drafter=drafter,
+                          eos_token_ids=eos_token_ids, generator=generator, stats=stats,
+                          tree_budget=self.options.max_tree_nodes)
+        prompt, budget = row.prompt, row.tree_budget
         needed = prompt.numel() + max_new_tokens + budget + 1
         if needed > self.batch.row_capacity:
             raise ValueError(
@@ -249,17 +221,11 @@ class BatchEngine:
         if (self.batch.max_waiting is not None and not self.cache.free_rows
                 and len(self._waiting) >= self.batch.max_waiting):
             raise EngineBusy(f"all {self.batch.max_rows} rows are busy and {len(self._waiting)} requests wait; retry later")
-        stats = stats if stats is not None else GenerationStats()
-        stats.prompt_tokens = prompt.numel()
-        stats.kv_cache_bytes = self.cache.bytes_per_row()
-        handle = RequestHandle(self._next_id, stats)
+        row.stats.kv_cache_bytes = self.cache.bytes_per_row()
+        row.handle = RequestHandle(self._next_id, row.stats)
         self._next_id += 1
-        tokens = torch.empty(prompt.numel() + max_new_tokens, dtype=torch.long, device=HOST)
-        tokens[: prompt.numel()] = prompt
-        row = _Row(handle, prompt, params, max_new_tokens, drafter,
-                   torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=HOST), generator, tokens, prompt.numel(), budget)
         self._waiting.append(row)
-        return handle
+        return row.handle
 
     def cancel(self, handle: RequestHandle) -> None:
         """Stop a request now (between steps); its cache row is freed at once."""
@@ -324,9 +290,9 @@ class BatchEngine:
 
     # ------------------------------------------------------------------ prefill
     def _prefill_some(self, row: _Row, budget: int | None) -> int | None:
-        ids = row.prompt[:-1]
-        keep_hidden = int(getattr(row.drafter, "prefill_hidden_rows", 0) or 0)
-        first_kept = ids.numel() - keep_hidden if keep_hidden else ids.numel()
+        ids = row.prefill_ids
+        keep_hidden = row.prefill_hidden_rows
+        keep_from = ids.numel() - keep_hidden if keep_hidden else ids.numel()
         chunk = self.prefill_chunk(self.options, self.batch)
         start = time.perf_counter()
         while not row.prefill_done and (budget is None or budget > 0):
@@ -338,17 +304,12 @@ class BatchEngine:
                     budget = 0  # what another row left of this step would cut a chunk: go on next step
                     break
                 end = begin + budget  # a per-step budget below the chunk cuts every chunk
-            piece = ids[begin:end]
-            kept = slice(max(0, first_kept - begin), None) if begin + piece.numel() > first_kept else slice(0, 0)
-            view = row.cache_row.view()
-            out = self.model(piece.unsqueeze(0), view, positions=view.next_positions(piece.numel()),
-                             logits_rows=kept, with_logits=False)
-            view.commit()
-            if out.hidden.shape[1]:
-                row.prefill_hidden.append(out.hidden[0])
-            row.prefilled += piece.numel()
+            hidden = prefill_piece(self.model, row.cache_row.view(), ids, begin, end, keep_from)
+            if hidden is not None:
+                row.prefill_hidden.append(hidden)
+            row.prefilled = end
             if budget is not None:
-                budget -= piece.numel()
+                budget -= end - begin
         row.stats.prefill_s += time.perf_counter() - start
         return budget
 
@@ -358,17 +319,13 @@ class BatchEngine:
         if row.cache_row.slot != slot:  # decoding rows stay in the leading slots
             self.cache.swap(row.cache_row, self.cache.row_at(slot))
         self._decoding.append(row)
-        row.view = TargetView(self.model, row.cache_row)
-        row.view.prefill_hidden = torch.cat(row.prefill_hidden) if row.prefill_hidden else None
+        prefill_hidden = torch.cat(row.prefill_hidden) if row.prefill_hidden else None
         row.prefill_hidden = []
-        row.draft_generator = drafter_generator(row.generator) if row.generator is not None else None
         # With `fill_padding` every round asks the drafter: another row's wider tree
         # leaves padding that its proposals may fill.
-        row.plain = PlainRounds(row.drafter, enabled=not self.batch.fill_padding)
-        if row.drafter is not None:
-            # Buffers sized at begin must hold the row's whole budget: the cost cap of
-            # this round's rows loosens when rows leave.
-            row.drafter.begin(replace(self._context(row), max_nodes=row.tree_budget))
+        row.start(TargetView(self.model, row.cache_row), prefill_hidden,
+                  learns_while_verifying=learns_while_verifying(self.options, self.model.device),
+                  plain_rounds=not self.batch.fill_padding)
 
     def _context(self, row: _Row) -> DraftContext:
         rows = max(len(self._decoding), 1)
@@ -377,21 +334,21 @@ class BatchEngine:
             budget = min(budget, self.batch.max_forward_nodes // rows)
         if rows > 1 and budget > 0 and self.batch.forward_cost_limit is not None and not self.batch.joint_budget:
             budget = min(budget, self._affordable_nodes(rows, row.length))
-        learns = learn_while_verifying(row.drafter, self.options, self.model.device) is not None
-        return DraftContext(row.tokens[: row.length], row.view, budget, row.draft_generator, rows_in_forward=rows,
-                            learns_while_verifying=learns)
+        return row.context(budget, rows_in_forward=rows)
 
     # -------------------------------------------------------------------- round
-    def _widen(self, rows: list[_Row], trees: list[Tree], vocab: int) -> None:
+    def _widen(self, rows: list[_Row], trees: list[Tree]) -> None:
         """Every row's tree is padded to the widest row's: a drafter that can grow its
         tree (`widen`) fills its padding slots with its next best nodes."""
         width = max(tree.size for tree in trees) - 1
+        vocab = self.model.config.vocab_size
         for index, (row, tree) in enumerate(zip(rows, trees)):
-            widen = getattr(row.drafter, "widen", None)
-            if widen is None or tree.size - 1 >= width:
+            if row.drafter is None or tree.size - 1 >= width:
                 continue
             t0 = time.perf_counter()
-            trees[index] = checked_proposal(row.drafter, self._context(row), vocab, lambda c: widen(c, width))
+            context = self._context(row)
+            grown = checked_proposal(row.drafter, context, vocab, lambda c: row.drafter.widen(c, width) or tree)
+            trees[index] = grown
             row.stats.draft_s += time.perf_counter() - t0
 
     def forward_cost(self, rows: int, length: int) -> ForwardCost:
@@ -431,84 +388,47 @@ class BatchEngine:
         levels = [tree_levels(tree) for tree in trees]
         reach = [row.reach.reach(level, self._drafter_reach(row).conditionals(level))
                  for row, level in zip(rows, levels)]
-        whole = [bool(getattr(row.drafter, "sizes_tree_from_cost", False)) for row in rows]
+        whole = [row.drafter is not None and row.drafter.sizes_tree_from_cost for row in rows]
         depths = joint_depths(trees, reach, seconds, whole)
         return [cut_to_depth(tree, depth) for tree, depth in zip(trees, depths)]
 
     def _round(self) -> None:
-        rows = self._decoding
-        vocab = self.model.config.vocab_size
-        trees: list[Tree] = []
-        for row in rows:
-            t0 = time.perf_counter()
-            if row.plain.now():
-                trees.append(Tree.chain(int(row.tokens[row.length - 1]), []))
-            else:
-                trees.append(checked_proposal(row.drafter, self._context(row), vocab))
-            row.stats.draft_s += time.perf_counter() - t0
-        proposed = trees
+        finished = []
+        for row, (proposed, tree, committed) in zip(self._decoding, decode_round(list(self._decoding), _Rows(self))):
+            if self.batch.joint_budget:
+                self._drafter_reach(row).add(row.reach.record(proposed, tree.max_depth, committed.accepted.tolist()))
+            row.handle._push(committed.tokens)
+            if committed.stop_reason:
+                finished.append((row, committed.stop_reason))
+        for row, reason in finished:
+            self._finish(row, reason)
+
+    def _shape(self, rows: list[_Row], trees: list[Tree]) -> list[Tree]:
         # A row alone keeps its drafter's tree, as the single-sequence engine does.
         if self.batch.joint_budget and len(rows) > 1 and any(tree.size > 1 for tree in trees):
             trees = self._cut_jointly(rows, trees)
         if self.batch.fill_padding:
-            self._widen(rows, trees, vocab)
+            trees = list(trees)
+            self._widen(rows, trees)
+        return trees
 
-        t0 = time.perf_counter()
-        view = self.cache.rows(0, len(rows))
+    def _forward(self, trees: list[Tree]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The decoding rows' trees padded to one width, in one forward over their cache rows."""
+        view = self.cache.rows(0, len(trees))
         ids, positions, masks, real = _pad_trees(trees, view.lengths)
         self.forward_nodes += ids.numel()
         self.padding_nodes += ids.numel() - sum(tree.size for tree in trees)
         out = self.model(ids, view, tree_mask=masks, positions=positions, with_logits=False, real_tokens=real)
         width = ids.shape[1]
         real = torch.cat([b * width + torch.arange(tree.size, device=HOST) for b, tree in enumerate(trees)])
-        real = real.to(out.hidden.device)
-        hidden = out.hidden.reshape(-1, out.hidden.shape[-1])[real]
-        logits = self.model.logits(hidden).split([tree.size for tree in trees])
-        hidden = hidden.split([tree.size for tree in trees])
-        for row in rows:  # queued on a GPU, the forward runs meanwhile; its result is read below
-            learn = learn_while_verifying(row.drafter, self.options, self.model.device)
-            if learn is not None:
-                learn()
-        forward_s = (time.perf_counter() - t0) / len(rows)  # the shared forward (and the learning), split evenly
+        hidden = out.hidden.reshape(-1, out.hidden.shape[-1])[real.to(out.hidden.device)]
+        sizes = [tree.size for tree in trees]
+        self._pending_view = view
+        return list(self.model.logits(hidden).split(sizes)), list(hidden.split(sizes))
 
-        paths = []
-        for row, tree, row_logits, row_hidden in zip(rows, trees, logits, hidden):
-            t1 = time.perf_counter()
-            histories = None
-            if row.params.uses_history:
-                histories = node_histories(row.tokens[: row.length], tree, row.params.penalty_window)
-            verdict = verify(tree, row_logits, histories, row.params, row.generator)
-            row.view.last_hidden = verdict.path_rows(row_hidden)
-            paths.append(verdict)
-            row.stats.verify_s += forward_s + time.perf_counter() - t1
-        t1 = time.perf_counter()
-        view.commit([verdict.path for verdict in paths])
-        commit_s = (time.perf_counter() - t1) / len(rows)
-
-        finished = []
-        for row, tree, whole, verdict in zip(rows, trees, proposed, paths):
-            t2 = time.perf_counter()
-            new = torch.cat([tree.tokens[verdict.path[1:]], torch.tensor([verdict.bonus], device=HOST)])
-            if self.batch.joint_budget:
-                self._drafter_reach(row).add(row.reach.record(whole, tree.max_depth, new.tolist()))
-            new, stop_reason = truncate_at_stop(new, row.eos, row.max_new_tokens - row.produced)
-            row.tokens[row.length : row.length + new.numel()] = new
-            row.length += new.numel()
-            row.produced += new.numel()
-            observed = row.plain.told(new, stop_reason, row.view)  # never the last round's tokens
-            if observed is not None:
-                row.drafter.observe(observed)
-            stats = row.stats
-            stats.bookkeeping_s += commit_s + time.perf_counter() - t2
-            stats.new_tokens = row.produced
-            stats.record_round(tree.max_depth, verdict.accepted_tokens, tree.size - 1)
-            if observed is not None:
-                record_controller(row.drafter, stats)
-            row.handle._push(new)
-            if stop_reason:
-                finished.append((row, stop_reason))
-        for row, reason in finished:
-            self._finish(row, reason)
+    def _commit(self, paths: list[torch.Tensor]) -> None:
+        self._pending_view.commit(paths)
+        self._pending_view = None
 
     # ------------------------------------------------------------------- leave
     def _finish(self, row: _Row, reason: str) -> None:
@@ -532,6 +452,17 @@ class BatchEngine:
             row.handle.stats.stop_reason = reason
         row.handle.stats.record_output(row.tokens[row.prompt.numel() : row.length].tolist())
         row.handle.finished = True
+
+
+class _Rows:
+    """The round's target for the decoding rows: per-row contexts under the batch's
+    caps, trees cut or widened across rows, one padded forward, one commit."""
+
+    def __init__(self, engine: BatchEngine) -> None:
+        self.context = engine._context
+        self.shape = engine._shape
+        self.forward = engine._forward
+        self.commit = engine._commit
 
 
 def _pad_trees(trees: Sequence[Tree], lengths: torch.Tensor):

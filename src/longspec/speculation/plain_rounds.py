@@ -30,7 +30,7 @@ class PlainRounds:
 
     def __init__(self, drafter: Drafter | None, enabled: bool = True) -> None:
         self.drafter = drafter
-        self._ask = getattr(drafter, "plain_rounds", None) if enabled else None
+        self._ask = drafter.plain_rounds if enabled and drafter is not None else None
         self.left = 0  # plain rounds still to decode, this one included
         self._tokens: list[torch.Tensor] = []
         self._hidden: list[torch.Tensor] = []

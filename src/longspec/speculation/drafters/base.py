@@ -1,36 +1,21 @@
-"""The drafter protocol: what the engine asks of every drafter.
+"""The drafter contract: what the engine asks of every drafter, and what a drafter
+may offer beyond it.
 
-A drafter proposes a `Tree` rooted at the current root token and is told which
-tokens were committed. It may read the target through the read-only `DraftContext`
-the engine hands it, and owns only bounded state of its own. Drafters may also
-offer ``check_target(config)``, which the engine calls before any work (prefill) so
-that weights that do not fit the target fail first, naming the mismatch; and
-``state_nbytes() -> int``, the bytes of their per-sequence state (caches, rings,
-indexes; not weights), which benchmarks report beside the target's cache; and
-``prefill_hidden_rows`` (an int), how many of the prompt's last final hidden states
-the engine keeps from prefill for them (`TargetView.prefill_hidden`); and
-``runs_model = True`` when each proposal runs a neural network (a draft model), so
-that a controller composing drafters (`auto`) treats it as costly before it has
-measured it; and ``widen(context, nodes) -> Tree``, the tree of the last
-``propose`` grown toward ``nodes`` speculative nodes, which the batched engine asks
-for (with ``BatchOptions.fill_padding``) when another row's tree is wider (its padding
-slots turned into speculation); and ``sizes_tree_from_cost = True`` when it sizes its
-trees from the measured forward cost at the batch's width itself (`auto`), so that the
-batched engine's joint budget leaves its trees whole; and ``learn()``, work that can
-wait for the target (updating statistics from the last rounds' verdicts): an engine that
-says so in `DraftContext.learns_while_verifying` calls it each round after queuing the
-verification forward and before reading its result, where a GPU computes meanwhile; and
-``plain_rounds() -> int``, how many coming rounds it would propose nothing in whatever
-they commit (speculation switched off): the engines then run them as plain decoding,
-without `propose` and `observe`, and afterwards call `observe` once with their tokens
-(`TargetView.last_hidden` holding the states of all their roots; `plain_rounds.py`).
+A drafter proposes a `Tree` rooted at the current root token and is told which tokens
+were committed. It reads the target only through the read-only `DraftContext` the
+engine hands it, and owns bounded state of its own. Every drafter subclasses
+`Drafter`: three methods are required (`begin`, `propose`, `observe`); the optional
+capabilities are methods and class attributes with neutral defaults, so the engines
+call them on every drafter alike. docs/design.md, "The drafter contract", says when
+each is called and how to write a new drafter.
 """
 
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
 
 import torch
 
@@ -72,16 +57,69 @@ class DraftContext:
         return int(self.tokens[-1])
 
 
-@runtime_checkable
-class Drafter(Protocol):
-    def begin(self, context: DraftContext) -> None:
-        """Start a new sequence (called once after prefill)."""
+class Drafter(ABC):
+    """Proposes trees for one sequence at a time (a fresh drafter per request)."""
 
+    # Each proposal runs a neural network (a draft model): a controller composing
+    # drafters (`auto`) treats it as costly before it has measured it.
+    runs_model: ClassVar[bool] = False
+    # It sizes its trees from the measured forward cost at the batch's width itself
+    # (`auto`): the batched engine's joint budget then leaves its trees whole.
+    sizes_tree_from_cost: ClassVar[bool] = False
+    # How many of the prompt's last final hidden states the engine keeps from prefill
+    # for it (`TargetView.prefill_hidden`); a drafter may set it per instance.
+    prefill_hidden_rows: int = 0
+
+    @abstractmethod
+    def begin(self, context: DraftContext) -> None:
+        """Start a new sequence (called once, after prefill)."""
+
+    @abstractmethod
     def propose(self, context: DraftContext) -> Tree:
         """A tree rooted at ``context.root`` (a root-only tree proposes nothing)."""
 
+    @abstractmethod
     def observe(self, committed: torch.Tensor) -> None:
-        """The tokens appended to the sequence this round (accepted nodes, then the bonus)."""
+        """The tokens appended to the sequence (accepted nodes, then the bonus)."""
+
+    def check_target(self, config) -> None:
+        """Raise, naming the mismatch, when this drafter cannot serve a target of
+        `config`; the engines call it before any work (prefill)."""
+
+    def state_nbytes(self) -> int:
+        """Bytes of its per-sequence state (caches, rings, indexes; not weights), which
+        benchmarks report beside the target's cache."""
+        return 0
+
+    def widen(self, context: DraftContext, nodes: int) -> Tree | None:
+        """The tree of the last `propose` grown toward `nodes` speculative nodes, or None
+        when it cannot grow. The batched engine asks (with `BatchOptions.fill_padding`)
+        when another row's tree is wider, turning padding slots into speculation."""
+        return None
+
+    def learn(self) -> None:
+        """Work that can wait for the target (statistics from the last verdicts). An
+        engine that says so in `DraftContext.learns_while_verifying` calls it each round
+        after queuing the verification forward and before reading its result."""
+
+    def plain_rounds(self) -> int:
+        """How many coming rounds it would propose nothing in, whatever they commit
+        (speculation switched off): the engines run them as plain decoding, without
+        `propose` and `observe`, then call `observe` once with all their tokens
+        (`TargetView.last_hidden` holding the states of all their roots)."""
+        return 0
+
+    def telemetry(self) -> dict | None:
+        """Its own account of the sequence so far (a controller's), copied into the
+        generation's stats after each round it was told of; None: nothing to report."""
+        return None
+
+
+def check_drafter(drafter: object) -> None:
+    """Refuse an object that does not subclass `Drafter` before any work."""
+    if drafter is not None and not isinstance(drafter, Drafter):
+        raise TypeError(f"a drafter must subclass longspec.Drafter (begin, propose, observe; docs/design.md), got "
+                        f"{type(drafter).__name__}")
 
 
 def container_nbytes(root: object) -> int:

@@ -22,7 +22,7 @@ from dataclasses import replace
 import torch
 
 from longspec.runtime.device import HOST
-from longspec.speculation.drafters.base import DraftContext, container_nbytes
+from longspec.speculation.drafters.base import DraftContext, Drafter, container_nbytes
 from longspec.speculation.tree import Tree
 
 
@@ -183,7 +183,7 @@ class NgramTable:
         return [torch.tensor(cont, dtype=torch.long, device=HOST) for cont, _ in best]
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """Drafts the ``k`` most frequent continuations of the root token seen so far
     in the sequence (prompt and output), merged into one tree.
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from longspec.speculation.drafters.base import DraftContext, container_nbytes
+from longspec.speculation.drafters.base import DraftContext, Drafter, container_nbytes
 from longspec.speculation.drafters.ngram import _check_positive_int, chains_tree
 from longspec.speculation.tree import Tree
 
 
-class PromptLookupDrafter:
+class PromptLookupDrafter(Drafter):
     """Prompt lookup decoding over the whole committed sequence (prompt + output).
 
     For n from ``max_ngram`` down to ``min_ngram``, the last n tokens (root

@@ -59,7 +59,7 @@ from longspec.speculation.drafters.adaptive.cost_fit import RealisedCostScale
 from longspec.speculation.drafters.adaptive.merge import MergedTree, merge_trees, subtree
 from longspec.speculation.drafters.adaptive.policies import ThroughputPolicy, TreePolicy
 from longspec.speculation.drafters.adaptive.unverified import UnverifiedNodes
-from longspec.speculation.drafters.base import DraftContext, Drafter
+from longspec.speculation.drafters.base import DraftContext, Drafter, check_drafter
 from longspec.speculation.tree import Tree
 
 _EMA = 0.2  # weight of the newest round in moving averages
@@ -124,7 +124,7 @@ class ControllerTelemetry:
         }
 
 
-class AdaptiveDrafter:
+class AdaptiveDrafter(Drafter):
     # Sizes its tree from the measured forward cost at the batch's width itself: a
     # batched engine's joint budget leaves its trees whole.
     sizes_tree_from_cost = True
@@ -146,6 +146,8 @@ class AdaptiveDrafter:
             raise ValueError(f"component names must be distinct, got {names}")
         if probe_every < 1:
             raise ValueError(f"probe_every must be >= 1, got {probe_every}")
+        for _, drafter in components:
+            check_drafter(drafter)
         self.components = [_Component(name, drafter) for name, drafter in components]
         self.policy = policy if policy is not None else ThroughputPolicy()
         self.forward_cost = forward_cost
@@ -168,10 +170,8 @@ class AdaptiveDrafter:
         are left out, with the reason in the telemetry; auto itself always fits."""
         fitting = []
         for component in self.components:
-            check = getattr(component.drafter, "check_target", None)
             try:
-                if check is not None:
-                    check(config)
+                component.drafter.check_target(config)
                 fitting.append(component)
             except (ValueError, TypeError) as error:
                 self.telemetry_state.unavailable[component.name] = str(error).splitlines()[0]
@@ -181,7 +181,7 @@ class AdaptiveDrafter:
 
     @property
     def prefill_hidden_rows(self) -> int:
-        return max((int(getattr(c.drafter, "prefill_hidden_rows", 0) or 0) for c in self.components), default=0)
+        return max((c.drafter.prefill_hidden_rows for c in self.components), default=0)
 
     def begin(self, context: DraftContext) -> None:
         self.learn()  # the last sequence's last round: what was learned carries over
@@ -460,7 +460,7 @@ class AdaptiveDrafter:
         """Measured to cost more than a small share of a plain decoding round; before
         it was measured, whether it runs a draft network (`runs_model`)."""
         if component.seconds is None:
-            return bool(getattr(component.drafter, "runs_model", False))
+            return component.drafter.runs_model
         return component.seconds > _CHEAP_SHARE * self._verify_seconds(0)
 
     def _pays(self, component: _Component) -> bool:

@@ -23,7 +23,7 @@ import torch
 
 from longspec.runtime.device import HOST
 from longspec.runtime.model import Decoder
-from longspec.speculation.drafters.base import DraftContext
+from longspec.speculation.drafters.base import DraftContext, Drafter
 from longspec.speculation.drafters.longspec.config import DraftMismatchError
 from longspec.speculation.drafters.vocab_map import VocabMap
 from longspec.speculation.processors import sample
@@ -38,7 +38,7 @@ def shipped_drafter_path() -> Path:
     return Path(str(resources.files("longspec") / "weights" / SHIPPED_DRAFTER))
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     runs_model = True  # each proposal runs the draft network (see drafters.base)
 
     def __init__(

@@ -30,7 +30,7 @@ import torch
 
 from longspec.runtime.attention import biased_attention
 from longspec.runtime.linear import PackedWeight, packed_linear, prepack
-from longspec.speculation.drafters.base import DraftContext
+from longspec.speculation.drafters.base import DraftContext, Drafter
 from longspec.speculation.drafters.context_vocab import ContextVocabulary
 from longspec.speculation.drafters.longspec.checkpoint import load_draft
 from longspec.speculation.drafters.longspec.model import (
@@ -47,7 +47,7 @@ from longspec.speculation.drafters.longspec.strategies import Proposal, SampledC
 from longspec.speculation.tree import Tree
 
 
-class LongSpecDrafter:
+class LongSpecDrafter(Drafter):
     runs_model = True  # each proposal runs the draft network (see drafters.base)
 
     def __init__(

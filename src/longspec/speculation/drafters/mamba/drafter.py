@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from longspec.speculation.drafters.adaptive.policies import UCBPolicy, mamba_reward
-from longspec.speculation.drafters.base import DraftContext
+from longspec.speculation.drafters.base import DraftContext, Drafter
 from longspec.speculation.drafters.longspec.config import DraftMismatchError
 from longspec.speculation.drafters.mamba.state import MambaState, MambaStepper
 from longspec.speculation.drafters.vocab_map import VocabMap
@@ -60,7 +60,7 @@ def tree_nodes(widths: Sequence[int]) -> int:
     return total
 
 
-class MambaDrafter:
+class MambaDrafter(Drafter):
     runs_model = True  # each proposal runs the drafter network (see drafters.base)
 
     def __init__(self, model=None, *, widths: Sequence[int] = DEFAULT_WIDTHS, search: Sequence[Sequence[int]] | None = None,

@@ -30,13 +30,13 @@ import contextlib
 import torch
 
 from longspec.runtime.device import HOST
-from longspec.speculation.drafters.base import DraftContext
+from longspec.speculation.drafters.base import DraftContext, Drafter
 from longspec.speculation.drafters.ngram import _check_positive_int
 from longspec.speculation.drafters.tokenswift.partial_cache import PartialBudget, PartialKVCache, recording_queries
 from longspec.speculation.tree import Tree
 
 
-class MagicDecDrafter:
+class MagicDecDrafter(Drafter):
     """Options:
     length: γ, tokens drafted per round.
     budget: full-attention slots of the partial cache (sinks included); None scales

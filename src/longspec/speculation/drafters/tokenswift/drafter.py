@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from longspec.speculation.drafters.base import DraftContext
+from longspec.speculation.drafters.base import DraftContext, Drafter
 from longspec.speculation.drafters.ngram import NgramTable, _check_positive_int
 from longspec.speculation.drafters.tokenswift.heads import TokenSwiftHeads
 from longspec.speculation.drafters.tokenswift.partial_cache import PartialBudget, PartialKVCache, recording_queries
@@ -40,7 +40,7 @@ def heads_for_target(heads: TokenSwiftHeads | None, source: str | Path | None, c
     return heads
 
 
-class TokenSwiftDrafter:
+class TokenSwiftDrafter(Drafter):
     """Options:
     heads: `TokenSwiftHeads`, a path to a heads file, or None for the shipped heads
         of the embedded Gemma 3 270M (other targets must pass their own).

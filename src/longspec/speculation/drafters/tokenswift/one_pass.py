@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from longspec.speculation.drafters.base import DraftContext
+from longspec.speculation.drafters.base import DraftContext, Drafter
 from longspec.speculation.drafters.context_vocab import ContextVocabulary
 from longspec.speculation.drafters.ngram import NgramTable, _check_positive_int
 from longspec.speculation.drafters.tokenswift.drafter import heads_for_target
@@ -34,7 +34,7 @@ from longspec.speculation.drafters.tokenswift.tree import add_chains_within, car
 from longspec.speculation.tree import Tree
 
 
-class OnePassTokenSwiftDrafter:
+class OnePassTokenSwiftDrafter(Drafter):
     """Options:
     heads: `TokenSwiftHeads`, a heads file, or None for the heads shipped for the
         embedded Gemma 3 270M.

@@ -1,0 +1,261 @@
+"""One round of speculative decoding, written once for every engine.
+
+    propose   each sequence's drafter proposes a tree (or, in a plain round, the root alone)
+    forward   ONE target forward over every tree (the engine's: one cache, or a batch's rows)
+    verify    the lossless rules per sequence, each with its own random stream
+    commit    each cache keeps its accepted path; the bonus becomes the new root
+    stop      EOS, the token limit
+    observe   each drafter is told what was committed
+    record    stats, the controller's account
+
+`SpeculativeEngine` (one sequence) and `BatchEngine` (rows sharing forwards) both run
+`decode_round`; they differ only in the `RoundTarget` they hand it: how trees become
+one forward and how paths are committed to their cache. So a batch row's output is a
+single run's, token for token, by construction. Prefill is shared the same way
+(`prefill_piece`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from longspec.runtime.device import HOST
+from longspec.runtime.model import Decoder
+from longspec.speculation.drafters.base import DraftContext, Drafter, TargetView, check_drafter
+from longspec.speculation.metrics import GenerationStats
+from longspec.speculation.plain_rounds import PlainRounds
+from longspec.speculation.processors import SamplingParams
+from longspec.speculation.seeding import drafter_generator
+from longspec.speculation.tree import MalformedTreeError, Tree
+from longspec.speculation.verification import Verdict, verify
+
+
+def check_request(model: Decoder, prompt_length: int, max_new_tokens: int) -> None:
+    """Fail before any work on requests the model cannot serve."""
+    if prompt_length < 1:
+        raise ValueError("the prompt is empty: give at least one token")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    limit = model.config.max_position_embeddings
+    if prompt_length + max_new_tokens > limit:
+        raise ValueError(
+            f"prompt of {prompt_length} tokens + max_new_tokens={max_new_tokens} = "
+            f"{prompt_length + max_new_tokens} exceeds the model's context of {limit} tokens; "
+            f"shorten the prompt or lower max_new_tokens (at most {max(limit - prompt_length, 0)} here)"
+        )
+
+
+@dataclass(eq=False)  # compared by identity
+class DecodingSequence:
+    """One sequence being decoded: its request, its drafter and what it has committed."""
+
+    prompt: torch.Tensor
+    params: SamplingParams
+    max_new_tokens: int
+    drafter: Drafter | None
+    eos: torch.Tensor
+    generator: torch.Generator | None  # the verifier's stream
+    stats: GenerationStats
+    tree_budget: int  # speculative nodes the drafter may propose per round
+    tokens: torch.Tensor  # committed tokens (prompt, then output), preallocated
+    length: int  # committed tokens, the root included
+    produced: int = 0
+    view: TargetView | None = None  # set by `start`
+    draft_generator: torch.Generator | None = None
+    plain: PlainRounds | None = None
+    learns_while_verifying: bool = False  # its drafter's `learn` runs during the forward
+
+    @classmethod
+    def create(cls, model: Decoder, prompt_ids, *, params: SamplingParams, max_new_tokens: int,
+               drafter: Drafter | None, eos_token_ids: Sequence[int], generator: torch.Generator | None,
+               stats: GenerationStats | None, tree_budget: int) -> "DecodingSequence":
+        """A checked request: everything that can be refused is refused here, before prefill."""
+        prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=HOST).reshape(-1)
+        check_request(model, prompt.numel(), max_new_tokens)
+        check_drafter(drafter)
+        if drafter is not None:
+            drafter.check_target(model.config)  # weights that do not fit fail before prefill
+        stats = stats if stats is not None else GenerationStats()
+        stats.prompt_tokens = prompt.numel()
+        tokens = torch.empty(prompt.numel() + max_new_tokens, dtype=torch.long, device=HOST)
+        tokens[: prompt.numel()] = prompt
+        eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=HOST)
+        return cls(prompt, params, max_new_tokens, drafter, eos, generator, stats,
+                   tree_budget if drafter is not None else 0, tokens, prompt.numel())
+
+    @property
+    def prefill_ids(self) -> torch.Tensor:
+        """What prefill puts in the cache: every prompt token but the root."""
+        return self.prompt[:-1]
+
+    @property
+    def prefill_hidden_rows(self) -> int:
+        return self.drafter.prefill_hidden_rows if self.drafter is not None else 0
+
+    def context(self, max_nodes: int | None = None, rows_in_forward: int = 1) -> DraftContext:
+        return DraftContext(self.tokens[: self.length], self.view, self.tree_budget if max_nodes is None else max_nodes,
+                            self.draft_generator, rows_in_forward=rows_in_forward,
+                            learns_while_verifying=self.learns_while_verifying)
+
+    def start(self, view: TargetView, prefill_hidden: torch.Tensor | None, *, learns_while_verifying: bool,
+              plain_rounds: bool = True) -> None:
+        """After prefill: the drafter begins. `plain_rounds` False asks the drafter every
+        round (a batch whose padding it may fill)."""
+        view.prefill_hidden = prefill_hidden
+        self.view = view
+        self.draft_generator = drafter_generator(self.generator) if self.generator is not None else None
+        self.learns_while_verifying = learns_while_verifying and self.drafter is not None
+        self.plain = PlainRounds(self.drafter, enabled=plain_rounds)
+        if self.drafter is not None:
+            # Buffers sized at begin hold the whole budget (a batch's cost cap loosens as rows leave).
+            self.drafter.begin(self.context())
+
+    def propose(self, context: DraftContext) -> Tree:
+        if self.plain.now():
+            return Tree.chain(int(self.tokens[self.length - 1]), [])
+        return checked_proposal(self.drafter, context, self.view.config.vocab_size)
+
+    def verify(self, tree: Tree, logits: torch.Tensor, hidden: torch.Tensor) -> Verdict:
+        histories = None
+        if self.params.uses_history:
+            histories = node_histories(self.tokens[: self.length], tree, self.params.penalty_window)
+        verdict = verify(tree, logits, histories, self.params, self.generator)
+        self.view.last_hidden = verdict.path_rows(hidden)
+        return verdict
+
+    def advance(self, tree: Tree, verdict: Verdict) -> "Committed":
+        """Append the round's tokens (up to a stop), tell the drafter, record the round."""
+        accepted = torch.cat([tree.tokens[verdict.path[1:]], torch.tensor([verdict.bonus], device=HOST)])
+        new, stop_reason = truncate_at_stop(accepted, self.eos, self.max_new_tokens - self.produced)
+        self.tokens[self.length : self.length + new.numel()] = new
+        self.length += new.numel()
+        self.produced += new.numel()
+        observed = self.plain.told(new, stop_reason, self.view)  # never the last round's tokens
+        if observed is not None:
+            self.drafter.observe(observed)
+        self.stats.new_tokens = self.produced
+        self.stats.record_round(tree.max_depth, verdict.accepted_tokens, tree.size - 1)
+        if observed is not None:
+            telemetry = self.drafter.telemetry()
+            if telemetry is not None:
+                self.stats.controller = telemetry
+        return Committed(new, stop_reason, accepted)
+
+
+@dataclass(frozen=True)
+class Committed:
+    """What one round committed to a sequence."""
+
+    tokens: torch.Tensor  # appended this round (up to EOS or the token limit)
+    stop_reason: str  # "eos", "length" or "" (go on)
+    accepted: torch.Tensor  # the verdict's tokens before the stop cut them
+
+
+class RoundTarget(Protocol):
+    """What an engine gives a round: the drafting context of each sequence, the forward
+    over all trees, and the commit of the accepted paths to the cache."""
+
+    def context(self, sequence: DecodingSequence) -> DraftContext: ...
+
+    def shape(self, sequences: list[DecodingSequence], trees: list[Tree]) -> list[Tree]:
+        """The trees to verify (a batch may cut or widen them); a single sequence keeps its own."""
+
+    def forward(self, trees: list[Tree]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Logits [n_i, V] and final hidden states [n_i, H] of every tree's nodes."""
+
+    def commit(self, paths: list[torch.Tensor]) -> None: ...
+
+
+def decode_round(sequences: list[DecodingSequence], target: RoundTarget) -> list[tuple[Tree, Tree, Committed]]:
+    """One round of every sequence: (the tree proposed, the tree verified, what was committed)."""
+    proposed = []
+    for sequence in sequences:
+        t0 = time.perf_counter()
+        proposed.append(sequence.propose(target.context(sequence)))
+        sequence.stats.draft_s += time.perf_counter() - t0
+    trees = target.shape(sequences, proposed)
+
+    t0 = time.perf_counter()
+    logits, hidden = target.forward(trees)
+    for sequence in sequences:  # queued on a GPU, the forward runs meanwhile; its result is read below
+        if sequence.learns_while_verifying:
+            sequence.drafter.learn()
+    forward_s = (time.perf_counter() - t0) / len(sequences)  # the shared forward, split evenly
+
+    verdicts = []
+    for sequence, tree, tree_logits, tree_hidden in zip(sequences, trees, logits, hidden):
+        t1 = time.perf_counter()
+        verdicts.append(sequence.verify(tree, tree_logits, tree_hidden))
+        sequence.stats.verify_s += forward_s + time.perf_counter() - t1
+    t1 = time.perf_counter()
+    target.commit([verdict.path for verdict in verdicts])
+    commit_s = (time.perf_counter() - t1) / len(sequences)
+
+    results = []
+    for sequence, whole, tree, verdict in zip(sequences, proposed, trees, verdicts):
+        t2 = time.perf_counter()
+        committed = sequence.advance(tree, verdict)
+        sequence.stats.bookkeeping_s += commit_s + time.perf_counter() - t2
+        results.append((whole, tree, committed))
+    return results
+
+
+def prefill_piece(model: Decoder, cache, ids: torch.Tensor, begin: int, end: int, keep_from: int) -> torch.Tensor | None:
+    """Prefill ids[begin:end] into `cache` (a sequence's cache or a batch row's view) and
+    commit it; the final hidden states of the tokens at `keep_from` and after, if any."""
+    piece = ids[begin:end]
+    kept = slice(max(0, keep_from - begin), None) if end > keep_from else slice(0, 0)
+    out = model(piece.unsqueeze(0), cache, positions=cache.next_positions(piece.numel()), logits_rows=kept,
+                with_logits=False)
+    cache.commit()
+    return out.hidden[0] if out.hidden.shape[1] else None
+
+
+def checked_proposal(drafter: Drafter, context: DraftContext, vocab_size: int, propose=None) -> Tree:
+    """The drafter's tree (`propose(context)`, by default its `propose`), every
+    invariant checked once before the target sees it."""
+    name = type(drafter).__name__
+    try:
+        tree = (propose or drafter.propose)(context)
+    except MalformedTreeError as error:  # raised while the drafter built its tree
+        raise MalformedTreeError(f"drafter {name} proposed a malformed tree: {error}") from None
+    if not isinstance(tree, Tree):
+        raise TypeError(f"drafter {name} returned {type(tree).__name__} from propose(), expected a Tree")
+    problem = tree.problem(vocab_size)
+    if problem is None and int(tree.tokens[0]) != context.root:
+        problem = f"node 0 carries token {int(tree.tokens[0])}, but the root (last committed token) is {context.root}"
+    if problem is None and tree.size - 1 > context.max_nodes:
+        problem = f"{tree.size - 1} speculative nodes, more than max_tree_nodes={context.max_nodes}"
+    if problem:
+        raise MalformedTreeError(f"drafter {name} proposed a malformed tree: {problem}")
+    return tree
+
+
+def node_histories(committed: torch.Tensor, tree: Tree, window: int) -> torch.Tensor:
+    """[n, window + max_depth] token histories, one per tree node: the last `window`
+    committed tokens followed by the node's own path below the root (-1 padded)."""
+    n, depth = tree.size, tree.max_depth
+    recent = committed[-window:]
+    shared = torch.full((window,), -1, dtype=torch.long, device=HOST)
+    shared[window - recent.numel() :] = recent
+    path_tokens = torch.full((n, depth), -1, dtype=torch.long, device=HOST)
+    if depth:
+        node, ancestor = torch.nonzero(tree.ancestor_mask() & (tree.depths > 0).unsqueeze(0), as_tuple=True)
+        path_tokens[node, tree.depths[ancestor] - 1] = tree.tokens[ancestor]
+    return torch.cat([shared.expand(n, window), path_tokens], dim=1)
+
+
+def truncate_at_stop(new: torch.Tensor, eos: torch.Tensor, room: int) -> tuple[torch.Tensor, str]:
+    """This round's tokens up to the first EOS (kept) or the room left; the reason, if any."""
+    if eos.numel():
+        hits = torch.nonzero(torch.isin(new, eos)).flatten()
+        if hits.numel() and int(hits[0]) < room:
+            return new[: int(hits[0]) + 1], "eos"
+    if new.numel() >= room:
+        return new[:room], "length"
+    return new, ""
