@@ -39,9 +39,10 @@ class RunnerOptions:
     # 1-token and a k-token forward (a few roundings). Anything else is a bug.
     near_tie_ulps: float = 4.0
     progress: bool = True
-    # Timed runs of each method per prompt and setting. A shared VM's speed drifts by
-    # 10-20% between minutes; repeats run interleaved (every method once, then again, the
-    # order rotated) and reports keep each method's median run.
+    # Timed runs of each method per prompt and setting. A shared VM's speed drifts from
+    # minute to minute (docs/benchmarks.md#running-the-benchmarks); repeats run interleaved
+    # (every method once, then again, the order rotated) and reports keep each method's
+    # median run.
     repeats: int = 1
 
     def __post_init__(self) -> None:

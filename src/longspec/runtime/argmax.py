@@ -1,9 +1,9 @@
 """argmax over the last axis with torch.argmax's rule (the first index of the maximum),
 fast where logits are bf16 on the CPU.
 
-PyTorch's CPU argmax over bfloat16 is not vectorised (~1 ms per 262k row here): bf16
-rows go to the native kernel (`kernels/row_argmax.cpp`), else to `max(dim)`, which has
-argmax's first-index rule and runs 1.2-2.7x faster on such rows."""
+PyTorch's CPU argmax over bfloat16 is not vectorised: bf16 rows go to the native
+kernel (`kernels/row_argmax.cpp`), else to `max(dim)`, which has argmax's first-index
+rule and is faster on such rows (numbers: docs/lab-notes/batching.md#batched-throughput-after-huge-pages-and-the-native-argmax-issue-batching)."""
 
 from __future__ import annotations
 

@@ -131,9 +131,9 @@ def fused_attention(q, k_prefix, v_prefix, prefix_mask, k_new, v_new, new_mask, 
 
 
 # Up to this many new tokens per row the native kernel beats PyTorch's flash kernel
-# (per call, Gemma 3 270M's heads, 1-8 rows over 512-16k keys: 1.4-3.1x at 1-17 tokens,
-# 1.09-1.58x at 65; at 129 flash wins over 512 keys; BENCHMARKS.md, "Few-query attention
-# at long context"). 65 = a 64-node verification tree and its root; prompt chunks go to flash.
+# (per call, Gemma 3 270M's heads, 1-8 rows over 512-16k keys; at 129 flash wins over 512
+# keys: docs/lab-notes/attention.md#few-query-attention-at-long-context-issue-runtime-speed).
+# 65 = a 64-node verification tree and its root; prompt chunks go to flash.
 NATIVE_ATTENTION_MAX_QUERIES = 65
 
 
@@ -298,9 +298,10 @@ def biased_attention(q, k, v, bias, scale):
 
 
 # cuDNN's attention builds an execution graph for every new shape, and a decode step
-# has one more key than the last: on an H100 the graph builds took 76% of the host
-# time of Gemma-shaped decode steps (3 ms per attention call, profiled). The other
-# backends need no per-shape plan. Compiled static steps keep fixed shapes and all
+# has one more key than the last: on an H100 the graph builds took most of the host
+# time of Gemma-shaped decode steps (profiled in
+# docs/lab-notes/gpu.md#first-run-on-a-gpu-issue-devices-what-it-found-and-fixed). The
+# other backends need no per-shape plan. Compiled static steps keep fixed shapes and all
 # backends.
 SHAPE_VARYING_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 

@@ -51,8 +51,8 @@ def check_dtype_on_device(dtype: torch.dtype, device: torch.device) -> None:
 def bf16_matmuls_are_fast(device: torch.device) -> bool:
     """Whether PyTorch's own bf16 matrix products (what autograd and autocast run) outrun
     float32 on `device`: on GPUs with bf16, and on CPUs with AVX-512 BF16 or AMX. On CPUs
-    with AVX2 alone oneDNN has no bf16 instructions: a [512 x 640] x [640 x 32k] product
-    measured 4x slower in bf16 than in float32 (BENCHMARKS.md, "Training the LongSpec draft on AVX2 CPUs")."""
+    with AVX2 alone oneDNN has no bf16 instructions, and bf16 products run slower than
+    float32 ones (docs/lab-notes/training.md#training-the-longspec-draft-on-avx2-cpus-11-faster-first-epochs-the-noisy-shift-weighted-toward-depth-1-issue-longspec-draft-that-pays)."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     cpu = torch.cpu

@@ -3,14 +3,17 @@ forward asks of it.
 
 - On CPUs with AVX-512 BF16: the native kernel over a copy of the weight packed for its
   dot products (`kernels/bf16_packed_linear.cpp`), for any number of rows. One row (a
-  decode step) streams the weight at the core's read bandwidth, about twice oneDNN's rate;
-  4-16 rows (a batch of decode steps, a verified chain) run 1.1-1.8x oneDNN's blocked
-  product, hundreds (prefill) level with it.
+  decode step) streams the weight at the core's read bandwidth, faster than oneDNN; a
+  few rows (a batch of decode steps, a verified chain) run faster than oneDNN's blocked
+  product, hundreds (prefill) level with it
+  (docs/lab-notes/native-kernels.md#a-tiled-bf16-product-over-packed-weights-replaces-onednn-issue-batching-runtime-speed).
 - On CPUs with AVX2 and FMA but not AVX-512 BF16: the same kernel and packed copy through
   float32 FMAs. There oneDNN's bf16 product has no native instructions: a 4-16 row
-  product costs several times a one-row one, which every verified tree pays.
-- Elsewhere: oneDNN with the weight prepacked into its blocked layout, about 1.3-1.6x
-  faster than PyTorch's default bf16 product.
+  product costs several times a one-row one, which every verified tree pays
+  (docs/lab-notes/native-kernels.md#avx2-cpus-the-native-bf16-product-through-float32-fmas-issues-adaptive-speculation-every-drafter).
+- Elsewhere: oneDNN with the weight prepacked into its blocked layout, faster than
+  PyTorch's default bf16 product
+  (docs/lab-notes/native-kernels.md#decode-at-the-bandwidth-floor-native-cpu-kernels-issue-runtime-speed).
 - Anything none handles (other dtypes, other devices, builds without them) keeps the
   plain `F.linear`.
 """

@@ -340,9 +340,9 @@ class Decoder(nn.Module):
         The final soft-cap is monotonic and leaves the argmax unchanged, so it is skipped.
 
         Where the head is prepacked (bf16 on the CPU), a few rows at a time go through it:
-        the product the served logits come from, and on CPUs without AVX-512 BF16 3-4x
-        faster than slices of the plain bf16 head. Elsewhere the head is scored a slice of
-        the vocabulary (`vocab_chunk` rows) at a time."""
+        the product the served logits come from, and on CPUs without AVX-512 BF16 faster
+        than slices of the plain bf16 head (docs/lab-notes/training.md#training-the-longspec-draft-on-avx2-cpus-11-faster-first-epochs-the-noisy-shift-weighted-toward-depth-1-issue-longspec-draft-that-pays).
+        Elsewhere the head is scored a slice of the vocabulary (`vocab_chunk` rows) at a time."""
         if self._packed_head is not None and hidden.device.type == "cpu" and hidden.dtype == self.head_weight.dtype:
             rows = hidden.reshape(-1, hidden.shape[-1])
             step = max(1, GREEDY_LOGITS_ELEMENTS // self.head_weight.shape[0])

@@ -99,5 +99,5 @@ def bf16_linear_ops():
 def bf16_speculation_is_exact() -> bool:
     """Whether bf16 speculative decoding on this CPU returns plain bf16 decoding's tokens
     bit for bit: the product and attention both run here on kernels whose arithmetic does
-    not depend on what else a forward holds (trees of up to 64 nodes; README, "Default dtype")."""
+    not depend on what else a forward holds (trees of up to 64 nodes; docs/devices.md#default-dtype)."""
     return attention_ops() is not None and bf16_linear_ops() is not None

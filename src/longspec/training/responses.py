@@ -2,13 +2,14 @@
 
 A drafter is judged on the tokens its target writes when serving (answers to
 instructions, continuations of code, the loops of greedy decoding) on the content of
-the workload: the shipped LongSpec draft agrees with the target on 51-55% of
-held-out standard-library and book text, documents and responses alike, but its
-first drafted token is accepted 13-19% of the time on news and Java. Here prompts
-are built from a corpus — an excerpt of a document under an instruction (summarise,
-explain, continue, complete the code) — and the target's responses to them, greedy
-and sampled, become JSONL rows: the prompt and the response as served, without the
-served prefix (trainers put BOS back), read by every trainer with `--corpus FILE`.
+the workload: the shipped LongSpec draft agrees with the target as well on its
+responses as on the documents of its training domain, and far less on news and Java
+(docs/lab-notes/training.md#the-targets-own-responses-as-training-data-the-longspec-draft-continued-on-them-issue-longspec-draft-that-pays).
+Here prompts are built from a corpus — an excerpt of a document under an instruction
+(summarise, explain, continue, complete the code) — and the target's responses to
+them, greedy and sampled, become JSONL rows: the prompt and the response as served,
+without the served prefix (trainers put BOS back), read by every trainer with
+`--corpus FILE`.
 Rows are appended as batches finish; a resumed run answers only the prompts it has
 not answered yet.
 

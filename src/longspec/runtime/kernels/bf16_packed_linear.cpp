@@ -7,15 +7,16 @@
 // weight still streams once per product but every weight value feeds several rows. The
 // packed layout puts 16 output columns in the lanes of one register, so a register tile of
 // rows x column blocks is built from broadcast pairs of x and never reduced across lanes.
-// Measured (BENCHMARKS.md): one row at the rate of a row-streaming matvec (which it
-// replaced), 1.1-1.8x oneDNN's blocked product at 4-16 rows, level with it at hundreds.
+// One row runs at the rate of the row-streaming matvec it replaced, a few rows faster than
+// oneDNN's blocked product, hundreds level with it (docs/lab-notes/native-kernels.md#a-tiled-bf16-product-over-packed-weights-replaces-onednn-issue-batching-runtime-speed).
 //
 // CPUs with AVX2 and FMA but no AVX-512 BF16 run the same packed weight through float32
 // FMAs: a bf16 weight pair becomes two float32 vectors by a shift and a mask, x is widened
 // to float32 once per call. There PyTorch's bf16 product has no native instructions (and
-// oneDNN declines to prepack the weights): a 16-row product costs 11-15 one-row products
-// (BENCHMARKS.md, "AVX2 CPUs"), which makes every verified tree expensive. Only the kernels are compiled for their instruction sets; the rest of
-// the library is baseline x86-64, so the `*_supported()` queries can be asked on any CPU.
+// oneDNN declines to prepack the weights): each row costs about a one-row product, which
+// makes every verified tree expensive (docs/lab-notes/native-kernels.md#avx2-cpus-the-native-bf16-product-through-float32-fmas-issues-adaptive-speculation-every-drafter).
+// Only the kernels are compiled for their instruction sets; the rest of the library is
+// baseline x86-64, so the `*_supported()` queries can be asked on any CPU.
 // On either path every output is one float32 sum over k in the same order whatever the
 // tile, so a row gets the same bits alone or in a batch.
 //

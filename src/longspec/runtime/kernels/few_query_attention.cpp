@@ -24,9 +24,10 @@
 // can be asked on any CPU.
 //
 // Why a kernel of our own: for a few queries per head, PyTorch's CPU flash kernel spends
-// several times the K/V read in setup (BENCHMARKS.md, "Decode at the bandwidth floor",
-// "Few-query attention at long context"). Here every query of a K/V head (its group of
-// heads x T tokens) is served by ONE pass over that head's keys: each key row is loaded
+// several times the K/V read in setup (docs/lab-notes/native-kernels.md#decode-at-the-bandwidth-floor-native-cpu-kernels-issue-runtime-speed,
+// docs/lab-notes/attention.md#few-query-attention-at-long-context-issue-runtime-speed).
+// Here every query of a K/V head (its group of heads x T tokens) is served by ONE pass
+// over that head's keys: each key row is loaded
 // once per block of queries for the scores, each value row converted to float32 once per
 // block of queries and accumulated into accumulators held in registers. Keys are split
 // into chunks processed in parallel (so a single K/V head still uses every thread), each

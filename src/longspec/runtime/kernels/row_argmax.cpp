@@ -1,8 +1,9 @@
 // argmax of each bf16 row: the greedy token of every verified node, over a whole
-// vocabulary (262k for Gemma). PyTorch's CPU argmax over bf16 is not vectorised (about
-// 1 ms per 262k row here), and even over float32 a verified tree of 65 rows spends
-// longer finding its argmaxes than reading the logits. Semantics are torch.argmax's:
-// the first index of the maximum, and the first NaN when a row holds one.
+// vocabulary (262k for Gemma). PyTorch's CPU argmax over bf16 is not vectorised, and
+// even over float32 a verified tree of 65 rows spends longer finding its argmaxes than
+// reading the logits (docs/lab-notes/batching.md#batched-throughput-after-huge-pages-and-the-native-argmax-issue-batching).
+// Semantics are torch.argmax's: the first index of the maximum, and the first NaN when a
+// row holds one.
 //
 // Each of 16 lanes (AVX-512) or 4 x 8 lanes (AVX2, four independent chains so the
 // compare-and-blend latency does not bound the scan) keeps the first index of its strict

@@ -1,8 +1,9 @@
 // Mamba's selective scan over a whole sequence, forward and backward, for the CPU.
 // `transformers`' Mamba has no CPU kernel: its reference path loops over time steps in
-// Python (one batched product per step), which trains a small drafter at ~65-110
-// tokens/s on this project's CPU. Here each channel's recurrence runs in C++ with its
-// states in a small buffer; the projections around the scan stay PyTorch operations.
+// Python (one batched product per step), too slow to train a small drafter on a CPU
+// (docs/lab-notes/mamba-and-draft-models.md#training-the-selective-scan-in-a-native-kernel).
+// Here each channel's recurrence runs in C++ with its states in a small buffer; the
+// projections around the scan stay PyTorch operations.
 //
 // Per batch row b, channel d, state n (A is negative, so every decay a is in (0, 1]):
 //   a_t = exp(delta_t * A_n)

@@ -3,9 +3,9 @@
 // draw from a distribution (processors.sample).
 //
 // In PyTorch each step is a pass over the 262k-token row with its own dispatch (three
-// softmaxes, a growing top-k, masks, a float64 cumulative sum): 2-3 ms a sampled token on
-// this project's CPUs, where a decode forward costs 16-21 ms, and a verifier pays it at
-// every accepted node. Every one of the three warpers keeps a prefix of the row sorted by
+// softmaxes, a growing top-k, masks, a float64 cumulative sum): a sizeable share of a decode
+// forward, and a verifier pays it at every accepted node (docs/lab-notes/sampling.md#sampled-tokens-the-truncated-distribution-and-the-draw-in-a-native-kernel-issues-adaptive-speculation-external-drafters-self-speculation).
+// Every one of the three warpers keeps a prefix of the row sorted by
 // score (ties at the cut kept), so the kept tokens lie among the few within some margin
 // of the best score: they are collected in one vectorised pass and sorted alone. Only
 // top-p without top-k needs the normaliser over every token (one vectorised exp pass).
