@@ -1,6 +1,7 @@
 """Alternatives to `auto`'s one-factor cost scale, kept for the replay
 (`adaptive_replay.py`'s `auto-pld-cost-fit` and `auto-pld-nodes-only-cost-fit`):
-measured against it and left out (BENCHMARKS.md, "`auto`'s cost correction").
+measured against it and left out
+(docs/lab-notes/auto-controller.md#autos-cost-correction-one-factor-or-the-measured-curve-refitted-per-term-issue-adaptive-speculation--measured-left-out).
 
 The forward cost is measured once, on an idle machine, and cached. The machine does
 not stay as it was measured: on this project's 2-core VM, 1024-token context, one

@@ -37,7 +37,6 @@ import json
 import math
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -49,7 +48,7 @@ from common import machine, write_results
 from longspec.bench.tasks import PromptFilter, TaskSpec, build_prompts
 from longspec.speculation.cost_model import DEFAULT_KS, ForwardCost, forward_cost_at, measure_forward_cost
 from longspec.speculation.drafters.adaptive.acceptance import AcceptanceTable, CrossFittedAcceptance
-from longspec.speculation.drafters.adaptive.presets import make_auto
+from longspec.speculation.presets.auto import make_auto
 from longspec.speculation.drafters.base import DraftContext, Drafter
 from longspec.speculation.drafters.prompt_lookup import PromptLookupDrafter
 from longspec.speculation.joint_budget import walk_down
@@ -75,7 +74,8 @@ class WithoutCopiedRuns(Drafter):
         self.drafter.observe(committed)
 
     def propose(self, context: DraftContext) -> Tree:
-        return replace(self.drafter.propose(context), copied_runs=None)
+        tree = self.drafter.propose(context)
+        return Tree.assembled(tree.tokens, tree.parents, tree.depths)
 
 
 def auto_over(components: str, *, depth_only: bool = False) -> Callable[[], object]:

@@ -14,7 +14,8 @@ with (greedy decoding of a target that writes that text). The forwards are model
 `auto` prices its trees with the given cost and times its rounds by a clock that runs
 those forwards, so it decides as it would on a machine with that cost; only the host
 work is timed. A compiled GPU step costs ~2 ms for a 270M target, where `auto`'s own
-~0.9 ms a round cost 18-29% of its speed (BENCHMARKS.md, "`auto` on a GPU"): run this
+~0.9 ms a round cost 18-29% of its speed
+(docs/lab-notes/gpu.md#on-an-h100-what-a-short-decode-step-asks-of-the-controller): run this
 on the GPU machine's host to see its share there without a GPU. The methods "learning
 during forwards" let `auto` learn while each forward runs, as the engines have it on a
 GPU (`EngineOptions.learn_while_verifying`): its learning is then free up to the
@@ -35,7 +36,7 @@ from adaptive_replay import ModeledClock
 from common import GarbageDrafter, machine, stdlib_source_text, write_results
 from longspec.speculation.cost_model import ForwardCost
 from longspec.speculation.drafters.adaptive.drafter import AdaptiveDrafter
-from longspec.speculation.drafters.adaptive.presets import make_auto
+from longspec.speculation.presets.auto import make_auto
 from longspec.speculation.drafters.base import DraftContext, Drafter
 from longspec.speculation.drafters.prompt_lookup import PromptLookupDrafter
 from longspec.speculation.decode_round import checked_proposal

@@ -6,8 +6,9 @@ the same curve interpolated from the widths the library measures (`BATCH_WIDTHS`
 
 A ratio below 1 prices that width too cheap, above 1 too dear. The single-sequence
 curve measures every k up to 17 because interpolating powers of two mispriced the
-trees between them (BENCHMARKS.md, "The forward cost steps with the product's row
-tiles"); this says whether the batched one needs the same, against the time a denser
+trees between them
+(docs/lab-notes/forward-cost.md#the-forward-cost-steps-with-the-products-row-tiles-issues-adaptive-speculation-runtime-speed);
+this says whether the batched one needs the same, against the time a denser
 measurement costs a server's first batched round of each row count.
 """
 

@@ -2,8 +2,9 @@
 KV caches, no model forward, for the commits a decode loop makes (AR's one token, a
 chain of 9 of which 3 are kept, a tree path that moves tokens) and for a batch of AR
 rows. On a GPU each tensor operation here is a kernel launch or a wait the host pays
-every round, beside a ~2 ms compiled decode step (BENCHMARKS.md, "`auto` on an H100
-again"); on the CPU it is host time the same.
+every round, beside a ~2 ms compiled decode step
+(docs/lab-notes/gpu.md#auto-on-an-h100-again-the-overlap-measured-compiled-auto-over-the-oracle-at-095096-the-chain-issue-adaptive-speculation);
+on the CPU it is host time the same.
 
     python benchmarks/cache_commit_cost.py                   # this checkout
     PYTHONPATH=/tmp/base/src python benchmarks/cache_commit_cost.py   # another one, to compare

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 from common import machine
 from longspec.runtime.loading import load_target
 from longspec.speculation.drafters.mamba.sequence import MambaSequenceLM
-from longspec.speculation.drafters.vocab_map import VocabMap
+from longspec.speculation.drafters.shared.vocab_map import VocabMap
 from longspec.training.data import load_split, prefixed_rows, served_prefix
 
 

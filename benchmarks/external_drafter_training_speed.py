@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from common import machine, write_results
 from longspec.speculation.drafters.mamba.sequence import MambaSequenceLM
-from longspec.speculation.drafters.vocab_map import VocabMap
+from longspec.speculation.drafters.shared.vocab_map import VocabMap
 from longspec.training.external_drafter import mamba_drafter, transformer_drafter
 
 

@@ -26,7 +26,8 @@ from longspec.training.data import load_split, served_prefix
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 # Trees a CPU can verify cheaply (a 49-token verification costs ~5x a 1-token one at 4k:
-# BENCHMARKS.md, "Forward cost"), searched like the paper's arms.
+# docs/lab-notes/forward-cost.md#forward-cost-of-k-new-tokens-with-the-tiled-product-issue-runtime-speed-adaptive),
+# searched like the paper's arms.
 SMALL_TREES = ((1, 1, 1), (2, 1, 1), (1, 1, 1, 1, 1))
 
 

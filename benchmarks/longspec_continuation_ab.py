@@ -28,7 +28,7 @@ from common import machine
 from longspec.runtime.device import bf16_matmuls_are_fast
 from longspec.runtime.loading import load_target
 from longspec.speculation.drafters.longspec import load_draft
-from longspec.speculation.drafters.longspec.presets import shipped_draft_path
+from longspec.speculation.presets.longspec import shipped_draft_path
 from longspec.training.data import build_shards, iter_documents, load_split, prefixed_rows, served_prefix, shards_key
 from longspec.training.longspec.agreement import draft_agreement
 from longspec.training.longspec.trainer import LongSpecTrainer, TrainOptions

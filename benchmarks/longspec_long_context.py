@@ -20,7 +20,7 @@ import torch
 
 import longspec
 from common import machine, write_results
-from longspec.speculation.drafters.longspec.presets import make_longspec
+from longspec.speculation.presets.longspec import make_longspec
 
 LCC = Path(__file__).resolve().parents[2] / "shared" / "data" / "longbench" / "lcc.jsonl"
 SETTINGS = {"greedy": {}, "sampled": {"temperature": 1.0, "top_p": 0.95, "seed": 0}}

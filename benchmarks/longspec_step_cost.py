@@ -25,7 +25,7 @@ import torch
 import longspec
 from common import machine, stdlib_source_text, write_results
 from longspec.bench.floor import read_bandwidth_gbs
-from longspec.speculation.drafters.longspec.presets import make_longspec
+from longspec.speculation.presets.longspec import make_longspec
 
 
 def draft_bytes_per_step(drafter) -> int:

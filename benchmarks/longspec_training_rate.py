@@ -33,7 +33,7 @@ from common import code_file_prompt, machine
 from longspec.runtime.linear import packed_linear
 from longspec.runtime.loading import load_target
 from longspec.speculation.drafters.longspec import load_draft
-from longspec.speculation.drafters.longspec.presets import shipped_draft_path
+from longspec.speculation.presets.longspec import shipped_draft_path
 from longspec.training.data import served_prefix
 from longspec.training.longspec.features import target_features
 from longspec.training.longspec.trainer import LongSpecTrainer, TrainOptions

@@ -21,7 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from longspec.runtime.loading import load_target
-from longspec.speculation.drafters.vocab_map import VocabMap
+from longspec.speculation.drafters.shared.vocab_map import VocabMap
 from longspec.training.data import load_split, token_frequencies
 from longspec.training.external_drafter import cut_vocabulary
 

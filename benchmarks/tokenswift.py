@@ -28,7 +28,7 @@ from longspec.api import parse_dtype
 from longspec.speculation.metrics import distinct_n
 from longspec.speculation.drafters.self_speculation import MagicDecDrafter, TriForceDrafter
 from longspec.speculation.drafters.tokenswift.drafter import TokenSwiftDrafter
-from longspec.speculation.drafters.tokenswift.partial_cache import PartialKVCache
+from longspec.speculation.drafters.shared.partial_cache import PartialKVCache
 from longspec.speculation.drafters.tokenswift.one_pass import OnePassTokenSwiftDrafter
 from longspec.speculation.metrics import GenerationStats
 from longspec.speculation.processors import SamplingParams

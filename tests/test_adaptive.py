@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from longspec.speculation.copied_tree import CopiedTree
 from longspec.speculation.cost_model import ForwardCost
 from longspec.speculation.drafters import NgramDrafter, PromptLookupDrafter
 from longspec.speculation.drafters.adaptive import AdaptiveDrafter, ThroughputPolicy, UCBPolicy, mamba_reward
@@ -333,7 +334,7 @@ class CopiedRuns(Drafter):
 
     def propose(self, context: DraftContext) -> Tree:
         chain = Tree.chain(context.root, list(range(1, self.length + 1)))
-        return dataclasses.replace(chain, copied_runs=torch.tensor([0] + [self.run + d for d in range(self.length)]))
+        return CopiedTree.of(chain, [0] + [self.run + d for d in range(self.length)])
 
 
 def test_copied_runs_size_the_tree_whatever_the_depth():
@@ -553,7 +554,7 @@ class Intermittent(ReferenceChain):
 def test_one_drafters_chain_merges_as_in_the_general_path():
     """The shortcut for one drafter's chain (the common round) gives what merging it
     beside a tree that adds nothing gives."""
-    chain = Tree.chain(7, [3, 9, 3, 4], copied_runs=torch.tensor([0, 5, 6, 7, 8]))
+    chain = CopiedTree.of(Tree.chain(7, [3, 9, 3, 4]), [0, 5, 6, 7, 8])
     alone = merge_trees(7, [(0, chain)])
     beside = merge_trees(7, [(0, chain), (1, Tree.chain(7, []))])
     assert alone.tree is chain  # the shortcut: no tree built

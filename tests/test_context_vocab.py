@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from longspec.speculation.drafters.base import DraftContext, TargetView
-from longspec.speculation.drafters.context_vocab import ContextVocabulary
+from longspec.speculation.drafters.shared.context_vocab import ContextVocabulary
 from longspec.speculation.drafters.longspec import BeamStrategy, ChainStrategy, LongSpecDrafter, SampledChainStrategy
 from longspec.speculation.engine import EngineOptions, SpeculativeEngine
 from test_engine_sampling import ALPHA, SAMPLING, empirical_counts, exact_distribution, goodness_of_fit, model  # noqa: F401

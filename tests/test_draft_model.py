@@ -10,7 +10,7 @@ import torch
 
 import longspec.speculation.drafters.draft_model.drafter as draft_model_module
 from longspec.speculation.drafters.draft_model import DraftModelDrafter
-from longspec.speculation.drafters.longspec.config import DraftMismatchError
+from longspec.speculation.drafters.shared.errors import DraftMismatchError
 from longspec.speculation.engine import EngineOptions, SpeculativeEngine
 from longspec.speculation.methods import make_drafter
 from longspec.speculation.metrics import GenerationStats

@@ -4,6 +4,7 @@ from collections import Counter
 import pytest
 import torch
 
+from longspec.speculation.copied_tree import copied_runs
 from longspec.speculation.drafters import (
     DraftContext,
     Drafter,
@@ -134,7 +135,7 @@ def test_pld_trees_carry_the_copied_run_of_each_node():
     tokens = [1, 2, 3, 7, 8, 0, 2, 3, 7, 9, 1, 2, 3]
     tree = proposed(PromptLookupDrafter(num_tokens=2, max_ngram=1, max_candidates=2), tokens)
     assert tree.tokens.tolist() == [3, 7, 9, 8] and tree.copied_runs.tolist() == [0, 3, 3, 4]
-    assert proposed(PromptLookupDrafter(), [1, 2, 3]).copied_runs is None  # no match: root only
+    assert copied_runs(proposed(PromptLookupDrafter(), [1, 2, 3])) is None  # no match: root only
 
 
 def brute_force_run(seq: list[int], min_ngram: int, max_ngram: int) -> int | None:

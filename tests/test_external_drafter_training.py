@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from longspec.speculation.drafters.draft_model import DraftModelDrafter
-from longspec.speculation.drafters.longspec.config import DraftMismatchError
+from longspec.speculation.drafters.shared.errors import DraftMismatchError
 from longspec.speculation.drafters.mamba import MambaDrafter
 from longspec.speculation.drafters.mamba.sequence import MambaSequenceLM
-from longspec.speculation.drafters.vocab_map import VocabMap
+from longspec.speculation.drafters.shared.vocab_map import VocabMap
 from longspec.speculation.engine import EngineOptions, SpeculativeEngine
 from longspec.speculation.processors import SamplingParams
 from longspec.training.external_drafter import (

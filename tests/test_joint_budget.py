@@ -5,11 +5,11 @@ budget cuts hard."""
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
 
+from longspec.speculation.copied_tree import CopiedTree
 from longspec.speculation import batch_engine
 from longspec.speculation.batch_engine import BatchEngine, BatchOptions
 from longspec.speculation.cost_model import ForwardCost
@@ -101,12 +101,12 @@ def test_copied_trees_are_judged_by_the_run_they_extend():
     which matched for 20 tokens keep matching and copies of 1 token do not, where by
     depth the two would share one estimate."""
     assert tree_levels(chain(3)) == [1, 2, 3]
-    two_chains = Tree.from_parents([0, 1, 2, 3, 4], [-1, 0, 0, 1, 2], copied_runs=torch.tensor([0, 2, 5, 3, 6]))
+    two_chains = CopiedTree.of(Tree.from_parents([0, 1, 2, 3, 4], [-1, 0, 0, 1, 2]), [0, 2, 5, 3, 6])
     assert tree_levels(two_chains) == [5, 6]  # the longest run at each depth
-    assert tree_levels(dataclasses.replace(chain(2), copied_runs=torch.tensor([0, 40, 41]))) == [32, 32]
+    assert tree_levels(CopiedTree.of(chain(2), [0, 40, 41])) == [32, 32]
     history = ReachHistory()
-    long_copy = dataclasses.replace(chain(4), copied_runs=torch.tensor([0, 20, 21, 22, 23]))
-    short_copy = dataclasses.replace(chain(4), copied_runs=torch.tensor([0, 1, 2, 3, 4]))
+    long_copy = CopiedTree.of(chain(4), [0, 20, 21, 22, 23])
+    short_copy = CopiedTree.of(chain(4), [0, 1, 2, 3, 4])
     for _ in range(20):
         history.record(long_copy, verified_depth=4, committed=[1, 2, 3, 4, 9])
         history.record(short_copy, verified_depth=4, committed=[9])

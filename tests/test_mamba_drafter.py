@@ -11,7 +11,7 @@ import torch
 from transformers import MambaConfig, MambaForCausalLM
 
 from longspec.speculation.drafters.base import DraftContext
-from longspec.speculation.drafters.longspec.config import DraftMismatchError
+from longspec.speculation.drafters.shared.errors import DraftMismatchError
 from longspec.speculation.drafters.mamba import PAPER_TREES, MambaDrafter, tree_nodes
 from longspec.speculation.drafters.mamba.state import MambaStepper
 from longspec.speculation.engine import EngineOptions, SpeculativeEngine

@@ -9,7 +9,7 @@ import torch
 from longspec.runtime.cache import KVCache
 from longspec.speculation.metrics import distinct_n
 from longspec.speculation.drafters.tokenswift.heads import HeadsConfig, TokenSwiftHeads
-from longspec.speculation.drafters.tokenswift.partial_cache import (
+from longspec.speculation.drafters.shared.partial_cache import (
     PartialKVCache,
     grouped_importance,
     recording_queries,

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from longspec.speculation.copied_tree import CopiedTree
 from longspec.speculation.tree import Tree
 
 
@@ -76,6 +77,6 @@ def test_invalid_trees_are_refused():
     with pytest.raises(ValueError, match="sampled"):
         sampled.with_chains([torch.tensor([3])])
     with pytest.raises(ValueError, match="copied_runs"):
-        Tree.chain(1, [2, 3], copied_runs=torch.tensor([0, 1]))
+        CopiedTree.of(Tree.chain(1, [2, 3]), torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="copied_runs"):
-        Tree.chain(1, [2], copied_runs=torch.tensor([0.0, 1.0]))
+        CopiedTree.of(Tree.chain(1, [2]), torch.tensor([0.0, 1.0]))

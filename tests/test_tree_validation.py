@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from longspec.speculation.copied_tree import CopiedTree
 from longspec.speculation.drafters.base import DraftContext, Drafter
 from longspec.speculation.engine import EngineOptions, SpeculativeEngine
 from longspec.speculation.processors import SamplingParams
@@ -76,8 +77,8 @@ MALFORMED = {
                         "node 2 has depth 1 but its parent 1 has depth 1"),
     "assembled-parents": (lambda r: Tree.assembled(torch.tensor([r, 5]), torch.tensor([-1, 1]), torch.tensor([0, 1])),
                           "node 1 has parent 1; parents must precede their children"),
-    "assembled-runs": (lambda r: Tree.assembled(torch.tensor([r, 5]), torch.tensor([-1, 0]), torch.tensor([0, 1]),
-                                                copied_runs=torch.tensor([0])),
+    "assembled-runs": (lambda r: CopiedTree.of(Tree.assembled(torch.tensor([r, 5]), torch.tensor([-1, 0]),
+                                                              torch.tensor([0, 1])), torch.tensor([0])),
                        "copied_runs must be a host int64 tensor of one value per node (2)"),
     # The root alone (what a drafter that found nothing proposes) has its own short path.
     "root-only-parent": (lambda r: Tree.assembled(torch.tensor([r]), torch.tensor([0]), torch.tensor([0])),
@@ -86,8 +87,8 @@ MALFORMED = {
                         "node 0 must be the root (parent -1, depth 0), got parent -1, depth 2"),
     "root-only-token-range": (lambda r: Tree.chain(VOCAB_SIZE + 3, []), f"node 0 carries token {VOCAB_SIZE + 3}"),
     "root-only-wrong-root": (lambda r: Tree.chain((r + 1) % VOCAB_SIZE, []), "but the root (last committed token) is"),
-    "root-only-runs": (lambda r: Tree.assembled(torch.tensor([r]), torch.tensor([-1]), torch.tensor([0]),
-                                                copied_runs=torch.tensor([0, 1])),
+    "root-only-runs": (lambda r: CopiedTree.of(Tree.assembled(torch.tensor([r]), torch.tensor([-1]), torch.tensor([0])),
+                                               torch.tensor([0, 1])),
                        "copied_runs must be a host int64 tensor of one value per node (1)"),
 }
 

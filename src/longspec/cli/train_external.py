@@ -73,7 +73,7 @@ def run(args) -> int:
     from longspec.cli.paths import check_output_directory
     from longspec.runtime.loading import load_target
     from longspec.speculation.drafters.mamba.sequence import MambaSequenceLM
-    from longspec.speculation.drafters.vocab_map import VocabMap
+    from longspec.speculation.drafters.shared.vocab_map import VocabMap
     from longspec.training.external_drafter import (
         DrafterTrainOptions,
         ExternalDrafterTrainer,

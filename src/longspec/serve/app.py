@@ -30,7 +30,7 @@ from longspec.api import LongSpecModel, PreparedRequest
 from longspec.serve.metrics import ServerMetrics
 from longspec.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerationFields, error_body
 from longspec.serve.request_options import OptionError, ServerLimits, check_request_options
-from longspec.serve.worker import GenerationWorker, Job, QueueFull
+from longspec.serve.worker import GenerationWorker, Job, QueueFull, RequestFailed, WorkerUnavailable
 from longspec.speculation.batch_engine import BatchOptions
 from longspec.speculation.methods import DEFAULT_METHOD, METHODS, make_drafter
 
@@ -114,8 +114,11 @@ def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
         return await call_next(request)
 
     @app.get("/health")
-    async def health() -> dict:
+    async def health():
         worker = state.get("worker")
+        if worker is not None and not worker.alive:
+            return JSONResponse({"status": "unavailable", "reason": "the generation thread has stopped"},
+                                status_code=503)
         return {"status": "ok", "requests_in_flight": worker.admitted if worker else 0}
 
     @app.get("/metrics")
@@ -203,6 +206,8 @@ def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
             job = state["worker"].submit(prepared)
         except QueueFull as error:
             raise RequestError(429, str(error), kind="rate_limit_error", code="too_many_requests") from None
+        except WorkerUnavailable as error:
+            raise RequestError(503, str(error), kind="server_error", code="service_unavailable") from None
         except ValueError as error:
             raise RequestError(400, str(error), code="context_length_exceeded") from None
         identity = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -254,6 +259,7 @@ def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
             metrics.record_finished(job.stats, finish)
         except RequestError as error:  # the generation failed after the response began
             yield b"data: " + json.dumps(error_body(str(error), error.kind)).encode() + b"\n\n"
+            yield SSE_DONE
         finally:
             if not finished:
                 job.cancelled.set()  # the client went away: the worker stops this row at its next round
@@ -265,9 +271,15 @@ def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
                 yield payload
             elif kind == "done":
                 return
+            elif isinstance(payload, RequestFailed) and payload.invalid:
+                metrics.errors.labels(status="400").inc()
+                raise RequestError(400, f"this request's generation failed: {payload}")
+            elif isinstance(payload, WorkerUnavailable):
+                metrics.errors.labels(status="503").inc()
+                raise RequestError(503, str(payload), kind="server_error", code="service_unavailable")
             else:
                 metrics.errors.labels(status="500").inc()
-                raise RequestError(500, f"generation failed: {type(payload).__name__}: {payload}", kind="server_error")
+                raise RequestError(500, f"generation failed: {payload}", kind="server_error")
 
     return app
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from longspec.speculation.drafters.adaptive.presets import COMPONENTS, POLICIES
+from longspec.speculation.presets.auto import COMPONENTS, POLICIES
 from longspec.speculation.methods import METHODS, accepted_options
 
 

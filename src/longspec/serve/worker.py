@@ -8,6 +8,7 @@ frees its cache row at once."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -17,6 +18,8 @@ from longspec.api import LongSpecModel, PreparedRequest, RowStream
 from longspec.serve.metrics import ServerMetrics
 from longspec.speculation.batch_engine import BatchOptions
 from longspec.speculation.metrics import GenerationStats
+
+logger = logging.getLogger("longspec.serve")
 
 
 @dataclass(eq=False)  # compared by identity
@@ -48,6 +51,19 @@ class CancelledRequest(Exception):
     """Told to a request that will get no more tokens (nobody may be listening)."""
 
 
+class RequestFailed(Exception):
+    """This request's own drafter or sampling failed; the other requests go on.
+    `invalid` when the cause is a value the request chose (a ValueError or TypeError)."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.invalid = isinstance(cause, (ValueError, TypeError))
+
+
+class WorkerUnavailable(Exception):
+    """The generation thread has stopped: nothing is generated until the server restarts."""
+
+
 class QueueFull(Exception):
     """The concurrency limit is reached."""
 
@@ -68,7 +84,8 @@ class GenerationWorker:
         self._admitted = 0
         self._closing = threading.Event()
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._serve, name="longspec-generation", daemon=True)
+        self.died: str | None = None  # why the generation thread stopped, if it did
+        self._thread = threading.Thread(target=self._supervised, name="longspec-generation", daemon=True)
         self._thread.start()
 
     @property
@@ -76,10 +93,17 @@ class GenerationWorker:
         with self._lock:
             return self._admitted
 
+    @property
+    def alive(self) -> bool:
+        """Whether the generation thread is running (the server's /health reports it)."""
+        return self._thread.is_alive() and self.died is None
+
     def submit(self, request: PreparedRequest) -> Job:
         """Admit a request (raises QueueFull at the limit, ValueError when it cannot fit
         a cache row); its events arrive on job.events: ("chunk", StreamChunk)..., then
         ("done", None) or ("error", exception)."""
+        if not self.alive:
+            raise WorkerUnavailable(f"the generation thread has stopped ({self.died}); restart the server")
         needed = self.model.row_slots(request)
         if needed > self.engine.batch.row_capacity:
             raise ValueError(
@@ -101,6 +125,20 @@ class GenerationWorker:
         self._thread.join()
 
     # ---------------------------------------------------------------- thread
+    def _supervised(self) -> None:
+        """The generation loop; if it dies, every waiting request is told at once and
+        /health fails, instead of handlers waiting forever."""
+        try:
+            self._serve()
+        except BaseException as error:  # noqa: BLE001 - the thread must not die silently
+            self.died = f"{type(error).__name__}: {error}"
+            logger.exception("the generation thread died")
+            unavailable = WorkerUnavailable("the generation thread has stopped; restart the server")
+            for job in list(self._jobs):
+                job.emit("error", unavailable)
+            while not self._incoming.empty():
+                self._incoming.get_nowait().emit("error", unavailable)
+
     def _serve(self) -> None:
         while not self._closing.is_set():
             self._admit(block=not self._jobs)
@@ -110,9 +148,13 @@ class GenerationWorker:
                 continue
             try:
                 self.engine.step()
-            except Exception as error:  # noqa: BLE001 - reported to the requests, the worker keeps serving
+            except Exception:  # noqa: BLE001 - the shared forward failed: every row in it fails, the worker goes on
+                # A request's own drafter or sampling errors never get here (they fail its
+                # row alone, `decode_round`); this is the model's forward or the cache.
+                logger.exception("a batched step failed; the requests in it fail")
+                failure = RuntimeError("the batch's forward failed (a server error; the server's log has the cause)")
                 for job in list(self._jobs):
-                    self._leave(job, ("error", error))
+                    self._leave(job, ("error", failure))
                 # A step that failed midway may leave a forward uncommitted: start afresh.
                 self.engine = self.model.batch_engine(self.engine.batch)
                 continue
@@ -156,12 +198,19 @@ class GenerationWorker:
 
     def _deliver(self) -> None:
         for job in list(self._jobs):
-            for chunk in job.stream.pump():
-                if job.first_token and chunk.token_ids:
-                    job.first_token = False
-                    self.metrics.ttft.observe(time.perf_counter() - job.arrived)
-                job.emit("chunk", chunk)
-            if job.stream.ended:
+            try:
+                for chunk in job.stream.pump():
+                    if job.first_token and chunk.token_ids:
+                        job.first_token = False
+                        self.metrics.ttft.observe(time.perf_counter() - job.arrived)
+                    job.emit("chunk", chunk)
+            except Exception as error:  # noqa: BLE001 - its text pipeline (detokenizing, stop strings): its own failure
+                self._leave(job, ("error", RequestFailed(error)))
+                continue
+            error = job.stream.handle.error
+            if error is not None:
+                self._leave(job, ("error", RequestFailed(error)))
+            elif job.stream.ended:
                 self._leave(job, ("done", None))
 
     def _leave(self, job: Job, event: tuple, cancelled: bool = False) -> None:

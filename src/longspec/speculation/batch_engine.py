@@ -59,23 +59,26 @@ class BatchOptions:
     # shared forward within this many times the cost of a decode step of the same rows
     # (the batched forward's cost measured on this machine, `forward_cost`): past the
     # knee a longer tree costs more than its extra tokens bring. None: no cap; the joint
-    # budget (below), which cuts trees from the same cost, replaces it. On this CPU 2.5
-    # gives 3 nodes per row at 4 rows and 2 at 8 (BENCHMARKS.md, "A node cap from the
-    # measured batched cost"); the first round at each row count measures the cost.
+    # budget (below), which cuts trees from the same cost, replaces it. 2.5 picked the
+    # best cap of a sweep on a 2-core CPU
+    # (docs/lab-notes/batching.md#a-node-cap-from-the-measured-batched-cost-issue-batching);
+    # the first round at each row count measures the cost.
     forward_cost_limit: float | None = 2.5
     # Rows whose drafter can grow its tree (`widen`, e.g. auto) fill the padding slots
     # of the shared forward with real nodes. Off by default: on a CPU a padding slot is
     # nearly free (it attends to itself only and gets no output-layer row) while a real
     # node pays attention over the row's context and the 262k-vocabulary head, so
-    # filling measured 0.66-1.11x of not filling (BENCHMARKS.md).
+    # filling did not pay
+    # (docs/lab-notes/batching.md#filling-a-batchs-padding-with-autos-next-best-nodes-issue-batching--measured-left-off).
     fill_padding: bool = False
     # With two rows or more, cut the rows' trees to the depths that maximise expected
     # accepted tokens per second of the shared forward: levels ranked across rows by
     # their measured acceptance, the batched forward's cost measured on this machine
     # (`speculation/joint_budget.py`). Off by default: with PLD on 4k-token prompts it
-    # measured 1.05-1.36x of uncut trees on LCC but 0.92-0.96x on Multi-News at B = 2-8
-    # (BENCHMARKS.md), and the first round at each new row count measures the batched
-    # forward's cost (seconds).
+    # beat uncut trees on LCC but lost on Multi-News
+    # (docs/lab-notes/batching.md#the-joint-budget-again-with-packed-rows-and-copied-runs-issue-batching),
+    # and the first round at each new row count measures the batched forward's cost
+    # (seconds).
     joint_budget: bool = False
 
     def __post_init__(self) -> None:
@@ -99,7 +102,9 @@ class RequestHandle:
 
     ``take()`` returns the token tensors committed since the last call (one per
     round); ``tokens`` is everything so far; ``finished`` is set when the row has
-    left (``stats.stop_reason`` says why: "eos", "length" or "cancelled").
+    left (``stats.stop_reason`` says why: "eos", "length", "cancelled" or "error",
+    ``error`` then holding the exception of this request's drafter or sampling; the
+    other rows go on).
     """
 
     def __init__(self, request_id: int, stats: GenerationStats) -> None:
@@ -284,7 +289,11 @@ class BatchEngine:
             row = self._prefilling[0]
             budget = self._prefill_some(row, budget)
             if row.prefill_done:
-                self._start_decoding(row)
+                try:
+                    self._start_decoding(row)
+                except Exception as error:  # its drafter's `begin`: this row fails, not its neighbours
+                    row.handle.error = error
+                    self._finish(row, "error")
         if self._decoding:
             self._round()
 
@@ -394,12 +403,19 @@ class BatchEngine:
 
     def _round(self) -> None:
         finished = []
-        for row, (proposed, tree, committed) in zip(self._decoding, decode_round(list(self._decoding), _Rows(self))):
-            if self.batch.joint_budget:
-                self._drafter_reach(row).add(row.reach.record(proposed, tree.max_depth, committed.accepted.tolist()))
-            row.handle._push(committed.tokens)
-            if committed.stop_reason:
-                finished.append((row, committed.stop_reason))
+        rows = list(self._decoding)
+        for row, result in zip(rows, decode_round(rows, _Rows(self), contain_errors=True)):
+            if result.committed is not None:
+                committed = result.committed
+                if self.batch.joint_budget:
+                    self._drafter_reach(row).add(row.reach.record(result.proposed, result.verified.max_depth,
+                                                                  committed.accepted.tolist()))
+                row.handle._push(committed.tokens)
+                if committed.stop_reason:
+                    finished.append((row, committed.stop_reason))
+            if result.error is not None:
+                row.handle.error = result.error
+                finished.append((row, "error"))
         for row, reason in finished:
             self._finish(row, reason)
 

@@ -33,14 +33,14 @@ from longspec.speculation.tree import Tree
 
 # Every k up to 17, then sparser: a product's cost steps where its rows fill another
 # register tile (AVX2: 6 rows, AVX-512: 8), and interpolating between powers of two
-# mispriced the trees in between (on an AVX2 CPU 7 tokens cost what 12 did, priced
-# below 8; BENCHMARKS.md, "The forward cost steps with the product's row tiles").
+# mispriced the trees in between
+# (docs/lab-notes/forward-cost.md#the-forward-cost-steps-with-the-products-row-tiles-issues-adaptive-speculation-runtime-speed).
 DEFAULT_KS = (*range(1, 18), 20, 24, 28, 32, 48, 64)
 BATCH_WIDTHS = (1, 2, 4, 8, 16, 32)  # tokens per row of a batched verification forward
 CONTEXT_BUCKETS = (512, 1024, 2048, 4096, 8192, 16384, 32768)  # contexts measured for a sequence's length
 CACHE_SUBDIR = "cost-model"
 # Other processes using half a core or more while the cost is measured: the measurement
-# is warned about (a second job on two cores flattened the curve by a third).
+# is warned about (a second job on two cores flattens the curve; see `_warn_if_busy`).
 BUSY_ELSEWHERE_CORES = 0.5
 FORMAT = "longspec-forward-cost/1"
 
@@ -159,9 +159,9 @@ def measure_forward_cost(
 def commit_random_keys(model: Decoder, cache, context: int, *, chunk: int) -> None:
     """Commit `context` positions of random K/V in every row of `cache` (a `KVCache` or
     a batch's `RowsView`), `chunk` positions per step. A forward's cost depends on how
-    many keys it reads, not on their numbers, and this takes a fraction of a second where
-    a prefill of the same length took 7 s at 4k and 30 s at 16k tokens for 4 rows on a
-    2-core CPU: a stall on the first batched round of each row count on a new machine."""
+    many keys it reads, not on their numbers, and this is far quicker than a prefill of
+    the same length, which stalled the first batched round of each row count on a new
+    machine (docs/lab-notes/forward-cost.md#the-cost-measurement-without-a-prefill-issues-batching-adaptive-speculation)."""
     c = model.config
     generator = torch.Generator().manual_seed(0)
     rows = cache.next_positions(1).numel()  # one position per row
@@ -291,9 +291,9 @@ def _cached(key: dict, directory: Path | None, ks: Sequence[int] | None, measure
 
 def _warn_if_busy(path: Path) -> None:
     """Other work competing for the cores slows the small forwards far more than the
-    wide ones (at 4k tokens on 2 cores, beside two other jobs: +7 ms at 1 token, none at
-    16), so the measured curve comes out flat and wide trees look cheap (a 16-token
-    forward at 1.9x a 1-token one, 2.7x idle), and the measurement is kept for this machine.
+    wide ones, so the measured curve comes out flat and wide trees look cheap, and the
+    measurement is kept for this machine
+    (docs/lab-notes/prompt-lookup.md#copies-that-continue-into-their-own-draft-the-cost-model-measured-under-load-issue-adaptive-speculation).
     Other processes' use of the cores is sampled just before; where the operating
     system does not report it, the 1-minute load average stands in (it also counts this
     process's own recent work: a benchmark measuring between its timed runs looked busy)."""

@@ -171,12 +171,38 @@ class RoundTarget(Protocol):
     def commit(self, paths: list[torch.Tensor]) -> None: ...
 
 
-def decode_round(sequences: list[DecodingSequence], target: RoundTarget) -> list[tuple[Tree, Tree, Committed]]:
-    """One round of every sequence: (the tree proposed, the tree verified, what was committed)."""
+@dataclass
+class RoundResult:
+    """One sequence's round: the tree proposed, the tree verified, what was committed;
+    or, with `contain_errors`, the error that ended this sequence alone."""
+
+    proposed: Tree | None = None
+    verified: Tree | None = None
+    committed: Committed | None = None
+    error: Exception | None = None
+
+
+def decode_round(sequences: list[DecodingSequence], target: RoundTarget, *,
+                 contain_errors: bool = False) -> list[RoundResult]:
+    """One round of every sequence.
+
+    contain_errors: an exception in one sequence's drafter (propose, observe) or
+    verification fails that sequence alone (its `RoundResult.error`): it goes through
+    the shared forward as a root alone and commits nothing but its root, so the other
+    sequences' shapes, and bits, are those of a round without the error. An exception
+    in the shared forward or commit fails them all (it propagates). Without it, every
+    exception propagates at once (a single sequence has no neighbours to protect)."""
+    results = [RoundResult() for _ in sequences]
     proposed = []
-    for sequence in sequences:
+    for sequence, result in zip(sequences, results):
         t0 = time.perf_counter()
-        proposed.append(sequence.propose(target.context(sequence)))
+        try:
+            proposed.append(sequence.propose(target.context(sequence)))
+        except Exception as error:
+            if not contain_errors:
+                raise
+            result.error = error
+            proposed.append(Tree.chain(int(sequence.tokens[sequence.length - 1]), []))
         sequence.stats.draft_s += time.perf_counter() - t0
     trees = target.shape(sequences, proposed)
 
@@ -187,21 +213,36 @@ def decode_round(sequences: list[DecodingSequence], target: RoundTarget) -> list
             sequence.drafter.learn()
     forward_s = (time.perf_counter() - t0) / len(sequences)  # the shared forward, split evenly
 
-    verdicts = []
-    for sequence, tree, tree_logits, tree_hidden in zip(sequences, trees, logits, hidden):
+    verdicts: list[Verdict | None] = []
+    for sequence, result, tree, tree_logits, tree_hidden in zip(sequences, results, trees, logits, hidden):
         t1 = time.perf_counter()
-        verdicts.append(sequence.verify(tree, tree_logits, tree_hidden))
+        verdict = None
+        if result.error is None:
+            try:
+                verdict = sequence.verify(tree, tree_logits, tree_hidden)
+            except Exception as error:
+                if not contain_errors:
+                    raise
+                result.error = error
+        verdicts.append(verdict)
         sequence.stats.verify_s += forward_s + time.perf_counter() - t1
     t1 = time.perf_counter()
-    target.commit([verdict.path for verdict in verdicts])
+    root_only = torch.zeros(1, dtype=torch.long, device=HOST)
+    target.commit([root_only if verdict is None else verdict.path for verdict in verdicts])
     commit_s = (time.perf_counter() - t1) / len(sequences)
 
-    results = []
-    for sequence, whole, tree, verdict in zip(sequences, proposed, trees, verdicts):
+    for sequence, result, whole, tree, verdict in zip(sequences, results, proposed, trees, verdicts):
+        if verdict is None:
+            continue
         t2 = time.perf_counter()
-        committed = sequence.advance(tree, verdict)
+        try:
+            result.committed = sequence.advance(tree, verdict)
+        except Exception as error:
+            if not contain_errors:
+                raise
+            result.error = error
+        result.proposed, result.verified = whole, tree
         sequence.stats.bookkeeping_s += commit_s + time.perf_counter() - t2
-        results.append((whole, tree, committed))
     return results
 
 

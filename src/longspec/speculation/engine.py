@@ -27,9 +27,10 @@ _PROGRESS_MIN_TOKENS = 4096
 
 @dataclass(frozen=True)
 class EngineOptions:
-    # Tokens per prefill forward: bounds activation memory. 256 prefills 1.05-1.06x as fast as 512 here
-    # (BENCHMARKS.md) and equals the batch engine's per-step budget, so a batched row's prompt is cut
-    # where a single run cuts it (the same bits in bf16).
+    # Tokens per prefill forward: bounds activation memory. 256 prefilled a little faster than 512
+    # on a 2-core CPU and equals the batch engine's per-step budget, so a batched row's prompt is cut
+    # where a single run cuts it, the same bits in bf16
+    # (docs/lab-notes/attention.md#bf16-speculation-returns-plain-decodings-tokens-issues-adaptive-speculation-batching-runtime-speed).
     prefill_chunk: int = 256
     max_tree_nodes: int = 64  # speculative nodes per verification forward (root excluded)
     progress: bool = True
@@ -93,7 +94,8 @@ class SpeculativeEngine:
                        learns_while_verifying=learns_while_verifying(self.options, self.model.device))
         target = _OneSequence(self.model, cache)
         while True:
-            ((_, _, committed),) = decode_round([sequence], target)
+            (result,) = decode_round([sequence], target)
+            committed = result.committed
             yield committed.tokens
             if committed.stop_reason:
                 stats.stop_reason = committed.stop_reason

@@ -12,7 +12,7 @@ of that many tokens).
 A level's expected tokens come from the row's own history (`ReachHistory`), including
 what the committed tokens say of the levels that were cut. Its acceptance is kept by
 depth or, for a tree copied from earlier text (prompt lookup), by the copied run its
-nodes extend (`Tree.copied_runs`, `tree_levels`): a copy that has matched for 30 tokens
+nodes extend (`CopiedTree.copied_runs`, `tree_levels`): a copy that has matched for 30 tokens
 keeps matching, one that matched for 2 rarely does, whatever the depth. Cutting a tree below a depth
 is lossless — the verifiers check whatever tree they are given — and the accepted path
 stays inside the tree the drafter proposed.
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from longspec.speculation.copied_tree import CopiedTree
 from longspec.speculation.tree import Tree
 
 
@@ -54,7 +55,7 @@ def tree_levels(tree: Tree) -> list[int]:
     that depth (at most `MAX_LEVEL`)."""
     if tree.max_depth == 0:
         return []
-    if tree.copied_runs is None:
+    if not isinstance(tree, CopiedTree):
         return list(range(1, tree.max_depth + 1))
     runs = torch.zeros(tree.max_depth + 1, dtype=torch.long).scatter_reduce(0, tree.depths, tree.copied_runs, "amax")
     return runs[1:].clamp(1, MAX_LEVEL).tolist()
@@ -200,6 +201,6 @@ def cut_to_depth(tree: Tree, depth: int) -> Tree:
     parents = tree.parents[keep]
     parents = torch.where(parents >= 0, new_index[parents.clamp(min=0)], parents)
     draft_probs = None if tree.draft_probs is None else tree.draft_probs[keep]
-    copied_runs = None if tree.copied_runs is None else tree.copied_runs[keep]
-    return Tree(tree.tokens[keep], parents, tree.depths[keep], draft_probs=draft_probs,
-                children_sampled=tree.children_sampled, copied_runs=copied_runs)
+    cut = Tree(tree.tokens[keep], parents, tree.depths[keep], draft_probs=draft_probs,
+               children_sampled=tree.children_sampled)
+    return CopiedTree.of(cut, tree.copied_runs[keep]) if isinstance(tree, CopiedTree) else cut

@@ -11,11 +11,11 @@ from collections.abc import Callable
 from typing import Any
 
 from longspec.speculation.drafters import NgramDrafter, PromptLookupDrafter
-from longspec.speculation.drafters.adaptive.presets import make_auto
+from longspec.speculation.presets.auto import make_auto
 from longspec.speculation.drafters.base import Drafter
 from longspec.speculation.drafters.draft_model import DraftModelDrafter
 from longspec.speculation.drafters.mamba import MambaDrafter
-from longspec.speculation.drafters.longspec.presets import LONGSPEC_METHODS
+from longspec.speculation.presets.longspec import LONGSPEC_METHODS
 from longspec.speculation.drafters.self_speculation import MagicDecDrafter, TriForceDrafter
 from longspec.speculation.drafters.tokenswift.drafter import TokenSwiftDrafter
 from longspec.speculation.drafters.tokenswift.medusa import MedusaDrafter
@@ -29,8 +29,9 @@ def _autoregressive(**options: Any) -> None:
 
 
 # The method of `generate`, `stream`, the CLI and the server when none is named: on the full
-# preset it measured 1.08x prompt lookup's geometric mean, >= 0.96x it and >= 1.48x plain
-# decoding in every row (BENCHMARKS.md), with the same tokens as plain decoding.
+# preset it beats prompt lookup's geometric mean, stays close to the best fixed method and
+# above plain decoding in every row (docs/benchmarks.md#a-the-full-preset-auto-against-fixed-methods),
+# with the same tokens as plain decoding.
 DEFAULT_METHOD = "auto"
 
 METHODS: dict[str, Callable[..., Drafter | None]] = {

@@ -201,7 +201,7 @@ def _top_p(scores: torch.Tensor, top_p: float) -> torch.Tensor:
     already hold at least `top_p` of the mass (so the top token always stays) —
     computed over the best candidates only: the nucleus lies within the k most likely
     tokens as soon as they hold `top_p`, so a partial top-k replaces sorting the whole
-    vocabulary (1-3 ms instead of ~24 ms for 262k tokens on this project's CPUs).
+    vocabulary (docs/lab-notes/sampling.md#sampling-cost-top-p-without-sorting-the-vocabulary).
     Tokens whose score ties the last kept one all survive, as in top-k (a full sort
     would split such ties by its own order; bf16 logits tie often)."""
     probs = scores.softmax(dim=-1)
@@ -295,7 +295,8 @@ def processed_probs(
 def _native_truncation(logits: torch.Tensor, params: SamplingParams):
     """The native kernel for top-k / top-p / min-p (`kernels/truncated_sampling.cpp`:
     one pass over the vocabulary and a sort of the few tokens that can survive, where
-    the PyTorch path makes ~10 passes, 1.8-2.7 ms a row of 262k on this project's CPUs),
+    the PyTorch path makes ~10 passes:
+    docs/lab-notes/sampling.md#sampled-tokens-the-truncated-distribution-and-the-draw-in-a-native-kernel-issues-adaptive-speculation-external-drafters-self-speculation),
     or None where the PyTorch path runs: greedy, no truncation, eta, float64 (the exact
     tests' dtype), another device, or no native library."""
     truncates = bool(params.top_k) or (params.top_p is not None and params.top_p < 1.0) or bool(params.min_p)
@@ -323,12 +324,14 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     Inverse transform sampling: one uniform u per row (float64, from `generator`),
     the first token whose cumulative mass exceeds u times the row's total. Exact up to
     float64 rounding, and a token of zero mass is never drawn (its interval is empty).
-    `torch.multinomial` spends ~5 ms on one draw over a 262k vocabulary on this
-    project's CPUs — a sixth of a decoding step — where the cumulative sum costs ~0.3."""
+    `torch.multinomial` spends far longer on one draw over a 262k vocabulary — a
+    sizeable share of a decoding step — than the cumulative sum
+    (docs/lab-notes/sampling.md#drawing-the-sampled-token-inverse-cdf-instead-of-torchmultinomial-issue-runtime-speed)."""
     if probs.dim() != 2:
         raise ValueError(f"probs must be 2-D [N, V], got shape {tuple(probs.shape)}")
     # The native draw (`kernels/truncated_sampling.cpp`) adds the same float64 sums in the
-    # same order, skipping all-zero blocks (0.04 ms against 0.5 for a truncated row of 262k).
+    # same order, skipping all-zero blocks, which makes it far cheaper on a truncated row
+    # (docs/lab-notes/sampling.md#sampled-tokens-the-truncated-distribution-and-the-draw-in-a-native-kernel-issues-adaptive-speculation-external-drafters-self-speculation).
     ops = native_ops() if probs.device.type == "cpu" and probs.dtype in (torch.float32, torch.float64) else None
     if ops is None:
         cdf = probs.cumsum(dim=-1, dtype=torch.float64)

@@ -38,11 +38,6 @@ class Tree:
     # True when children were *sampled* from draft_probs (multi-draft rejection
     # applies); False when they are deterministic candidates (top-k, beams, n-grams).
     children_sampled: bool = False
-    # Optional, for drafters that copy earlier text (prompt lookup): per node, the length
-    # of the copied run it extends — the tokens up to and including its parent that equal
-    # the tokens before its source. Long runs keep matching, so a controller (`auto`)
-    # reads it as evidence of acceptance. None when the drafter does not copy.
-    copied_runs: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         problem = self.structure_problem()
@@ -67,7 +62,8 @@ class Tree:
             parent, depth = parents.tolist(), depths.tolist()
         else:
             # NumPy views of the host tensors: on trees of a few dozen nodes its operations
-            # cost ~1 µs against PyTorch's ~5, and every round validates at least one tree.
+            # cost a fraction of PyTorch's, and every round validates at least one tree
+            # (docs/lab-notes/auto-controller.md#what-changed).
             parent, depth = parents.numpy(), depths.numpy()
         if parent[0] != -1 or depth[0] != 0:
             return f"node 0 must be the root (parent -1, depth 0), got parent {int(parent[0])}, depth {int(depth[0])}"
@@ -87,10 +83,6 @@ class Tree:
         """The first broken rule of the optional fields' shapes, or None."""
         if self.children_sampled and self.draft_probs is None:
             return "a tree with sampled children must carry draft_probs"
-        runs = self.copied_runs
-        if runs is not None and (not isinstance(runs, torch.Tensor) or runs.dtype != torch.long
-                                 or runs.shape != self.tokens.shape or runs.device != HOST):
-            return f"copied_runs must be a host int64 tensor of one value per node ({self.size}), got {runs!r}"
         return None
 
     def problem(self, vocab_size: int) -> str | None:
@@ -167,8 +159,9 @@ class Tree:
         int64 of one length, the root first, parents before their children, depths
         counted from them. Only the optional fields are checked here: the engine checks
         every invariant of a drafter's tree once before the target sees it
-        (`checked_proposal`), and a second check of the same arrays cost ~20 µs a tree,
-        several trees a round (the `auto` controller builds four)."""
+        (`checked_proposal`), and a second check of the same arrays is paid for several
+        trees a round (the `auto` controller builds four;
+        docs/lab-notes/auto-controller.md#what-changed)."""
         tree = object.__new__(Tree)
         values = {**_OPTIONAL_DEFAULTS, **optional, "tokens": tokens, "parents": parents, "depths": depths}
         for name, value in values.items():

@@ -5,7 +5,7 @@ the root). `histories[i]` is node i's own token history (committed tokens, then 
 tree tokens on the path from the root to i), so history-dependent processors such
 as the contextual penalty see exactly what autoregressive decoding would see.
 
-Rules (see DESIGN.md §5):
+Rules (see docs/design.md#verification-precisely):
 * greedy: accept the deepest node all of whose path matches the target's argmax;
 * deterministic candidates (top-k, beams, n-grams), sampling: at each visited node
   draw ONE token y ~ p; move to a child carrying y, else y is the bonus;

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 from longspec.runtime.device import HOST
 from longspec.runtime.model import Decoder
-from longspec.speculation.drafters.vocab_map import FILE_NAME as VOCAB_FILE
-from longspec.speculation.drafters.vocab_map import VocabMap
+from longspec.speculation.drafters.shared.vocab_map import FILE_NAME as VOCAB_FILE
+from longspec.speculation.drafters.shared.vocab_map import VocabMap
 from longspec.training.data import SequenceSampler, most_frequent_ids
 from longspec.training.fingerprint import target_fingerprint, tokens_fingerprint
 from longspec.training.longspec.features import IGNORE, FeatureCache

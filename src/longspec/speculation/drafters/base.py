@@ -6,8 +6,8 @@ were committed. It reads the target only through the read-only `DraftContext` th
 engine hands it, and owns bounded state of its own. Every drafter subclasses
 `Drafter`: three methods are required (`begin`, `propose`, `observe`); the optional
 capabilities are methods and class attributes with neutral defaults, so the engines
-call them on every drafter alike. docs/design.md, "The drafter contract", says when
-each is called and how to write a new drafter.
+call them on every drafter alike. docs/design.md#the-drafter-contract says when each
+is called, and docs/design.md#adding-a-drafter how to write a new drafter.
 """
 
 from __future__ import annotations

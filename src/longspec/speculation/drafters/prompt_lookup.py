@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from longspec.speculation.drafters.base import DraftContext, Drafter, container_nbytes
-from longspec.speculation.drafters.ngram import _check_positive_int, chains_tree
+from longspec.speculation.drafters.shared.chains import chains_tree
+from longspec.speculation.drafters.shared.checks import check_positive_int
 from longspec.speculation.tree import Tree
 
 
@@ -35,10 +36,10 @@ class PromptLookupDrafter(Drafter):
 
     With ``longest_run`` the copy follows, of the ``scan_factor`` most recent
     occurrences, the one whose preceding tokens agree longest with the sequence's
-    (`Tree.copied_runs`; the most recent among equals): in a loop whose short n-grams
+    (`CopiedTree.copied_runs`; the most recent among equals): in a loop whose short n-grams
     recur at other phases, the most recent match can break off after a few tokens
-    where an older one continues (`auto` copies this way; BENCHMARKS.md, "A lookup
-    that locked `auto` into the wrong points of a loop").
+    where an older one continues (`auto` copies this way;
+    docs/lab-notes/prompt-lookup.md#a-lookup-that-locked-auto-into-the-wrong-points-of-a-loop).
 
     With ``max_candidates > 1`` the most recent occurrences whose continuations
     differ are merged into one tree (most recent first, shared prefixes merged by
@@ -64,7 +65,7 @@ class PromptLookupDrafter(Drafter):
     """
 
     scan_factor = 8
-    # Copied runs are measured up to this length (`Tree.copied_runs`): a controller's
+    # Copied runs are measured up to this length (`CopiedTree.copied_runs`): a controller's
     # acceptance no longer changes with the run length long before it.
     max_run = 64
 
@@ -77,12 +78,12 @@ class PromptLookupDrafter(Drafter):
         continue_copies: bool = False,
         longest_run: bool = False,
     ) -> None:
-        self.num_tokens = _check_positive_int("num_tokens", num_tokens, 1)
-        self.min_ngram = _check_positive_int("min_ngram", min_ngram, 1)
-        self.max_ngram = _check_positive_int("max_ngram", max_ngram, 1)
+        self.num_tokens = check_positive_int("num_tokens", num_tokens, 1)
+        self.min_ngram = check_positive_int("min_ngram", min_ngram, 1)
+        self.max_ngram = check_positive_int("max_ngram", max_ngram, 1)
         if self.max_ngram < self.min_ngram:
             raise ValueError(f"max_ngram ({max_ngram}) must be >= min_ngram ({min_ngram})")
-        self.max_candidates = _check_positive_int("max_candidates", max_candidates, 1)
+        self.max_candidates = check_positive_int("max_candidates", max_candidates, 1)
         if not isinstance(continue_copies, bool):
             raise ValueError(f"continue_copies must be a bool, got {continue_copies!r}")
         self.continue_copies = continue_copies

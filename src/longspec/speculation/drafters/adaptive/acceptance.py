@@ -16,10 +16,11 @@ class AcceptanceTable:
     drafter proposed the same node — agreement is strong evidence, whether the node
     continues a speculative parent). A node's level is
     its depth or, for a node copied from earlier text (prompt lookup), the length of
-    the copied run it extends (`Tree.copied_runs`): a copy that has matched for 30
+    the copied run it extends (`CopiedTree.copied_runs`): a copy that has matched for 30
     tokens keeps matching far more often than one that matched for 3, whatever the
-    depth (replayed on held-out continuations: 3% more tokens per second than by depth
-    alone). Each level's cell is shrunk toward the previous level's rate (one token
+    depth (replayed on held-out continuations it beat depth alone:
+    docs/lab-notes/auto-controller.md#copied-runs-auto-knows-how-long-a-prompt-lookup-copy-has-matched-issue-adaptive-speculation).
+    Each level's cell is shrunk toward the previous level's rate (one token
     shallower, or a run one token shorter), and level 1 toward the drafter's rate
     pooled over levels (smoothed by `FLAT_PRIOR` or `COPY_CONTINUES_PRIOR`): along a chain that keeps matching,
     acceptance stays high, so a level that was rarely reached starts from the highest
@@ -32,10 +33,9 @@ class AcceptanceTable:
     parent are counted apart, even at the same level: the first token is a fresh
     guess (the bonus was the target's own choice, and a copy may restart there), the
     others extend a copy the target has just followed. Pooled, the first tokens of
-    short copies were predicted ~1.1x as often as they were accepted, an error every
-    deeper node of their chain inherited (replayed full preset, greedy Multi-News:
-    1.12x the realised accepted tokens pooled, 1.02x apart, at equal speed;
-    BENCHMARKS.md, "Copies that continue into their own draft").
+    short copies were over-predicted, an error every deeper node of their chain
+    inherited; apart, the predictions came right at equal speed
+    (docs/lab-notes/prompt-lookup.md#copies-that-continue-into-their-own-draft-the-cost-model-measured-under-load-issue-adaptive-speculation).
 
     Trees are chosen with optimistic rates — the posterior mean plus `OPTIMISM`
     posterior standard deviations — so that a cell that a few unlucky rounds pushed
@@ -50,14 +50,14 @@ class AcceptanceTable:
     shrunk toward its rate over the whole sequence. Acceptance moves with the text (a
     passage being copied, then new prose), and trees are verified mostly in the
     stretches where drafts are accepted: with every round weighed alike the table lagged
-    behind those stretches and predicted too few accepted tokens (replayed full preset,
-    Spec-Bench and AIME runs: 0.76 of the realised on sampled AIME, 0.88 on sampled
-    LCC; BENCHMARKS.md, "Calibration"). A cell measured many times over the whole
+    behind those stretches and predicted too few accepted tokens, most under sampling
+    (docs/lab-notes/auto-controller.md#calibration-autos-acceptance-table-on-two-timescales-issue-adaptive-speculation).
+    A cell measured many times over the whole
     sequence still knows its rate when its recent counts are thin. The recent rate is
     shrunk with half an observation's weight only: sampled text copies in bursts, and
-    with a whole observation the first tokens of a burst were still predicted 0.93×
-    as often as they were accepted (replayed sampled AIME: 0.896 of the realised per
-    round; half a weight: 0.95).
+    with a whole observation the first tokens of a burst were still under-predicted
+    (docs/lab-notes/auto-controller.md#auto-against-every-fixed-method-each-method-timed-three-times-issue-adaptive-speculation,
+    docs/lab-notes/auto-controller.md#auto-with-the-recent-acceptance-rate-trusted-more-the-wall-clock-run-issue-adaptive-speculation).
 
     Counts live in NumPy and the shrunk rates are recomputed for every cell at once
     when a count changed, so a round's lookups cost microseconds, not a tensor
@@ -70,12 +70,12 @@ class AcceptanceTable:
     SEPARATE_FIRST_TOKEN = True  # depth-1 nodes and nodes continuing a speculative parent in cells apart
     # Pseudo-counts (accepted, rejected) of the rate pooled over levels that level 1 is
     # shrunk toward: a coin flip, except for the nodes of a copying drafter (`Tree.
-    # copied_runs`) that continue a speculative parent: a started copy goes on — measured
-    # 0.81-0.99 of them accepted on the replayed full preset, Spec-Bench and AIME outputs;
-    # the low end, worth ten observations. With the flat prior there, a fresh request's
-    # first copies were verified 2-6 tokens at a time while prompt lookup's 10-token
-    # chains were accepted whole (sampled Multi-News 2k: 3 rounds more in the first 50
-    # tokens; BENCHMARKS.md, "A fresh request's prior").
+    # copied_runs`) that continue a speculative parent: a started copy goes on — most of
+    # them were accepted on the replayed full preset, Spec-Bench and AIME outputs; the low
+    # end of those rates, worth ten observations. With the flat prior there, a fresh
+    # request's first copies were verified a few tokens at a time while prompt lookup's
+    # 10-token chains were accepted whole
+    # (docs/lab-notes/auto-controller.md#a-fresh-requests-prior-auto-expects-a-started-copy-to-go-on-issue-adaptive-speculation).
     FLAT_PRIOR = (1.0, 1.0)
     COPY_CONTINUES_PRIOR = (8.0, 2.0)
 
@@ -166,9 +166,9 @@ def _compose_down_levels(offset: np.ndarray, slope: np.ndarray) -> None:
     composition of the maps of levels 0..d, so that rate_d = offset_d + slope_d * rate
     for the rate below level 0. Composing by doubling (an inclusive scan) takes
     log2(levels) steps of NumPy calls over every cell, where walking the levels took one
-    step per level (32 here); with the cached priors, the rates cost half what they did
-    (BENCHMARKS.md, "`auto`'s own round"). Only products and sums, no division: a
-    product of slopes that underflows is as good as zero."""
+    step per level (32 here); with the cached priors, the rates cost less
+    (docs/lab-notes/auto-controller.md#what-changed). Only products and sums, no division: a product of
+    slopes that underflows is as good as zero."""
     levels = offset.shape[1]
     shift = 1
     while shift < levels:
@@ -187,17 +187,16 @@ class CrossFittedAcceptance:
     With one table, the nodes chosen are those whose estimate is high, partly by
     chance, so the same estimate over-predicted them: on an AVX2 CPU, where a verified
     node costs a large share of a forward and only the best-looking ones are verified,
-    the predicted accepted tokens per round ran 1.14-1.18x the realised (sampled rows;
-    BENCHMARKS.md, "`auto`'s calibration depends on the machine's cost shape"). A
-    half's noise is independent of the other's, so the predicting half is not
+    the predicted accepted tokens per round ran above the realised
+    (docs/lab-notes/auto-controller.md#autos-calibration-depends-on-the-machines-cost-shape-issue-adaptive-speculation--measured-constants-left-as-they-are).
+    A half's noise is independent of the other's, so the predicting half is not
     flattered by the choice. Each half holds half the evidence, so its prior weights
     are halved (the balance of prior and evidence the constants were tuned at) and its
     optimism divided by sqrt(2): a half's posterior deviation is sqrt(2) times the
-    whole's, and the full bonus made the deciding half explore more (replayed, 3%
-    fewer tokens per second than one table; with the bonus scaled, 1.3-1.5% fewer).
-    Replayed on an AVX2 CPU's full preset and Spec-Bench/AIME outputs, predictions
-    came within 0.90-1.04 of the realised acceptance, against one table's 1.00-1.17
-    (BENCHMARKS.md, "Cross-fitted acceptance")."""
+    whole's, and the full bonus made the deciding half explore more (fewer tokens per
+    second in replays). Replayed on an AVX2 CPU's full preset and Spec-Bench/AIME
+    outputs, the halves' predictions came closer to the realised acceptance than one
+    table's (docs/lab-notes/auto-controller.md#cross-fitted-acceptance-predictions-no-longer-flattered-by-the-choice)."""
 
     def __init__(self, drafters: int, max_level: int = 32, max_rank: int = 4) -> None:
         # One table whose drafter rows come twice: row h * drafters + d is drafter d's half h,

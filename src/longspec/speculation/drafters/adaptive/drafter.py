@@ -40,8 +40,8 @@ Each round:
    next round.
 
 Lossless by construction: the result is an ordinary tree of deterministic
-candidates, verified by the engine's rules (DESIGN.md §5). Components whose
-children are sampled from q cannot be merged and are refused.
+candidates, verified by the engine's rules (docs/design.md#verification-precisely).
+Components whose children are sampled from q cannot be merged and are refused.
 """
 
 from __future__ import annotations
@@ -57,16 +57,18 @@ from longspec.speculation.cost_model import ForwardCost, forward_cost_at
 from longspec.speculation.drafters.adaptive.acceptance import CrossFittedAcceptance
 from longspec.speculation.drafters.adaptive.cost_fit import RealisedCostScale
 from longspec.speculation.drafters.adaptive.merge import MergedTree, merge_trees, subtree
-from longspec.speculation.drafters.adaptive.policies import ThroughputPolicy, TreePolicy
+from longspec.speculation.drafters.shared.policies import ThroughputPolicy, TreePolicy
 from longspec.speculation.drafters.adaptive.unverified import UnverifiedNodes
 from longspec.speculation.drafters.base import DraftContext, Drafter, check_drafter
+from longspec.speculation.copied_tree import CopiedTree
 from longspec.speculation.tree import Tree
 
 _EMA = 0.2  # weight of the newest round in moving averages
 # A component costing more than this share of a plain decoding round is "expensive":
 # it is called only in rounds where the cheap ones found nothing, and only while what
-# it alone contributes pays for its time. Lookups cost 1-5% of a round here (their
-# timing noise must not flip them), a draft network's proposal 100% or more.
+# it alone contributes pays for its time. Lookups cost a small fraction of a round
+# (their timing noise must not flip them), a draft network's proposal a round or more
+# (docs/lab-notes/auto-controller.md#auto-on-the-full-preset-issue-adaptive-speculation).
 _CHEAP_SHARE = 0.2
 # Probes of a costly drafter that do not pay double the wait before the next one, up
 # to this many times `probe_every` rounds: such a probe is a loss whenever it shows
@@ -74,9 +76,9 @@ _CHEAP_SHARE = 0.2
 _MAX_BACKOFF = 8
 # While speculation is off, the controller's own work (the components' proposals,
 # merging, estimating, recording) is spread over enough rounds that it costs at most
-# this share of plain decoding: on a GPU a compiled decode step is ~2.5 ms and that
-# work ~1 ms, so doing it every round ran at 0.64-0.81× plain decoding with every
-# round off (BENCHMARKS.md, "`auto` on a GPU").
+# this share of plain decoding: on a GPU a compiled decode step is short beside that
+# work, so doing it every round made `auto` with every round off much slower than plain
+# decoding (docs/lab-notes/gpu.md#on-an-h100-what-a-short-decode-step-asks-of-the-controller).
 _OFF_OVERHEAD_SHARE = 0.01
 # ... but it looks at the proposals at least every this many rounds, so speculation
 # comes back within that many tokens of text that the drafters can predict.
@@ -252,7 +254,7 @@ class AdaptiveDrafter(Drafter):
             component.rounds_out = 0
             called.append(index)
             trees.append((index, tree))
-            if tree.copied_runs is not None:
+            if isinstance(tree, CopiedTree):
                 self.table.note_copying(index)
             if not expensive:
                 cheap_nodes += tree.size - 1
@@ -351,7 +353,8 @@ class AdaptiveDrafter(Drafter):
         # in which every component sat out (too costly for what it adds, or no node
         # budget) is off too: asking again next round only finds them sitting out, and
         # in a batch, where a row's share of the forward is short, that asking cost
-        # 16 rows of `auto` over garbage most of their rounds (BENCHMARKS.md).
+        # 16 rows of `auto` over garbage most of their rounds
+        # (docs/lab-notes/auto-controller.md#batched-rows-asked-a-controller-whose-components-all-sat-out).
         self._off = round_["k"] == 0 and (bool(round_["order"]) or not round_["called"])
         own = round_["drafted_s"] + self.clock() - observe_start
         self._own_seconds = own if self._own_seconds is None else (1 - _EMA) * self._own_seconds + _EMA * own
@@ -432,9 +435,9 @@ class AdaptiveDrafter(Drafter):
     @staticmethod
     def _time_call(component: _Component, elapsed: float) -> None:
         """Fold one propose() into the component's cost. A sequence's first call also
-        pays one-off work (a draft network catching up on the prompt's last window: 60-80
-        ms for the LongSpec draft at 4k tokens, against ~9 ms a round after it), a cost
-        no later call repeats: it only stands in until a second call is timed."""
+        pays one-off work (a draft network catching up on the prompt's last window, several
+        times a later round's cost: docs/lab-notes/auto-controller.md#auto-on-the-full-preset-issue-adaptive-speculation),
+        a cost no later call repeats: it only stands in until a second call is timed."""
         if component.calls == 0:
             if component.seconds is None:
                 component.seconds, component.provisional = elapsed, True

@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 
 from longspec.runtime.device import HOST
+from longspec.speculation.copied_tree import CopiedTree, copied_runs
 from longspec.speculation.tree import Tree
 
 
@@ -19,7 +20,7 @@ class Source(NamedTuple):  # a tuple: a round creates one per proposed node
     drafter: int  # index of the proposing drafter
     depth: int  # 1 = a child of the root
     rank: int  # 0 = the drafter's first candidate under that parent
-    run: int = 0  # the copied run the node extends (`Tree.copied_runs`); 0: the drafter does not copy
+    run: int = 0  # the copied run the node extends (`CopiedTree.copied_runs`); 0: the drafter does not copy
 
 
 @dataclass
@@ -45,11 +46,11 @@ def merge_trees(root: int, trees: Sequence[tuple[int, Tree]]) -> MergedTree:
     for drafter, tree in trees:
         if tree.children_sampled:
             raise ValueError(f"drafter {drafter} sampled its children from q; only deterministic candidates can be "
-                             "merged into one tree (DESIGN.md §5)")
+                             "merged into one tree (docs/design.md#verification-precisely)")
         mapped = [0] * tree.size
         seen_children: dict[int, int] = {}
         tree_tokens, tree_parents = tree.tokens.tolist(), tree.parents.tolist()
-        runs = tree.copied_runs.tolist() if tree.copied_runs is not None else [0] * tree.size
+        runs = copied_runs(tree).tolist() if isinstance(tree, CopiedTree) else [0] * tree.size
         for node in range(1, tree.size):
             parent = mapped[tree_parents[node]]
             rank = seen_children.get(tree_parents[node], 0)
@@ -77,7 +78,7 @@ def _single_chain(drafter: int, tree: Tree) -> MergedTree | None:
     parents = tree.parents.tolist()
     if parents != list(range(-1, n - 1)):
         return None
-    runs = tree.copied_runs.tolist() if tree.copied_runs is not None else [0] * n
+    runs = copied_runs(tree).tolist() if isinstance(tree, CopiedTree) else [0] * n
     sources = [[]] + [[Source(drafter, depth, 0, runs[depth])] for depth in range(1, n)]
     return MergedTree(tree, sources, tree.tokens.tolist(), parents, list(range(n)))
 

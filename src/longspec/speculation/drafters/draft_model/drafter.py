@@ -24,8 +24,8 @@ import torch
 from longspec.runtime.device import HOST
 from longspec.runtime.model import Decoder
 from longspec.speculation.drafters.base import DraftContext, Drafter
-from longspec.speculation.drafters.longspec.config import DraftMismatchError
-from longspec.speculation.drafters.vocab_map import VocabMap
+from longspec.speculation.drafters.shared.errors import DraftMismatchError
+from longspec.speculation.drafters.shared.vocab_map import VocabMap
 from longspec.speculation.processors import sample
 from longspec.speculation.tree import Tree
 

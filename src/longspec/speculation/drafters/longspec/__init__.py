@@ -2,7 +2,8 @@
 own KV cache, with chain, CAPE and dynamic beam-tree drafting."""
 
 from longspec.speculation.drafters.longspec.checkpoint import load_draft, save_draft
-from longspec.speculation.drafters.longspec.config import DraftConfig, DraftMismatchError
+from longspec.speculation.drafters.longspec.config import DraftConfig
+from longspec.speculation.drafters.shared.errors import DraftMismatchError
 from longspec.speculation.drafters.longspec.drafter import LongSpecDrafter
 from longspec.speculation.drafters.longspec.model import DraftModel
 from longspec.speculation.drafters.longspec.strategies import BeamStrategy, CapeStrategy, ChainStrategy, SampledChainStrategy

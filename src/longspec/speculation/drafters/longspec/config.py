@@ -13,10 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from longspec.runtime.config import DecoderConfig
-
-
-class DraftMismatchError(ValueError):
-    """A draft checkpoint does not fit the target it is paired with."""
+from longspec.speculation.drafters.shared.errors import DraftMismatchError
 
 
 @dataclass(frozen=True)

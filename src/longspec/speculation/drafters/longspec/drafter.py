@@ -19,7 +19,8 @@ skipped only after a round that accepted at least n tokens of a retrieval chain,
 with None both are merged every round. A skipped round leaves the draft's ring
 behind; it catches up on those tokens the next round it runs. Where the text
 repeats, the method then costs what prompt lookup costs (measured against the other
-settings with the shipped draft in BENCHMARKS.md).
+settings with the shipped draft in
+docs/lab-notes/longspec-draft.md#this-session-retrieval-first-packed-draft-training-evidence).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 from longspec.runtime.attention import biased_attention
 from longspec.runtime.linear import PackedWeight, packed_linear, prepack
 from longspec.speculation.drafters.base import DraftContext, Drafter
-from longspec.speculation.drafters.context_vocab import ContextVocabulary
+from longspec.speculation.drafters.shared.context_vocab import ContextVocabulary
 from longspec.speculation.drafters.longspec.checkpoint import load_draft
 from longspec.speculation.drafters.longspec.model import (
     DraftModel,

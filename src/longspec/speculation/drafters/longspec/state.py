@@ -2,7 +2,7 @@
 tokens, and a small fixed buffer for the speculative nodes of the current round.
 
 Sizes depend only on the draft config and the engine's tree budget, never on the
-context length (DESIGN.md §2.2): the ring holds `window` slots (token at position
+context length (docs/design.md#promises, bounded draft memory): the ring holds `window` slots (token at position
 p lives in slot p % window), the pending buffer `capacity` slots. Pending tokens
 are either committed into the ring (catching up on committed text) or dropped
 (speculative nodes, at the start of the next round).

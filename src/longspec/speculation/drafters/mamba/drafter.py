@@ -24,18 +24,19 @@ from pathlib import Path
 
 import torch
 
-from longspec.speculation.drafters.adaptive.policies import UCBPolicy, mamba_reward
+from longspec.speculation.drafters.shared.policies import UCBPolicy, mamba_reward
 from longspec.speculation.drafters.base import DraftContext, Drafter
-from longspec.speculation.drafters.longspec.config import DraftMismatchError
+from longspec.speculation.drafters.shared.errors import DraftMismatchError
 from longspec.speculation.drafters.mamba.state import MambaState, MambaStepper
-from longspec.speculation.drafters.vocab_map import VocabMap
+from longspec.speculation.drafters.shared.vocab_map import VocabMap
 from longspec.speculation.tree import Tree
 
 # The paper's arms for its test-time search (its default shape is the first, for a GPU).
 PAPER_TREES = ((3, 3, 2, 1), (3, 2, 2, 1, 1), (2, 2, 2, 1, 1, 1))
-# Default shape: a chain. On a 2-core CPU the paper's 48-node tree ran at 0.17-0.22x AR
-# against 0.54-0.75x for this chain with the shipped drafter (BENCHMARKS.md): verifying
-# 49 tokens costs ~5x one token there, and its wide depths multiply the drafter's work.
+# Default shape: a chain. On a 2-core CPU the paper's 48-node tree ran far slower than
+# this chain with the shipped drafter
+# (docs/lab-notes/mamba-and-draft-models.md#end-to-end-the-shipped-drafters-do-not-pay-on-this-cpu): verifying 49
+# tokens costs several decode steps there, and its wide depths multiply the drafter's work.
 DEFAULT_WIDTHS = (1, 1, 1, 1)
 SHIPPED_DRAFTER = "mamba-gemma-3-270m"  # in longspec/weights, for the embedded target
 

@@ -2,9 +2,10 @@
 CPU kernel (`runtime/kernels/selective_scan.cpp`), forward and backward.
 
 `transformers`' Mamba has no CPU kernel: its reference path steps through time in
-Python, one small batched product per token and layer. Measured on this project's
-2-core CPU for the 8-layer, d_model 256 drafter `longspec train mamba` builds: 65-110
-training tokens/s per thread, against ~500 for a transformer drafter of the same size.
+Python, one small batched product per token and layer: for the 8-layer, d_model 256
+drafter `longspec train mamba` builds, training ran several times slower than a
+transformer drafter of the same size
+(docs/lab-notes/mamba-and-draft-models.md#training-the-selective-scan-in-a-native-kernel).
 The module here computes the same function from the same parameters (the model stays
 `transformers`' own, saved and loaded as such); only the recurrence moves into C++.
 Off the CPU, or where the native library is unavailable, it runs the model's own

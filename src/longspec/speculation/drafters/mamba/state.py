@@ -1,11 +1,11 @@
 """The Mamba drafter's per-sequence state and its decoding step, computed from a
 `transformers` Mamba's own parameters.
 
-`transformers`' decoding step costs ~7 ms per drafted depth on this project's 2-core
-CPU for an 8-layer, d_model 256 drafter (a chain of 4 took 27.6 ms, a (3,3,2,1) tree
-38.5 ms: `benchmarks/mamba_drafting.py`), as much as a target forward, so no drafter
-could pay. Most of a step is reading weights: the 32k-token output layer alone is
-33 MB in float32. Here the products run in the model's dtype through the runtime's
+`transformers`' decoding step for an 8-layer, d_model 256 drafter costs about as much
+per drafted depth as a target forward on a 2-core CPU, so no drafter could pay
+(docs/lab-notes/mamba-and-draft-models.md#drafting-states-and-a-step-of-our-own-from-transformers-parameters).
+Most of a step is reading weights: the 32k-token output layer alone is 33 MB in
+float32. Here the products run in the model's dtype through the runtime's
 prepared linear layers (bf16 on a bf16 target: the native few-row kernel / oneDNN),
 while the recurrence (convolution window, SSM state, scan) stays in float32 as
 `mamba-ssm` keeps it, with the state updated in one native call per layer on the CPU.

@@ -31,8 +31,8 @@ import torch
 
 from longspec.runtime.device import HOST
 from longspec.speculation.drafters.base import DraftContext, Drafter
-from longspec.speculation.drafters.ngram import _check_positive_int
-from longspec.speculation.drafters.tokenswift.partial_cache import PartialBudget, PartialKVCache, recording_queries
+from longspec.speculation.drafters.shared.checks import check_positive_int
+from longspec.speculation.drafters.shared.partial_cache import PartialBudget, PartialKVCache, recording_queries
 from longspec.speculation.tree import Tree
 
 
@@ -58,9 +58,9 @@ class MagicDecDrafter(Drafter):
         sinks: int = 4,
         forward_chunk: int = 64,
     ) -> None:
-        self.length = _check_positive_int("length", length, 1)
+        self.length = check_positive_int("length", length, 1)
         self.partial = PartialBudget(budget, budget_fraction, min_budget, sinks)
-        self.forward_chunk = _check_positive_int("forward_chunk", forward_chunk, 1)
+        self.forward_chunk = check_positive_int("forward_chunk", forward_chunk, 1)
         if self.forward_chunk < self.length:
             raise ValueError(f"forward_chunk ({forward_chunk}) must hold a drafted chain of length {length}")
         self.cache: PartialKVCache | None = None

@@ -18,9 +18,10 @@ from pathlib import Path
 import torch
 
 from longspec.speculation.drafters.base import DraftContext, Drafter
-from longspec.speculation.drafters.ngram import NgramTable, _check_positive_int
+from longspec.speculation.drafters.shared.checks import check_positive_int
+from longspec.speculation.drafters.shared.ngram_table import NgramTable
 from longspec.speculation.drafters.tokenswift.heads import TokenSwiftHeads
-from longspec.speculation.drafters.tokenswift.partial_cache import PartialBudget, PartialKVCache, recording_queries
+from longspec.speculation.drafters.shared.partial_cache import PartialBudget, PartialKVCache, recording_queries
 from longspec.speculation.drafters.tokenswift.tree import add_chains_within, cartesian_within
 from longspec.speculation.tree import Tree
 
@@ -70,13 +71,13 @@ class TokenSwiftDrafter(Drafter):
         self.heads_source = heads
         self.heads: TokenSwiftHeads | None = heads if isinstance(heads, TokenSwiftHeads) else None
         self.partial = PartialBudget(budget, budget_fraction, min_budget, sinks)
-        self.k = k if k == 0 else _check_positive_int("k", k, 0)
-        self.ngram = _check_positive_int("ngram", ngram, 2)
-        self.widths = tuple(_check_positive_int("widths", int(w), 1) for w in widths)
+        self.k = k if k == 0 else check_positive_int("k", k, 0)
+        self.ngram = check_positive_int("ngram", ngram, 2)
+        self.widths = tuple(check_positive_int("widths", int(w), 1) for w in widths)
         if self.widths[0] != 1:
             raise ValueError("the first width is the target head's top-1 and must be 1")
         self.dynamic_cache = dynamic_cache
-        self.forward_chunk = _check_positive_int("forward_chunk", forward_chunk, 1)
+        self.forward_chunk = check_positive_int("forward_chunk", forward_chunk, 1)
         self.cache: PartialKVCache | None = None
         self.table = NgramTable(ngram)
         self._view = None

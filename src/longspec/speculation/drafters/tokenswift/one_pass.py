@@ -26,8 +26,9 @@ from pathlib import Path
 import torch
 
 from longspec.speculation.drafters.base import DraftContext, Drafter
-from longspec.speculation.drafters.context_vocab import ContextVocabulary
-from longspec.speculation.drafters.ngram import NgramTable, _check_positive_int
+from longspec.speculation.drafters.shared.context_vocab import ContextVocabulary
+from longspec.speculation.drafters.shared.checks import check_positive_int
+from longspec.speculation.drafters.shared.ngram_table import NgramTable
 from longspec.speculation.drafters.tokenswift.drafter import heads_for_target
 from longspec.speculation.drafters.tokenswift.heads import TokenSwiftHeads
 from longspec.speculation.drafters.tokenswift.tree import add_chains_within, cartesian_within
@@ -44,17 +45,18 @@ class OnePassTokenSwiftDrafter(Drafter):
         (False: the whole vocabulary).
     """
 
-    # Small trees by default: on this project's CPUs a forward turns compute-bound near 6-8
-    # tokens (BENCHMARKS.md, "Forward cost"); (2, 1, 1) + 2 chains stays near that knee.
+    # Small trees by default: on a CPU a forward turns compute-bound after a few tokens
+    # (docs/lab-notes/forward-cost.md#forward-cost-against-its-floor-where-trees-stop-being-free-issue-runtime-cost-model);
+    # (2, 1, 1) + 2 chains stays near that knee.
     def __init__(self, heads: TokenSwiftHeads | str | Path | None = None, *, widths: tuple[int, ...] = (2, 1, 1),
                  k: int = 2, ngram: int = 4, context_vocab: bool = True) -> None:
         self.heads_source = heads
         self.heads: TokenSwiftHeads | None = heads if isinstance(heads, TokenSwiftHeads) else None
-        self.widths = tuple(_check_positive_int("widths", int(w), 1) for w in widths)
+        self.widths = tuple(check_positive_int("widths", int(w), 1) for w in widths)
         if not self.widths:
             raise ValueError("widths needs at least one depth")
-        self.k = k if k == 0 else _check_positive_int("k", k, 0)
-        self.ngram = _check_positive_int("ngram", ngram, 2)
+        self.k = k if k == 0 else check_positive_int("k", k, 0)
+        self.ngram = check_positive_int("ngram", ngram, 2)
         self.table = NgramTable(ngram)
         if not isinstance(context_vocab, bool):
             raise ValueError(f"context_vocab must be true or false, got {context_vocab!r}")

@@ -83,7 +83,7 @@ class VocabMap:
     def check_fits(self, drafter: str, model_ids: int, target_config) -> None:
         """Raise DraftMismatchError naming what does not fit: a map over another target
         vocabulary, EOS ids it cannot propose, or a model with fewer ids than the map."""
-        from longspec.speculation.drafters.longspec.config import DraftMismatchError
+        from longspec.speculation.drafters.shared.errors import DraftMismatchError
 
         problems = []
         if target_config.vocab_size != self.target_vocab_size:

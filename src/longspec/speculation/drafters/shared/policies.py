@@ -35,10 +35,12 @@ class TreePolicy(Protocol):
 
 class ThroughputPolicy:
     """A larger tree is chosen only where its predicted rate beats the best smaller
-    one's by `min_gain` (a share): best-of-five timings of one forward differ by 1-3%
-    between runs, so a tree predicted to gain less than that is as likely a loss; on a
-    GPU, whose eager forwards are flat in k to within that noise, garbage nodes with
-    an acceptance estimate of 1e-5 were verified every round (0.70× plain decoding)."""
+    one's by `min_gain` (a share): best-of-five timings of one forward differ by about
+    that much between runs, so a tree predicted to gain less than that is as likely a
+    loss; on a GPU, whose eager forwards are flat in k to within that noise, garbage
+    nodes with an acceptance estimate of 1e-5 were verified every round, well below
+    plain decoding's speed
+    (docs/lab-notes/gpu.md#on-an-h100-what-a-short-decode-step-asks-of-the-controller)."""
 
     def __init__(self, min_gain: float = 0.01) -> None:
         if not 0 <= min_gain < 1:

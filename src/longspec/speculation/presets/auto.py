@@ -6,28 +6,27 @@ from collections.abc import Callable, Sequence
 from functools import partial
 
 from longspec.speculation.drafters.adaptive.drafter import AdaptiveDrafter
-from longspec.speculation.drafters.adaptive.policies import ThroughputPolicy, TreePolicy, UCBPolicy
+from longspec.speculation.drafters.shared.policies import ThroughputPolicy, TreePolicy, UCBPolicy
 from longspec.speculation.drafters.base import Drafter
 from longspec.speculation.drafters.draft_model import DraftModelDrafter
-from longspec.speculation.drafters.longspec.presets import make_longspec
+from longspec.speculation.presets.longspec import make_longspec
 from longspec.speculation.drafters.mamba import MambaDrafter
 from longspec.speculation.drafters.ngram import NgramDrafter
 from longspec.speculation.drafters.prompt_lookup import PromptLookupDrafter
 
 # auto's prompt lookup offers copies of up to 12 tokens that continue into their own
 # draft (a loop shorter than the copy keeps being copied): the controller verifies
-# only as much of a copy as its acceptance and the forward's cost pay for. Replayed
-# with this CPU's idle cost model (BENCHMARKS.md, "Copies that continue into their
-# own draft"): +0.4% to +1.6% over 10-token copies that stop at the sequence's end on
-# four sets of outputs; 16 or 24 tokens won more on the Spec-Bench/AIME loops but lost
-# up to 3% on the full preset, with trees sized from over-predicted deep nodes.
+# only as much of a copy as its acceptance and the forward's cost pay for. Replayed,
+# 12 tokens beat 10-token copies that stop at the sequence's end on every set of
+# outputs; 16 or 24 tokens won more on the Spec-Bench/AIME loops but lost on the full
+# preset, with trees sized from over-predicted deep nodes
+# (docs/lab-notes/prompt-lookup.md#copies-that-continue-into-their-own-draft-the-cost-model-measured-under-load-issue-adaptive-speculation).
 # It copies from the recent occurrence whose preceding tokens agree longest with the
 # sequence's (`longest_run`), not from the most recent one: in a loop whose short
-# n-grams recur at other phases, the most recent match broke off after 3-7 tokens at
+# n-grams recur at other phases, the most recent match broke off after a few tokens at
 # the same points every period, and `auto`, verifying short trees there, could lock
-# into those points (greedy Spec-Bench 101: 0.83x PLD in one run, tau 1.7 against 4.7
-# in others). Replayed: +2.6% on the full preset, +2.9% on Spec-Bench/AIME
-# (BENCHMARKS.md, "A lookup that locked `auto` into the wrong points of a loop").
+# into those points
+# (docs/lab-notes/prompt-lookup.md#a-lookup-that-locked-auto-into-the-wrong-points-of-a-loop).
 AUTO_LOOKUP_TOKENS = 12
 
 COMPONENTS: dict[str, Callable[[], Drafter]] = {
@@ -42,12 +41,13 @@ POLICIES: dict[str, Callable[[], TreePolicy]] = {
     "throughput": ThroughputPolicy,  # expected tokens per second from the measured cost model (default)
     "ucb": UCBPolicy,  # UCB over node budgets (the Mamba-drafter paper's test-time search)
 }
-# Prompt lookup alone by default, by measurement on this CPU (BENCHMARKS.md, "Copied
-# runs"): beside it, n-gram reuse cost 2% of auto's speed on replayed Multi-News and LCC
-# continuations (its nodes displace better lookup nodes; its bookkeeping doubles auto's
-# own time), and the LongSpec draft's probes took 4-8% of the decode time in 13 of the
-# full preset's 18 rows while adding almost no accepted token. Both stay one
-# `components=` away.
+# Prompt lookup alone by default, by measurement on a 2-core CPU: beside it, n-gram
+# reuse slowed auto on replayed Multi-News and LCC continuations (its nodes displace
+# better lookup nodes; its bookkeeping doubles auto's own time), and the LongSpec
+# draft's probes took a share of the decode time in most rows of the full preset while
+# adding almost no accepted token
+# (docs/lab-notes/auto-controller.md#copied-runs-auto-knows-how-long-a-prompt-lookup-copy-has-matched-issue-adaptive-speculation).
+# Both stay one `components=` away.
 DEFAULT_COMPONENTS = ("pld",)
 
 

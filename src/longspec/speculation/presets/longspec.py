@@ -1,8 +1,9 @@
 """Named LongSpec methods for the registry: which strategy, which retrieval, and
 which draft weights (the shipped Gemma 3 270M draft unless `checkpoint` is given).
 
-Defaults for this CPU (see BENCHMARKS.md, "LongSpec draft"): verifying k tokens
-costs little more than 1 up to the knee measured there, so trees stay within it.
+Defaults for a CPU (see docs/lab-notes/longspec-draft.md#longspec-draft-issue-longspec):
+verifying k tokens costs little more than 1 up to the knee measured there, so trees
+stay within it.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from longspec.speculation.drafters.ngram import NgramDrafter
 from longspec.speculation.drafters.prompt_lookup import PromptLookupDrafter
 
 SHIPPED_DRAFT = "longspec-gemma-3-270m.safetensors"
-# The paper's widths are (4, 16, 16, 16, 16) (68 nodes) for a GPU; on this CPU a
-# verification of 16 tokens costs ~1.1x one token and 64 tokens ~2x (BENCHMARKS.md),
+# The paper's widths are (4, 16, 16, 16, 16) (68 nodes) for a GPU; on a CPU a
+# verification of 16 tokens costs little more than one token and 64 tokens far more
+# (docs/lab-notes/longspec-draft.md#this-session-retrieval-first-packed-draft-training-evidence),
 # so the default tree stays near 18 nodes.
 DEFAULT_BEAM_WIDTHS = (2, 4, 4, 4, 4)
 
@@ -57,9 +59,9 @@ def make_longspec(
     """A LongSpec drafter. checkpoint: draft weights (.safetensors with its .json);
     default: the draft shipped for the embedded Gemma 3 270M (checked against the
     actual target when generation begins). context_vocab: score only the draft's tokens
-    that the sequence used — on by default: a chain round costs 0.52x a target forward
-    instead of 0.76-0.82x, with the same or a higher tau (BENCHMARKS.md, "The LongSpec
-    draft scores the tokens the sequence used")."""
+    that the sequence used — on by default: a chain round costs a smaller share of a
+    target forward, with the same or a higher tau
+    (docs/lab-notes/longspec-draft.md#the-longspec-draft-scores-the-tokens-the-sequence-used-issue-longspec-draft-that-pays)."""
     path = Path(checkpoint) if checkpoint is not None else shipped_draft_path()
     if not path.is_file():
         hint = "pass checkpoint=PATH" if checkpoint is not None else "this installation lacks the shipped draft; pass checkpoint=PATH"
