@@ -32,8 +32,9 @@ from longspec.speculation.methods import make_drafter
 from longspec.speculation.metrics import GenerationStats
 from longspec.speculation.processors import SamplingParams
 from longspec.speculation.tree import Tree
-from test_engine_exact import PROCESSORS, diverse_model
-from test_engine_sampling import (
+from exactness import PROCESSORS, diverse_model
+from oracles import random_draft
+from sampling_checks import (
     PROMPT,
     SAMPLING,
     CartesianDrafter,
@@ -41,10 +42,9 @@ from test_engine_sampling import (
     exact_distribution,
     goodness_of_fit,
 )
-from test_engine_sampling import N as SAMPLES
-from test_engine_sampling import K as SAMPLE_TOKENS
-from test_engine_sampling import model as sampling_model  # noqa: F401 - pytest fixture
-from test_longspec_drafting import random_draft
+from sampling_checks import N as SAMPLES
+from sampling_checks import K as SAMPLE_TOKENS
+from sampling_checks import model as sampling_model  # noqa: F401 - pytest fixture
 from tiny_models import random_ids
 
 OPTIONS = EngineOptions(progress=False, max_tree_nodes=24)

@@ -29,13 +29,11 @@ from longspec.speculation.batch_engine import BatchEngine, BatchOptions, EngineB
 from longspec.speculation.drafters import NgramDrafter, PromptLookupDrafter
 from longspec.speculation.drafters.tokenswift.heads import TokenSwiftHeads
 from longspec.speculation.drafters.tokenswift.one_pass import OnePassTokenSwiftDrafter
-from longspec.speculation.engine import EngineOptions, SpeculativeEngine
-from longspec.speculation.processors import SamplingParams
+from longspec.speculation.engine import EngineOptions
 from longspec.speculation.tree import Tree
-from test_engine_exact import PROCESSORS, diverse_model, real_drafters
-from test_mamba_drafter import tiny_mamba
-from test_engine_greedy import OracleGarbageDrafter
-from test_engine_sampling import (
+from exactness import OPTIONS, PROCESSORS, diverse_model, real_drafters, single_run
+from oracles import OracleGarbageDrafter, tiny_mamba
+from sampling_checks import (
     PENALIZED,
     PROMPT,
     SAMPLING,
@@ -45,20 +43,10 @@ from test_engine_sampling import (
     exact_distribution,
     goodness_of_fit,
 )
-from test_engine_sampling import N as SAMPLES
-from test_engine_sampling import K as SAMPLE_TOKENS
-from test_engine_sampling import model as sampling_model  # noqa: F401 - pytest fixture
+from sampling_checks import N as SAMPLES
+from sampling_checks import K as SAMPLE_TOKENS
+from sampling_checks import model as sampling_model  # noqa: F401 - pytest fixture
 from tiny_models import FAMILIES, random_ids, tiny_decoder
-
-OPTIONS = EngineOptions(progress=False, max_tree_nodes=24, prefill_chunk=16)
-
-
-def single_run(model, prompt, *, drafter=None, params=SamplingParams(), max_new_tokens, seed=None, eos=()):
-    engine = SpeculativeEngine(model, OPTIONS)
-    generator = torch.Generator().manual_seed(seed) if seed is not None else None
-    rounds = engine.generate(prompt, params=params, max_new_tokens=max_new_tokens, drafter=drafter,
-                             generator=generator, eos_token_ids=eos)
-    return torch.cat(list(rounds))
 
 
 def random_tree(size: int, generator: torch.Generator, vocab: int) -> Tree:

@@ -23,9 +23,8 @@ from longspec.speculation.batch_engine import BatchEngine, BatchOptions
 from longspec.speculation.drafters import NgramDrafter, PromptLookupDrafter
 from longspec.speculation.engine import EngineOptions, SpeculativeEngine
 from longspec.speculation.processors import SamplingParams
-from test_batch_engine import single_run
-from test_engine_exact import DIVERSE, Run, assert_same_caches
-from test_engine_greedy import OracleGarbageDrafter
+from exactness import DIVERSE, Run, assert_same_caches, single_run
+from oracles import OracleGarbageDrafter
 from tiny_models import random_ids, tiny_decoder
 
 pytestmark = pytest.mark.skipif(attention_ops() is None, reason="native bf16 kernels unavailable here (reason logged)")

@@ -10,8 +10,10 @@ from longspec.speculation.drafters.base import DraftContext, TargetView
 from longspec.speculation.drafters.shared.context_vocab import ContextVocabulary
 from longspec.speculation.drafters.longspec import BeamStrategy, ChainStrategy, LongSpecDrafter, SampledChainStrategy
 from longspec.speculation.engine import EngineOptions, SpeculativeEngine
-from test_engine_sampling import ALPHA, SAMPLING, empirical_counts, exact_distribution, goodness_of_fit, model  # noqa: F401
-from test_longspec_drafting import STRATEGIES, random_draft, run
+from exactness import run
+from oracles import STRATEGIES, random_draft
+from sampling_checks import ALPHA, SAMPLING, empirical_counts, exact_distribution, goodness_of_fit
+from sampling_checks import model as sampling_model  # noqa: F401 - pytest fixture
 from tiny_models import random_ids, tiny_decoder
 
 
@@ -107,12 +109,12 @@ class _LateVocabulary(LongSpecDrafter):
         self._vocab.add(context.tokens[-2:])
 
 
-def test_sampled_chain_over_the_context_vocabulary_follows_the_target_distribution(model):  # noqa: F811
+def test_sampled_chain_over_the_context_vocabulary_follows_the_target_distribution(sampling_model):  # noqa: F811
     """q is zero outside the scored tokens, and the scored set grows during the
     sequence: the residual puts the missing mass back."""
-    draft = random_draft(model, window=8, std=0.5)
+    draft = random_draft(sampling_model, window=8, std=0.5)
     factory = lambda g: _LateVocabulary(draft, SampledChainStrategy(3, temperature=0.7), generator=g,  # noqa: E731
                                         context_vocab=True)
-    exact = exact_distribution(model, SAMPLING)
-    counts = empirical_counts(model, SAMPLING, factory)
+    exact = exact_distribution(sampling_model, SAMPLING)
+    counts = empirical_counts(sampling_model, SAMPLING, factory)
     assert goodness_of_fit(exact, counts) > ALPHA

@@ -27,9 +27,8 @@ from longspec.speculation.drafters.tokenswift.medusa import MedusaDrafter
 from longspec.speculation.drafters.tokenswift.one_pass import OnePassTokenSwiftDrafter
 from longspec.speculation.engine import EngineOptions, SpeculativeEngine
 from longspec.speculation.processors import SamplingParams
-from test_engine_exact import PROCESSORS, diverse_model, real_drafters
-from test_longspec_drafting import random_draft
-from test_mamba_drafter import tiny_mamba
+from exactness import PROCESSORS, diverse_model, real_drafters
+from oracles import random_draft, tiny_mamba
 from tiny_models import random_ids
 
 OPTIONS = EngineOptions(prefill_chunk=8, max_tree_nodes=24, progress=False)
@@ -120,7 +119,7 @@ def test_draft_training_on_device_equals_the_cpu_run(device, tmp_path):
     the device: the same weights as on the CPU, within float32 rounding."""
     from longspec.speculation.drafters.longspec import load_draft
     from longspec.training.longspec.trainer import LongSpecTrainer
-    from test_longspec_training import _options, _tokens, small_draft_config
+    from training_setup import _options, _tokens, small_draft_config
     from tiny_models import tiny_decoder
 
     cpu_target = tiny_decoder("gemma3", dtype=torch.float32)
@@ -169,7 +168,7 @@ def test_sampled_sequences_on_device_follow_the_target_distribution(device, draf
     the device (on the CPU this is tests/test_engine_sampling.py itself)."""
     if device.type == "cpu":
         pytest.skip("on the CPU, tests/test_engine_sampling.py runs these checks")
-    from test_engine_sampling import (
+    from sampling_checks import (
         N, PROMPT, SAMPLING, K, CartesianDrafter, SampledChainDrafter, exact_distribution, goodness_of_fit,
     )
     from tiny_models import tiny_decoder

@@ -15,7 +15,8 @@ from longspec.speculation.engine import EngineOptions, SpeculativeEngine
 from longspec.speculation.methods import make_drafter
 from longspec.speculation.metrics import GenerationStats
 from longspec.speculation.processors import SamplingParams
-from test_engine_sampling import ALPHA, SAMPLING, VOCAB, empirical_counts, exact_distribution, goodness_of_fit, model  # noqa: F401
+from sampling_checks import ALPHA, SAMPLING, VOCAB, empirical_counts, exact_distribution, goodness_of_fit
+from sampling_checks import model as sampling_model  # noqa: F401 - pytest fixture
 from tiny_models import random_ids, tiny_decoder
 
 
@@ -55,13 +56,13 @@ def test_cache_grows_past_its_first_allocation(monkeypatch):
     assert drafter.cache.capacity >= prompt.numel() + 50
 
 
-def test_sampled_chain_follows_the_target_distribution(model):  # noqa: F811
+def test_sampled_chain_follows_the_target_distribution(sampling_model):  # noqa: F811
     draft = tiny_decoder("qwen3", dtype=torch.float64, vocab_size=VOCAB, seed=9, initializer_range=0.5, num_hidden_layers=1)
     # The harness reuses one verifier generator for every run; a drafter stream derived
     # from its seed would repeat run after run, so the drafter draws from it directly.
     factory = lambda g: DraftModelDrafter(draft, length=3, sample=True, temperature=0.8, generator=g)  # noqa: E731
-    exact = exact_distribution(model, SAMPLING)
-    counts = empirical_counts(model, SAMPLING, factory)
+    exact = exact_distribution(sampling_model, SAMPLING)
+    counts = empirical_counts(sampling_model, SAMPLING, factory)
     assert goodness_of_fit(exact, counts) > ALPHA
 
 

@@ -7,65 +7,15 @@ import pytest
 import torch
 
 from longspec.speculation.drafters import NgramDrafter, PromptLookupDrafter
-from longspec.speculation.drafters.base import DraftContext, Drafter
 from longspec.speculation.engine import EngineOptions, SpeculativeEngine
 from longspec.speculation.metrics import GenerationStats
 from longspec.speculation.processors import SamplingParams
-from longspec.speculation.tree import Tree
-from tiny_models import FAMILIES, VOCAB_SIZE, random_ids, tiny_decoder
+from oracles import OracleGarbageDrafter
+from tiny_models import FAMILIES, random_ids, tiny_decoder
 
 
 def run(engine, prompt, drafter=None, params=SamplingParams(), max_new_tokens=40, stats=None):
     return torch.cat(list(engine.generate(prompt, params=params, max_new_tokens=max_new_tokens, drafter=drafter, stats=stats)))
-
-
-class OracleGarbageDrafter(Drafter):
-    """Adversarial drafter: random tree shapes whose nodes are sometimes the
-    true continuation (so deep paths get accepted and compacted) and otherwise
-    random or repeated garbage, with duplicate siblings allowed."""
-
-    def __init__(self, reference: torch.Tensor, prompt_length: int, seed: int, max_nodes: int = 24) -> None:
-        self.reference = reference
-        self.prompt_length = prompt_length
-        self.rng = torch.Generator().manual_seed(seed)
-        self.max_nodes = max_nodes
-
-    def begin(self, context: DraftContext) -> None:
-        pass
-
-    def observe(self, committed: torch.Tensor) -> None:
-        pass
-
-    def _rand(self, high: int) -> int:
-        return int(torch.randint(0, high, (), generator=self.rng))
-
-    def propose(self, context: DraftContext) -> Tree:
-        n = self._rand(min(context.max_nodes, self.max_nodes) + 1)
-        done = context.tokens.numel() - self.prompt_length  # generated tokens, minus the root's offset
-        tokens, parents, depths = [context.root], [-1], [0]
-        for i in range(1, n + 1):
-            parent = self._rand(i)
-            depth = depths[parent] + 1
-            truth_index = done + depth - 1
-            style = self._rand(4)
-            if style <= 1 and truth_index < self.reference.numel() and self._on_truth(tokens, parents, parent, done):
-                token = int(self.reference[truth_index])
-            elif style == 2:
-                token = tokens[parent]  # repeated garbage
-            else:
-                token = self._rand(VOCAB_SIZE)
-            tokens.append(token)
-            parents.append(parent)
-            depths.append(depth)
-        return Tree.from_parents(torch.tensor(tokens), torch.tensor(parents))
-
-    def _on_truth(self, tokens, parents, node, done) -> bool:
-        path = []
-        while node > 0:
-            path.append(tokens[node])
-            node = parents[node]
-        path.reverse()
-        return path == self.reference[done : done + len(path)].tolist()
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -183,7 +183,7 @@ def test_a_corpus_held_out_whole_names_the_fix(tmp_path):
 def test_reduced_vocabulary_sampled_chains_follow_the_target_distribution():
     """Sampled chains carry q scattered from the draft's reduced vocabulary onto the
     target's: speculative sampling through it must keep the target's distribution."""
-    from test_engine_sampling import PROMPT, SAMPLING, K, N, exact_distribution, goodness_of_fit
+    from sampling_checks import PROMPT, SAMPLING, K, N, exact_distribution, goodness_of_fit
 
     target = tiny_decoder("qwen3", dtype=torch.float64, vocab_size=4, seed=7, initializer_range=0.5)
     vocab = VocabMap([0, 2, 3], 4)  # token 1 is "other" to the draft: never proposed, still sampled by the target

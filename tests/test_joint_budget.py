@@ -26,11 +26,10 @@ from longspec.speculation.joint_budget import (
     walk_down,
 )
 from longspec.speculation.tree import Tree
-from test_batch_engine import single_run
-from test_engine_exact import diverse_model
-from test_engine_sampling import N as SAMPLES
-from test_engine_sampling import K as SAMPLE_TOKENS
-from test_engine_sampling import (
+from exactness import diverse_model, single_run
+from sampling_checks import N as SAMPLES
+from sampling_checks import K as SAMPLE_TOKENS
+from sampling_checks import (
     PROMPT,
     SAMPLING,
     CartesianDrafter,
@@ -39,7 +38,7 @@ from test_engine_sampling import (
     exact_distribution,
     goodness_of_fit,
 )
-from test_engine_sampling import model as sampling_model  # noqa: F401 - pytest fixture
+from sampling_checks import model as sampling_model  # noqa: F401 - pytest fixture
 from tiny_models import random_ids
 
 # Flat to 8 tokens, then every token costs as much as a decode step: a CPU past its knee.

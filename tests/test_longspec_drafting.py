@@ -15,36 +15,15 @@ from longspec.speculation.drafters.longspec import (
     ChainStrategy,
     DraftConfig,
     DraftMismatchError,
-    DraftModel,
     LongSpecDrafter,
-    SampledChainStrategy,
     load_draft,
     save_draft,
 )
 from longspec.speculation.engine import EngineOptions, SpeculativeEngine
 from longspec.speculation.metrics import GenerationStats
-from longspec.speculation.processors import SamplingParams
+from exactness import run
+from oracles import STRATEGIES, random_draft
 from tiny_models import random_ids, tiny_decoder
-
-
-def random_draft(target, *, seed=0, std=0.3, **options):
-    config = DraftConfig.for_target(
-        target.config, self_num_heads=2, self_head_dim=8, intermediate_size=32, **{"window": 6, **options}
-    )
-    return DraftModel(config).reset_parameters(seed=seed, std=std).to(target.dtype)
-
-
-def run(engine, prompt, drafter=None, params=SamplingParams(), max_new_tokens=40, stats=None, generator=None):
-    rounds = engine.generate(prompt, params=params, max_new_tokens=max_new_tokens, drafter=drafter, stats=stats, generator=generator)
-    return torch.cat(list(rounds))
-
-
-STRATEGIES = {
-    "chain": lambda: ChainStrategy(4),
-    "cape": lambda: CapeStrategy(4, bins=((0.9, 1), (0.3, 2), (0.0, 3))),
-    "beam": lambda: BeamStrategy((3, 5, 5, 4)),
-    "sampled-chain": lambda: SampledChainStrategy(4, temperature=1.0),
-}
 
 
 @pytest.mark.parametrize("family", ["gemma3", "llama", "qwen3"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from longspec.speculation.drafters.longspec import DraftConfig, DraftModel, LongSpecDrafter, SampledChainStrategy
-from test_engine_sampling import ALPHA, SAMPLING, empirical_counts, exact_distribution, goodness_of_fit, model  # noqa: F401
+from sampling_checks import ALPHA, SAMPLING, empirical_counts, exact_distribution, goodness_of_fit, model  # noqa: F401 - `model` is a pytest fixture
 
 
 def draft_for(target, **options):

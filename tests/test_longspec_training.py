@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from longspec.speculation.drafters.base import DraftContext, Drafter, TargetView
-from longspec.speculation.drafters.longspec import DraftConfig, DraftModel, LongSpecDrafter, load_draft
+from longspec.speculation.drafters.longspec import DraftModel, LongSpecDrafter, load_draft
 from longspec.speculation.drafters.longspec.model import chunked_cross_entropy
 from longspec.speculation.drafters.longspec.strategies import Proposal
 from longspec.training.data import Document, SequenceSampler, build_shards, is_held_out, load_split, most_frequent_ids
@@ -17,11 +17,7 @@ from longspec.training.longspec.features import target_features
 from longspec.training.longspec.trainer import LongSpecTrainer, TrainOptions, training_hidden
 from longspec.training.longspec.visibility import BlockVisibility, NoisyShift, ShiftVisibility, anchor_offset_positions, shifted_mask
 from tiny_models import random_ids, tiny_decoder
-
-
-def small_draft_config(target, **options):
-    return DraftConfig.for_target(target.config, **{"self_num_heads": 2, "self_head_dim": 8, "intermediate_size": 32, "window": 16,
-                                                    **options})
+from training_setup import _options, _tokens, small_draft_config
 
 
 # ------------------------------------------------------------------ visibility
@@ -202,14 +198,6 @@ def test_chunked_loss_equals_full_loss_and_gradient():
 
 
 # ------------------------------------------------------------------ training runs
-def _tokens():
-    return torch.cat([random_ids(12, seed=i)[0].repeat(4) for i in range(12)])
-
-
-def _options(**kw):
-    return TrainOptions(**{"steps": 6, "seq_len": 24, "batch_size": 2, "lr": 3e-3, "warmup": 2, "save_every": 2, "visibility": NoisyShift(3), **kw})
-
-
 def test_killed_and_resumed_run_ends_at_the_same_weights(tmp_path):
     target = tiny_decoder("gemma3", dtype=torch.float32)
     config = small_draft_config(target)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import MambaConfig, MambaForCausalLM
 
 from longspec.speculation.drafters.base import DraftContext
 from longspec.speculation.drafters.shared.errors import DraftMismatchError
@@ -18,15 +17,9 @@ from longspec.speculation.engine import EngineOptions, SpeculativeEngine
 from longspec.speculation.metrics import GenerationStats
 from longspec.speculation.methods import make_drafter
 from longspec.speculation.processors import SamplingParams
-from test_engine_sampling import ALPHA, SAMPLING, VOCAB, empirical_counts, exact_distribution, goodness_of_fit, model  # noqa: F401
+from oracles import tiny_mamba
+from sampling_checks import ALPHA, SAMPLING, VOCAB, empirical_counts, exact_distribution, goodness_of_fit, model  # noqa: F401 - `model` is a pytest fixture
 from tiny_models import VOCAB_SIZE, random_ids, tiny_decoder
-
-
-def tiny_mamba(vocab_size=VOCAB_SIZE, eos=None, seed=0):
-    torch.manual_seed(seed)
-    config = MambaConfig(vocab_size=vocab_size, hidden_size=32, state_size=4, num_hidden_layers=2, expand=2,
-                         conv_kernel=4, eos_token_id=eos, bos_token_id=None, pad_token_id=None)
-    return MambaForCausalLM(config).to(torch.float64).eval()
 
 
 def generate(target, prompt, drafter=None, max_new_tokens=40, stats=None, params=SamplingParams(), generator=None):

@@ -15,7 +15,7 @@ from longspec.speculation.drafters.tokenswift.medusa import MedusaDrafter
 from longspec.speculation.engine import EngineOptions, SpeculativeEngine
 from longspec.speculation.methods import make_drafter
 from longspec.speculation.processors import SamplingParams
-from test_engine_exact import PROCESSORS, diverse_model
+from exactness import PROCESSORS, diverse_model
 from tiny_models import random_ids, tiny_decoder
 
 OPTIONS = EngineOptions(prefill_chunk=8, max_tree_nodes=16, progress=False)

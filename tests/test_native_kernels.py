@@ -25,8 +25,6 @@ from longspec.runtime.attention import (
 from longspec.runtime.argmax import row_argmax
 from longspec.runtime.linear import packed_linear, prepack
 from longspec.runtime.model import RMSNorm
-from test_runtime_equivalence import run_chunks
-from tiny_models import FAMILIES, random_ids, tiny_pair
 
 OPS = native.attention_ops()
 needs_kernel = pytest.mark.skipif(OPS is None, reason="native bf16 kernels unavailable here (reason logged)")

@@ -12,7 +12,7 @@ from longspec.speculation.engine import EngineOptions, SpeculativeEngine
 from longspec.speculation.metrics import GenerationStats
 from longspec.speculation.methods import make_drafter
 from longspec.speculation.processors import SamplingParams
-from test_engine_exact import PROCESSORS, diverse_model
+from exactness import PROCESSORS, diverse_model
 from tiny_models import FAMILIES, random_ids
 
 OPTIONS = EngineOptions(prefill_chunk=16, max_tree_nodes=8, progress=False)

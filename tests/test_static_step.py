@@ -19,7 +19,7 @@ from longspec.speculation.drafters import PromptLookupDrafter
 from longspec.speculation.engine import EngineOptions, SpeculativeEngine
 from longspec.speculation.processors import SamplingParams
 from longspec.speculation.tree import Tree
-from test_engine_exact import PROCESSORS, diverse_model, real_drafters
+from exactness import PROCESSORS, diverse_model, real_drafters
 from tiny_models import FAMILIES, random_ids, tiny_decoder
 
 OPTIONS = EngineOptions(prefill_chunk=8, max_tree_nodes=24, progress=False)

@@ -16,8 +16,7 @@ from longspec.speculation.methods import make_drafter
 from longspec.speculation.metrics import GenerationStats
 from longspec.speculation.processors import SamplingParams
 from longspec.speculation.tree import Tree
-from test_engine_sampling import SAMPLING, VOCAB, empirical_counts, exact_distribution, goodness_of_fit
-from test_engine_sampling import ALPHA
+from sampling_checks import ALPHA, SAMPLING, VOCAB, empirical_counts, exact_distribution, goodness_of_fit
 from tiny_models import random_ids, tiny_decoder
 
 

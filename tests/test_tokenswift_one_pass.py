@@ -12,7 +12,7 @@ from longspec.speculation.drafters.tokenswift.one_pass import OnePassTokenSwiftD
 from longspec.speculation.engine import EngineOptions, SpeculativeEngine
 from longspec.speculation.metrics import GenerationStats
 from longspec.speculation.processors import SamplingParams
-from test_engine_sampling import ALPHA, SAMPLING, empirical_counts, exact_distribution, goodness_of_fit, model  # noqa: F401
+from sampling_checks import ALPHA, SAMPLING, empirical_counts, exact_distribution, goodness_of_fit, model  # noqa: F401 - `model` is a pytest fixture
 from tiny_models import random_ids, tiny_decoder
 
 

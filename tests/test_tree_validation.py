@@ -138,7 +138,7 @@ def test_valid_trees_pass_every_rule():
 # ---------------------------------------------------------------- LongSpec vocab ids
 def test_longspec_checkpoint_with_repeated_vocab_ids_fails_at_load(tmp_path):
     from longspec.speculation.drafters.longspec import ChainStrategy, LongSpecDrafter, load_draft, save_draft
-    from test_longspec_drafting import random_draft
+    from oracles import random_draft
 
     model = tiny_decoder("llama", dtype=torch.float64)
     draft = random_draft(model, draft_vocab_size=20)
@@ -162,7 +162,7 @@ def test_one_seed_gives_one_output_for_sampling_drafters():
     repeated seeded calls agree, and the verifier's stream is not shared (a different
     derived stream changes the draft, not the losslessness)."""
     from longspec.speculation.drafters.longspec import LongSpecDrafter, SampledChainStrategy
-    from test_longspec_drafting import random_draft
+    from oracles import random_draft
 
     model = tiny_decoder("gemma3", dtype=torch.float64)
     engine = SpeculativeEngine(model, EngineOptions(max_tree_nodes=8, progress=False))
@@ -185,7 +185,7 @@ def test_api_seed_reaches_the_drafter(tmp_path):
     from longspec.api import LongSpecModel
     from longspec.runtime.loading import LoadedTarget
     from longspec.speculation.drafters.longspec import save_draft
-    from test_longspec_drafting import random_draft
+    from oracles import random_draft
 
     decoder = tiny_decoder("gemma3", dtype=torch.float64)
     path = save_draft(random_draft(decoder), tmp_path / "draft.safetensors")
