@@ -8,7 +8,7 @@ import socket
 import pytest
 import torch
 
-from longspec.speculation.drafters.base import DraftContext, Drafter, TargetView
+from longspec.speculation.drafters.base import DraftContext, TargetView
 from longspec.speculation.drafters.longspec import DraftModel, LongSpecDrafter, load_draft
 from longspec.speculation.drafters.longspec.model import chunked_cross_entropy
 from longspec.speculation.drafters.longspec.strategies import Proposal
@@ -100,7 +100,7 @@ def test_block_mask_sees_only_previous_blocks():
 
 
 # ------------------------------------------------- training == inference
-class RecordingChain(Drafter):
+class RecordingChain:
     """Greedy chain of 2 that records the distributions it saw."""
 
     def __init__(self):
