@@ -16,7 +16,9 @@ from torch import nn
 from longspec.runtime.argmax import row_argmax
 from longspec.runtime.attention import AttentionBackend, Mask, flash_attention, fused_attention
 from longspec.runtime.cache import KVCache
+from longspec.runtime.certified_head import CertifiedHead
 from longspec.runtime.config import DecoderConfig
+from longspec.runtime.device import HOST
 from longspec.runtime.huge_pages import HUGE_PAGE_BYTES, move_to_huge_pages
 from longspec.runtime.linear import PackedWeight, packed_linear, prepack
 from longspec.runtime.native import native_ops
@@ -242,6 +244,7 @@ class Decoder(nn.Module):
         self.attention: AttentionBackend = fused_attention
         self.native_kernels = True  # whether prepare() chose the native CPU kernels where they apply
         self._packed_head: PackedWeight | None = None
+        self._certified_head: CertifiedHead | None | bool = False  # False: not built yet (`certified_head`)
         self.static_steps: StaticSteps | None = None  # compiled decode/verify steps (`compile_steps`); off by default
         self.on_huge_pages = False  # whether prepare() moved the large CPU weights onto huge pages
 
@@ -333,6 +336,24 @@ class Decoder(nn.Module):
             hidden = self.final_norm(x if logits_rows is None else x[:, logits_rows])
         return ForwardOutput(logits=self.logits(hidden) if with_logits else None, hidden=hidden)
 
+    @property
+    def certified_head(self) -> CertifiedHead | None:
+        """The int8-screened head that certifies the plain head's argmax
+        (`runtime/certified_head.py`), built on first use; None where it does not apply."""
+        if self._certified_head is False:
+            self._certified_head = CertifiedHead.for_model(self)
+        return self._certified_head
+
+    @torch.inference_mode()
+    def decide(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The argmax of the plain head's logits for each row of `hidden` [N, H] (first
+        index of the largest, as `row_argmax`), through the certified head where there
+        is one: [N] int64 on the host."""
+        head = self.certified_head
+        if head is None:
+            return row_argmax(self.logits(hidden)).to(HOST)
+        return head.argmax(hidden, self.logits)
+
     @torch.inference_mode()
     def greedy_tokens(self, hidden: torch.Tensor, vocab_chunk: int = 16384) -> torch.Tensor:
         """argmax of the logits of `hidden` [..., H] without [rows, V] logits existing at
@@ -402,6 +423,7 @@ class Decoder(nn.Module):
         self.final_norm.prepare(native_kernels)
         self.native_kernels = native_kernels
         self._packed_head = prepack(self.head_weight, native_kernels=native_kernels)
+        self._certified_head = False  # built again from the prepared head on first use
         if huge_pages:  # and so are the large packed copies, made anew by every prepare
             tiles = [packed.tiles for packed in self._packed_weights() if packed.tiles is not None]
             move_to_huge_pages([t for t in tiles if t.numel() * t.element_size() >= HUGE_PAGE_BYTES])

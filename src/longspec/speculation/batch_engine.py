@@ -39,6 +39,7 @@ from longspec.speculation.joint_budget import ReachHistory, cut_to_depth, joint_
 from longspec.speculation.metrics import GenerationStats
 from longspec.speculation.processors import SamplingParams
 from longspec.speculation.tree import Tree
+from longspec.speculation.verification import NodeScores, needs_argmax_only
 
 
 @dataclass(frozen=True)
@@ -428,8 +429,10 @@ class BatchEngine:
             self._widen(rows, trees)
         return trees
 
-    def _forward(self, trees: list[Tree]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The decoding rows' trees padded to one width, in one forward over their cache rows."""
+    def _forward(self, rows: list[_Row], trees: list[Tree]) -> tuple[list[NodeScores], list[torch.Tensor]]:
+        """The decoding rows' trees padded to one width, in one forward over their cache
+        rows; then the head, once for the rows that need logits and once (the certified
+        head's argmax) for the rows whose verification needs only decisions."""
         view = self.cache.rows(0, len(trees))
         ids, positions, masks, real = _pad_trees(trees, view.lengths)
         self.forward_nodes += ids.numel()
@@ -440,7 +443,21 @@ class BatchEngine:
         hidden = out.hidden.reshape(-1, out.hidden.shape[-1])[real.to(out.hidden.device)]
         sizes = [tree.size for tree in trees]
         self._pending_view = view
-        return list(self.model.logits(hidden).split(sizes)), list(hidden.split(sizes))
+        hidden_rows = list(hidden.split(sizes))
+        deciding = [needs_argmax_only(row.params) for row in rows]
+        if self.model.certified_head is None or not any(deciding):
+            return [NodeScores(logits) for logits in self.model.logits(hidden).split(sizes)], hidden_rows
+        scores: list[NodeScores | None] = [None] * len(rows)
+        decided = [i for i, decide in enumerate(deciding) if decide]
+        tokens = self.model.decide(torch.cat([hidden_rows[i] for i in decided])).split([sizes[i] for i in decided])
+        for i, argmax in zip(decided, tokens):
+            scores[i] = NodeScores(head=self.model.logits, hidden=hidden_rows[i], argmax=argmax)
+        others = [i for i, decide in enumerate(deciding) if not decide]
+        if others:
+            logits = self.model.logits(torch.cat([hidden_rows[i] for i in others])).split([sizes[i] for i in others])
+            for i, row_logits in zip(others, logits):
+                scores[i] = NodeScores(row_logits)
+        return scores, hidden_rows
 
     def _commit(self, paths: list[torch.Tensor]) -> None:
         self._pending_view.commit(paths)

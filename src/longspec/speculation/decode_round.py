@@ -32,7 +32,7 @@ from longspec.speculation.plain_rounds import PlainRounds
 from longspec.speculation.processors import SamplingParams
 from longspec.speculation.seeding import drafter_generator
 from longspec.speculation.tree import MalformedTreeError, Tree
-from longspec.speculation.verification import Verdict, verify
+from longspec.speculation.verification import NodeScores, Verdict, verify
 
 
 def check_request(model: Decoder, prompt_length: int, max_new_tokens: int) -> None:
@@ -120,11 +120,11 @@ class DecodingSequence:
             return Tree.chain(int(self.tokens[self.length - 1]), [])
         return checked_proposal(self.drafter, context, self.view.config.vocab_size)
 
-    def verify(self, tree: Tree, logits: torch.Tensor, hidden: torch.Tensor) -> Verdict:
+    def verify(self, tree: Tree, scores: NodeScores, hidden: torch.Tensor) -> Verdict:
         histories = None
         if self.params.uses_history:
             histories = node_histories(self.tokens[: self.length], tree, self.params.penalty_window)
-        verdict = verify(tree, logits, histories, self.params, self.generator)
+        verdict = verify(tree, scores, histories, self.params, self.generator)
         self.view.last_hidden = verdict.path_rows(hidden)
         return verdict
 
@@ -165,8 +165,11 @@ class RoundTarget(Protocol):
     def shape(self, sequences: list[DecodingSequence], trees: list[Tree]) -> list[Tree]:
         """The trees to verify (a batch may cut or widen them); a single sequence keeps its own."""
 
-    def forward(self, trees: list[Tree]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Logits [n_i, V] and final hidden states [n_i, H] of every tree's nodes."""
+    def forward(self, sequences: list[DecodingSequence], trees: list[Tree]
+                ) -> tuple[list[NodeScores], list[torch.Tensor]]:
+        """The target's scores (`NodeScores`: logits, or the argmax alone where a
+        sequence's verification needs nothing else) and final hidden states [n_i, H] of
+        every tree's nodes."""
 
     def commit(self, paths: list[torch.Tensor]) -> None: ...
 
@@ -207,19 +210,19 @@ def decode_round(sequences: list[DecodingSequence], target: RoundTarget, *,
     trees = target.shape(sequences, proposed)
 
     t0 = time.perf_counter()
-    logits, hidden = target.forward(trees)
+    scores, hidden = target.forward(sequences, trees)
     for sequence in sequences:  # queued on a GPU, the forward runs meanwhile; its result is read below
         if sequence.learns_while_verifying:
             sequence.drafter.learn()
     forward_s = (time.perf_counter() - t0) / len(sequences)  # the shared forward, split evenly
 
     verdicts: list[Verdict | None] = []
-    for sequence, result, tree, tree_logits, tree_hidden in zip(sequences, results, trees, logits, hidden):
+    for sequence, result, tree, tree_scores, tree_hidden in zip(sequences, results, trees, scores, hidden):
         t1 = time.perf_counter()
         verdict = None
         if result.error is None:
             try:
-                verdict = sequence.verify(tree, tree_logits, tree_hidden)
+                verdict = sequence.verify(tree, tree_scores, tree_hidden)
             except Exception as error:
                 if not contain_errors:
                     raise

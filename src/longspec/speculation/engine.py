@@ -20,6 +20,7 @@ from longspec.speculation.drafters.base import DraftContext, Drafter, TargetView
 from longspec.speculation.metrics import GenerationStats
 from longspec.speculation.processors import SamplingParams
 from longspec.speculation.tree import Tree
+from longspec.speculation.verification import NodeScores, needs_argmax_only
 
 # Prompts longer than this show a prefill progress bar (when attached to a terminal).
 _PROGRESS_MIN_TOKENS = 4096
@@ -132,11 +133,17 @@ class _OneSequence:
     def shape(self, sequences, trees: list[Tree]) -> list[Tree]:
         return trees
 
-    def forward(self, trees: list[Tree]):
-        (tree,) = trees
+    def forward(self, sequences: list[DecodingSequence], trees: list[Tree]):
+        (sequence,), (tree,) = sequences, trees
         mask = None if tree.is_chain() else tree.ancestor_mask()
-        out = self.model(tree.tokens.unsqueeze(0), self.cache, tree_mask=mask, positions=self.cache.length + tree.depths)
-        return [out.logits[0]], [out.hidden[0]]
+        positions = self.cache.length + tree.depths
+        if needs_argmax_only(sequence.params) and self.model.certified_head is not None:
+            # A decision: the certified head's argmax, without the full head.
+            out = self.model(tree.tokens.unsqueeze(0), self.cache, tree_mask=mask, positions=positions, with_logits=False)
+            hidden = out.hidden[0]
+            return [NodeScores(head=self.model.logits, hidden=hidden, argmax=self.model.decide(hidden))], [hidden]
+        out = self.model(tree.tokens.unsqueeze(0), self.cache, tree_mask=mask, positions=positions)
+        return [NodeScores(out.logits[0])], [out.hidden[0]]
 
     def commit(self, paths: list[torch.Tensor]) -> None:
         (path,) = paths

@@ -25,6 +25,31 @@ from longspec.speculation.processors import SamplingParams, greedy_tokens, proce
 from longspec.speculation.tree import Tree
 
 
+class NodeScores:
+    """The target's prediction at each node of one tree: its logits, computed only when
+    the verifier asks for them, and, for decisions, the argmax of the plain logits (from
+    the certified head where the model has one: `runtime/certified_head.py`)."""
+
+    def __init__(self, logits: torch.Tensor | None = None, *, head=None, hidden: torch.Tensor | None = None,
+                 argmax: torch.Tensor | None = None) -> None:
+        if logits is None and (head is None or hidden is None):
+            raise ValueError("NodeScores needs logits, or the head and the hidden states to compute them")
+        self._logits, self._head, self._hidden, self._argmax = logits, head, hidden, argmax
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """[n, V]: the plain head over every node (computed once, on first use)."""
+        if self._logits is None:
+            self._logits = self._head(self._hidden)
+        return self._logits
+
+    def argmax(self) -> torch.Tensor:
+        """[n] int64: the first index of each node's largest plain logit."""
+        if self._argmax is None:
+            self._argmax = greedy_tokens(self.logits, None, SamplingParams())
+        return self._argmax
+
+
 @dataclass(frozen=True)
 class Verdict:
     path: torch.Tensor  # accepted node indices from the root (node 0) on
@@ -47,20 +72,32 @@ class Verdict:
 
 def verify(
     tree: Tree,
-    logits: torch.Tensor,
+    scores: NodeScores | torch.Tensor,
     histories: torch.Tensor | None,
     params: SamplingParams,
     generator: torch.Generator | None = None,
 ) -> Verdict:
+    """`scores`: the target's logits at every node, or a `NodeScores` that computes only
+    what the rules need (greedy without a penalty: the argmax alone)."""
+    if not isinstance(scores, NodeScores):
+        scores = NodeScores(scores)
     if params.is_greedy:
-        return verify_greedy(tree, logits, histories, params)
+        return verify_greedy(tree, scores, histories, params)
     if tree.children_sampled:
-        return verify_sampled_children(tree, logits, histories, params, generator)
-    return verify_deterministic_candidates(tree, logits, histories, params, generator)
+        return verify_sampled_children(tree, scores.logits, histories, params, generator)
+    return verify_deterministic_candidates(tree, scores.logits, histories, params, generator)
 
 
-def verify_greedy(tree: Tree, logits, histories, params) -> Verdict:
-    targets = greedy_tokens(logits, histories, params).to(HOST)  # the round's one copy back
+def needs_argmax_only(params: SamplingParams) -> bool:
+    """Whether verification under `params` reads each node's argmax and nothing else."""
+    return params.is_greedy and not params.uses_history
+
+
+def verify_greedy(tree: Tree, scores: NodeScores, histories, params) -> Verdict:
+    if needs_argmax_only(params):
+        targets = scores.argmax().to(HOST)  # the round's one copy back
+    else:
+        targets = greedy_tokens(scores.logits, histories, params).to(HOST)
     if tree.size == 1:
         return Verdict(torch.zeros(1, dtype=torch.long, device=HOST), int(targets[0]))
     matches = tree.tokens == targets[tree.parents.clamp(min=0)]

@@ -1,0 +1,198 @@
+"""The certified head: the exact argmax of the output layer without computing most of it.
+
+A decision (greedy decoding, greedy verification of a tree) needs the argmax of a row
+of logits, and on a small big-vocabulary model the output layer is most of a decode
+step's bytes (Gemma 3 270M: 262,144 x 640). So:
+
+1. a screen reads an int8 copy of the head, one scale per `GROUP` columns of each row
+   (`kernels/int8_screen.cpp`), giving s_i for every output row i;
+2. a rigorous bound says how far the plain head's bf16 logit l_i can lie from s_i;
+   only the rows whose upper bound reaches the largest lower bound are candidates;
+3. the candidates' logits are recomputed with the plain head's own kernel over a
+   packed copy of just those rows: every output of that kernel is one float32 sum in
+   an order that depends on k alone, so they are the plain head's bits, and the first
+   index of the largest is the plain head's argmax (ties included: every row that
+   could tie the largest is a candidate).
+
+The bound, for an activation row h (bf16, exact in float32) quantized per group to
+int16 codes x with scales alpha (h = alpha x + d, the remainder d known exactly), and
+an output row i with weights w_i (bf16), int8 codes q_i and scales sigma_ig, residual
+r_i = w_i - sigma q_i. The screen's integer sums are exact; so, by Cauchy-Schwarz,
+
+    z_i = w_i . h (exact)    |z_i - s_i| <= ||r_i|| ||alpha x|| + ||w_i|| ||d|| + gamma M_i ||alpha x||_1
+    f_i = the float32 sum    |f_i - z_i| <= gamma W_i ||h||_1
+    l_i = bf16(f_i)          |l_i - f_i| <= u |f_i|,  u = 2^-8
+
+with ||alpha x|| <= ||h|| + ||d|| (both norms), M_i = max_k |sigma q_ik|, W_i =
+max_k |w_ik|, gamma = n 2^-24 / (1 - n 2^-24) for n = K + 3 groups + 4 roundings of a
+float32 sum in any order (Higham, Theorem 3.1; bf16 products are exact in float32;
+AVX-512 BF16 dot products round at most twice a pair; the screen rounds three times a
+group), and a tiny absolute term for denormals flushed to zero. So with B_i the first
+two lines' sum, l_i lies in s_i +- (B_i + u (|s_i| + B_i)). The per-row constants
+||r_i||, ||w_i||, M_i + W_i are computed in float64 and rounded up to float32; the
+per-call norms in float64, inflated by 2^-40 for their own rounding.
+
+It applies where the plain head is the native packed bf16 kernel on the CPU (the
+recomputation must be that kernel) and the logits are not soft-capped; elsewhere, and
+for rows whose screen is not finite or has more than `cap` candidates (counted), the
+full head runs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from longspec.runtime.argmax import row_argmax
+from longspec.runtime.native import bf16_linear_ops, native_ops
+
+GROUP = 64  # columns per int8 scale, and per int16 activation scale (docs/lab-notes/certified-head.md)
+ACTIVATION_CODES = 32767  # int16 activation codes: the remainder is ~1e-5 of a group's largest value
+LANES = 16  # output rows per packed block
+CANDIDATE_CAP = 4096  # beyond this a row's full head is cheaper to read than its candidates
+BF16_UNIT = 2.0**-8  # bf16 rounds to 8 significant bits: |bf16(x) - x| <= 2^-8 |x|
+DISABLE_VARIABLE = "LONGSPEC_CERTIFIED_HEAD"
+
+
+@dataclass
+class HeadStats:
+    """What the certified head decided: rows certified, candidates per row, fallbacks."""
+
+    rows: int = 0
+    fallbacks: int = 0  # rows that took the full head (no certificate: cap, non-finite)
+    candidates: Counter = field(default_factory=Counter)  # candidates per certified row -> rows
+
+    def percentile(self, q: float) -> int:
+        total, seen = sum(self.candidates.values()), 0
+        for count in sorted(self.candidates):
+            seen += self.candidates[count]
+            if seen >= q * total:
+                return count
+        return 0
+
+
+def _round_up_float32(values: torch.Tensor) -> torch.Tensor:
+    """float64 -> float32, never below the value."""
+    rounded = values.float()
+    below = rounded.double() < values
+    return torch.where(below, torch.nextafter(rounded, torch.tensor(math.inf)), rounded)
+
+
+class CertifiedHead:
+    """Exact argmax of `head_weight @ h` (the plain head's bf16 logits) from an int8 screen."""
+
+    def __init__(self, head_weight: torch.Tensor, *, group: int = GROUP, cap: int = CANDIDATE_CAP) -> None:
+        V, H = head_weight.shape
+        self.weight = head_weight
+        self.vocab, self.hidden, self.group, self.cap = V, H, group, cap
+        groups = -(-H // group)
+        self.width = groups * group  # K padded to whole groups (zero weights, zero activations)
+        blocks = -(-V // LANES)
+        codes = torch.zeros(blocks * LANES, self.width, dtype=torch.int8)
+        scales = torch.zeros(blocks * LANES, groups, dtype=torch.float32)
+        residual = torch.zeros(V, dtype=torch.float32)
+        row_norm = torch.zeros(V, dtype=torch.float32)
+        magnitude = torch.zeros(V, dtype=torch.float32)
+        for begin in range(0, V, 8192):  # float64 copies of the whole head would take gigabytes
+            rows = slice(begin, min(begin + 8192, V))
+            w = torch.nn.functional.pad(head_weight[rows].double(), (0, self.width - H)).view(-1, groups, group)
+            scale = _round_up_float32(w.abs().amax(-1) / 127)  # float32 scales with |w / scale| <= 127
+            safe = torch.where(scale > 0, scale.double(), torch.ones_like(scale, dtype=torch.float64))
+            q = torch.round(w / safe.unsqueeze(-1)).clamp_(-127, 127)
+            dequantized = q * scale.double().unsqueeze(-1)
+            codes[rows] = q.view(-1, self.width).to(torch.int8)
+            scales[rows] = scale
+            # Inflated by 2^-40 for the float64 rounding of these sums, then rounded up.
+            inflate = 1 + 2.0**-40
+            residual[rows] = _round_up_float32((w - dequantized).view(-1, self.width).norm(dim=1) * inflate)
+            row_norm[rows] = _round_up_float32(w.view(-1, self.width).norm(dim=1) * inflate)
+            magnitude[rows] = _round_up_float32(
+                (dequantized.abs().amax(dim=(1, 2)) + w.abs().amax(dim=(1, 2))) * inflate)
+        # [blocks, K / 2, 16, 2]: per pair of columns, lane i holds row 16 j + i's two codes.
+        self.codes = codes.view(blocks, LANES, self.width // 2, 2).permute(0, 2, 1, 3).contiguous()
+        self.scales = scales.view(blocks, LANES, groups).transpose(1, 2).contiguous()
+        self.residual, self.row_norm, self.magnitude = residual, row_norm, magnitude
+        self.groups = groups
+        roundings = self.width + 3 * groups + 4
+        self.gamma = roundings * 2.0**-24 / (1 - roundings * 2.0**-24)
+        self.tiny = 2.0**-100  # denormal products flushed to zero, H of them at most
+        self.stats = HeadStats()
+
+    @classmethod
+    def for_model(cls, model) -> "CertifiedHead | None":
+        """The certified head of a prepared `Decoder`, or None where it does not apply:
+        no native packed head (other dtypes, devices, no kernels), soft-capped logits,
+        a non-finite head weight, or LONGSPEC_CERTIFIED_HEAD=0."""
+        packed = model._packed_head
+        if os.environ.get(DISABLE_VARIABLE, "1") == "0" or packed is None or packed.tiles is None:
+            return None
+        if model.config.final_logit_softcapping or native_ops() is None:
+            return None
+        if not bool(torch.isfinite(model.head_weight).all()):
+            return None
+        return cls(model.head_weight.detach())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size()
+                   for t in (self.codes, self.scales, self.residual, self.row_norm, self.magnitude))
+
+    def quantize(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Activation rows [N, H] -> int16 codes [N, K], float32 scales [N, G] and the
+        bound's coefficients [N, 3] (float64): for ||r_i||, ||w_i||, and M_i + W_i."""
+        h = hidden.double()
+        if self.width != self.hidden:
+            h = torch.nn.functional.pad(h, (0, self.width - self.hidden))
+        grouped = h.view(h.shape[0], self.groups, self.group)
+        alpha = _round_up_float32(grouped.abs().amax(-1) / ACTIVATION_CODES)
+        safe = torch.where(alpha > 0, alpha.double(), torch.ones_like(alpha, dtype=torch.float64))
+        codes = torch.round(grouped / safe.unsqueeze(-1)).clamp_(-ACTIVATION_CODES, ACTIVATION_CODES)
+        remainder = (grouped - codes * alpha.double().unsqueeze(-1)).view(h.shape[0], -1)
+        h_norm, d_norm = h.norm(dim=1), remainder.norm(dim=1)
+        h_sum, d_sum = h.abs().sum(dim=1), remainder.abs().sum(dim=1)
+        inflate = 1 + 2.0**-40
+        coefficients = torch.stack([(h_norm + d_norm) * inflate, d_norm * inflate,
+                                    self.gamma * (h_sum + d_sum) * inflate], dim=1)
+        return codes.view(h.shape[0], -1).to(torch.int16).contiguous(), alpha.contiguous(), coefficients.contiguous()
+
+    def candidates(self, hidden: torch.Tensor) -> list[torch.Tensor | None]:
+        """Per row of `hidden` [N, H]: the ascending output rows that could hold the
+        argmax, or None where no certificate holds (the caller takes the full head)."""
+        finite = torch.isfinite(hidden).all(dim=1)
+        codes, alpha, coefficients = self.quantize(torch.where(finite.unsqueeze(1), hidden, torch.zeros_like(hidden)))
+        ops = native_ops()
+        screen = ops.int8_screen(codes, alpha, self.codes, self.scales, self.vocab, self.group)
+        indices, offsets, counts = ops.int8_screen_candidates(
+            screen, self.residual, self.row_norm, self.magnitude, coefficients, BF16_UNIT, self.tiny, self.cap)
+        out: list[torch.Tensor | None] = []
+        for row in range(hidden.shape[0]):
+            count = int(counts[row])
+            if count < 0 or not bool(finite[row]):
+                out.append(None)
+                self.stats.fallbacks += 1
+            else:
+                out.append(indices[int(offsets[row]) : int(offsets[row + 1])])
+                self.stats.candidates[count] += 1
+            self.stats.rows += 1
+        return out
+
+    def argmax(self, hidden: torch.Tensor, full_logits) -> torch.Tensor:
+        """The plain head's argmax for every row of `hidden` [N, H] (bf16): int64 [N].
+        `full_logits(rows)` gives the plain head's logits of some rows (the fallback)."""
+        found = self.candidates(hidden)
+        tokens = torch.empty(hidden.shape[0], dtype=torch.long)
+        certified = [r for r, c in enumerate(found) if c is not None]
+        refused = [r for r, c in enumerate(found) if c is None]
+        if certified:
+            union = torch.unique(torch.cat([found[r] for r in certified]))  # ascending
+            ops = bf16_linear_ops()
+            rows = hidden[certified].contiguous()
+            exact = ops.bf16_packed_linear(rows, ops.bf16_pack_weight(self.weight[union].contiguous()), union.numel(), None)
+            tokens[certified] = union[row_argmax(exact)]
+        if refused:
+            tokens[refused] = row_argmax(full_logits(hidden[refused]))
+        return tokens

