@@ -51,6 +51,22 @@ def test_random_rows_get_the_plain_argmax(vocab, hidden_size):
     assert head.stats.rows == 37 and head.stats.fallbacks == 0
 
 
+def test_every_instruction_set_screens_the_same_bits():
+    """Integer sums are exact and each group joins the float32 total in the same order on
+    VNNI, AVX-512, AVX2 and the portable loop: one screen, whatever the CPU."""
+    g = torch.Generator().manual_seed(5)
+    weight = (torch.randn(1000, 192, generator=g) * 0.1).bfloat16()
+    head = CertifiedHead(weight)
+    ops = native_ops()
+    for rows in (1, 3, 5, 9):
+        codes, alpha, _ = head.quantize((torch.randn(rows, 192, generator=g) * 4).bfloat16())
+        screens = [ops.int8_screen_with(codes, alpha, head.codes, head.scales, 1000, head.group, isa)
+                   for isa in ops.int8_screen_isas()]
+        assert len(screens) >= 2  # this CPU's own path and the portable one at least
+        for screen in screens[1:]:
+            assert torch.equal(screen, screens[0])
+
+
 def test_adversarial_rows_get_the_plain_argmax():
     g = torch.Generator().manual_seed(7)
     V, H = 3000, 128
@@ -128,8 +144,8 @@ def test_without_the_margin_the_screen_alone_picks_wrong_rows():
     codes, alpha, _ = head.quantize(hidden)
     screen = ops.int8_screen(codes, alpha, head.codes, head.scales, V, head.group)
     zero = torch.zeros(64, 3, dtype=torch.float64)
-    indices, offsets, _ = ops.int8_screen_candidates(screen, head.residual, head.row_norm, head.magnitude, zero, 0.0,
-                                                     0.0, 4096)
+    indices, offsets, _, _ = ops.int8_screen_candidates(screen, head.residual, head.row_norm, head.magnitude, zero,
+                                                        torch.zeros(64, dtype=torch.float64), 0.0, 0.0, 4096)
     broken = torch.stack([indices[offsets[r] : offsets[r + 1]].min() for r in range(64)])
     expected = plain_argmax(weight, hidden)
     assert not torch.equal(broken, expected)

@@ -33,9 +33,10 @@ from sampling_checks import (
 from tiny_models import tiny_decoder
 
 
-def per_path_sampling(tree, logits, histories, params, generator) -> Verdict:
+def per_path_sampling(tree, scores, histories, params, generator) -> Verdict:
     """The published TokenSwift bug: one independent draw sequence per root-to-leaf
     path, keeping the longest accepted path. It over-accepts tree tokens."""
+    logits = scores.logits
     leaves = [i for i in range(tree.size) if tree.children(i).numel() == 0]
     best = None
     for leaf in leaves:

@@ -64,6 +64,7 @@ class HeadStats:
 
     rows: int = 0
     fallbacks: int = 0  # rows that took the full head (no certificate: cap, non-finite)
+    undecided: int = 0  # draws whose truncation the bound could not decide (they took the full head)
     candidates: Counter = field(default_factory=Counter)  # candidates per certified row -> rows
 
     def percentile(self, q: float) -> int:
@@ -73,6 +74,15 @@ class HeadStats:
             if seen >= q * total:
                 return count
         return 0
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """One activation row's candidates: ascending output rows, and `cut`, a bound every
+    other output row's plain logit lies below."""
+
+    rows: torch.Tensor
+    cut: float
 
 
 def _round_up_float32(values: torch.Tensor) -> torch.Tensor:
@@ -159,40 +169,51 @@ class CertifiedHead:
                                     self.gamma * (h_sum + d_sum) * inflate], dim=1)
         return codes.view(h.shape[0], -1).to(torch.int16).contiguous(), alpha.contiguous(), coefficients.contiguous()
 
-    def candidates(self, hidden: torch.Tensor) -> list[torch.Tensor | None]:
-        """Per row of `hidden` [N, H]: the ascending output rows that could hold the
-        argmax, or None where no certificate holds (the caller takes the full head)."""
+    def select(self, hidden: torch.Tensor, margins: torch.Tensor | None = None) -> list[Candidates | None]:
+        """Per row of `hidden` [N, H]: the output rows whose plain logit could lie within
+        `margins[row]` (float64 [N]; default 0: could be the largest) of the largest, in
+        ascending order, with the bound every other row's logit is below; None where no
+        certificate holds (a non-finite row or screen, or more than `cap` candidates:
+        the caller takes the full head)."""
         finite = torch.isfinite(hidden).all(dim=1)
         codes, alpha, coefficients = self.quantize(torch.where(finite.unsqueeze(1), hidden, torch.zeros_like(hidden)))
+        if margins is None:
+            margins = torch.zeros(hidden.shape[0], dtype=torch.float64)
         ops = native_ops()
         screen = ops.int8_screen(codes, alpha, self.codes, self.scales, self.vocab, self.group)
-        indices, offsets, counts = ops.int8_screen_candidates(
-            screen, self.residual, self.row_norm, self.magnitude, coefficients, BF16_UNIT, self.tiny, self.cap)
-        out: list[torch.Tensor | None] = []
-        for row in range(hidden.shape[0]):
-            count = int(counts[row])
+        indices, offsets, counts, cuts = ops.int8_screen_candidates(
+            screen, self.residual, self.row_norm, self.magnitude, coefficients, margins.contiguous(), BF16_UNIT,
+            self.tiny, self.cap)
+        out: list[Candidates | None] = []
+        for row, (count, cut) in enumerate(zip(counts.tolist(), cuts.tolist())):
             if count < 0 or not bool(finite[row]):
                 out.append(None)
                 self.stats.fallbacks += 1
             else:
-                out.append(indices[int(offsets[row]) : int(offsets[row + 1])])
+                out.append(Candidates(indices[offsets[row] : offsets[row + 1]], cut))
                 self.stats.candidates[count] += 1
             self.stats.rows += 1
         return out
 
+    def exact_logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The plain head's logits of output `rows` for every row of `hidden` [N, H]: the
+        same bits as the full head's (its own kernel over a packed copy of those rows)."""
+        ops = bf16_linear_ops()
+        packed = ops.bf16_pack_weight(self.weight[rows].contiguous())
+        return ops.bf16_packed_linear(hidden.contiguous(), packed, rows.numel(), None)
+
     def argmax(self, hidden: torch.Tensor, full_logits) -> torch.Tensor:
         """The plain head's argmax for every row of `hidden` [N, H] (bf16): int64 [N].
         `full_logits(rows)` gives the plain head's logits of some rows (the fallback)."""
-        found = self.candidates(hidden)
+        found = self.select(hidden)
         tokens = torch.empty(hidden.shape[0], dtype=torch.long)
         certified = [r for r, c in enumerate(found) if c is not None]
         refused = [r for r, c in enumerate(found) if c is None]
         if certified:
-            union = torch.unique(torch.cat([found[r] for r in certified]))  # ascending
-            ops = bf16_linear_ops()
-            rows = hidden[certified].contiguous()
-            exact = ops.bf16_packed_linear(rows, ops.bf16_pack_weight(self.weight[union].contiguous()), union.numel(), None)
-            tokens[certified] = union[row_argmax(exact)]
+            # Every row's candidates at once: a row's extra candidates (another row's) lie
+            # strictly below its largest logit, so they change nothing.
+            union = torch.unique(torch.cat([found[r].rows for r in certified]))  # ascending
+            tokens[certified] = union[row_argmax(self.exact_logits(hidden[certified], union))]
         if refused:
             tokens[refused] = row_argmax(full_logits(hidden[refused]))
         return tokens

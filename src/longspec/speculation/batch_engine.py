@@ -39,7 +39,8 @@ from longspec.speculation.joint_budget import ReachHistory, cut_to_depth, joint_
 from longspec.speculation.metrics import GenerationStats
 from longspec.speculation.processors import SamplingParams
 from longspec.speculation.tree import Tree
-from longspec.speculation.verification import NodeScores, needs_argmax_only
+from longspec.speculation.certified_sampling import margin
+from longspec.speculation.verification import NodeScores, certified_head_serves, needs_argmax_only
 
 
 @dataclass(frozen=True)
@@ -444,15 +445,25 @@ class BatchEngine:
         sizes = [tree.size for tree in trees]
         self._pending_view = view
         hidden_rows = list(hidden.split(sizes))
-        deciding = [needs_argmax_only(row.params) for row in rows]
-        if self.model.certified_head is None or not any(deciding):
+        certified = self.model.certified_head is not None
+        served = [certified and certified_head_serves(row.params, tree) for row, tree in zip(rows, trees)]
+        if not any(served):
             return [NodeScores(logits) for logits in self.model.logits(hidden).split(sizes)], hidden_rows
         scores: list[NodeScores | None] = [None] * len(rows)
-        decided = [i for i, decide in enumerate(deciding) if decide]
-        tokens = self.model.decide(torch.cat([hidden_rows[i] for i in decided])).split([sizes[i] for i in decided])
-        for i, argmax in zip(decided, tokens):
-            scores[i] = NodeScores(head=self.model.logits, hidden=hidden_rows[i], argmax=argmax)
-        others = [i for i, decide in enumerate(deciding) if not decide]
+        deciding = [i for i, row in enumerate(rows) if served[i] and needs_argmax_only(row.params)]
+        if deciding:  # every greedy row's decisions in one screen
+            tokens = self.model.decide(torch.cat([hidden_rows[i] for i in deciding])).split([sizes[i] for i in deciding])
+            for i, argmax in zip(deciding, tokens):
+                scores[i] = NodeScores(model=self.model, hidden=hidden_rows[i], argmax=argmax)
+        drawing = [i for i in range(len(rows)) if served[i] and scores[i] is None]
+        if drawing:  # every sampled row's nodes in one screen, each with its temperature's margin
+            margins = torch.cat([torch.full((sizes[i],), margin(rows[i].params), dtype=torch.float64) for i in drawing])
+            found = self.model.certified_head.select(torch.cat([hidden_rows[i] for i in drawing]), margins)
+            start = 0
+            for i in drawing:
+                scores[i] = NodeScores(model=self.model, hidden=hidden_rows[i], candidates=found[start : start + sizes[i]])
+                start += sizes[i]
+        others = [i for i in range(len(rows)) if not served[i]]
         if others:
             logits = self.model.logits(torch.cat([hidden_rows[i] for i in others])).split([sizes[i] for i in others])
             for i, row_logits in zip(others, logits):

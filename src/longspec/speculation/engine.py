@@ -20,7 +20,7 @@ from longspec.speculation.drafters.base import DraftContext, Drafter, TargetView
 from longspec.speculation.metrics import GenerationStats
 from longspec.speculation.processors import SamplingParams
 from longspec.speculation.tree import Tree
-from longspec.speculation.verification import NodeScores, needs_argmax_only
+from longspec.speculation.verification import NodeScores, certified_head_serves
 
 # Prompts longer than this show a prefill progress bar (when attached to a terminal).
 _PROGRESS_MIN_TOKENS = 4096
@@ -137,11 +137,11 @@ class _OneSequence:
         (sequence,), (tree,) = sequences, trees
         mask = None if tree.is_chain() else tree.ancestor_mask()
         positions = self.cache.length + tree.depths
-        if needs_argmax_only(sequence.params) and self.model.certified_head is not None:
-            # A decision: the certified head's argmax, without the full head.
+        if certified_head_serves(sequence.params, tree) and self.model.certified_head is not None:
+            # Decisions and draws from the certified head, without the full head.
             out = self.model(tree.tokens.unsqueeze(0), self.cache, tree_mask=mask, positions=positions, with_logits=False)
             hidden = out.hidden[0]
-            return [NodeScores(head=self.model.logits, hidden=hidden, argmax=self.model.decide(hidden))], [hidden]
+            return [NodeScores(model=self.model, hidden=hidden)], [hidden]
         out = self.model(tree.tokens.unsqueeze(0), self.cache, tree_mask=mask, positions=positions)
         return [NodeScores(out.logits[0])], [out.hidden[0]]
 

@@ -21,33 +21,58 @@ from dataclasses import dataclass
 import torch
 
 from longspec.runtime.device import HOST
+from longspec.speculation.certified_sampling import certified_draw, certified_sampling_applies, margin
 from longspec.speculation.processors import SamplingParams, greedy_tokens, processed_probs, sample
 from longspec.speculation.tree import Tree
 
 
 class NodeScores:
-    """The target's prediction at each node of one tree: its logits, computed only when
-    the verifier asks for them, and, for decisions, the argmax of the plain logits (from
-    the certified head where the model has one: `runtime/certified_head.py`)."""
+    """The target's prediction at each node of one tree, computed only as far as the
+    verifier asks: the logits (the full head, once), each node's argmax, and draws
+    from each node's processed distribution. Where the model has a certified head
+    (`runtime/certified_head.py`), argmaxes and draws come from its screen and the exact
+    recomputation of a few rows, without the full head."""
 
-    def __init__(self, logits: torch.Tensor | None = None, *, head=None, hidden: torch.Tensor | None = None,
-                 argmax: torch.Tensor | None = None) -> None:
-        if logits is None and (head is None or hidden is None):
-            raise ValueError("NodeScores needs logits, or the head and the hidden states to compute them")
-        self._logits, self._head, self._hidden, self._argmax = logits, head, hidden, argmax
+    def __init__(self, logits: torch.Tensor | None = None, *, model=None, hidden: torch.Tensor | None = None,
+                 argmax: torch.Tensor | None = None, candidates: list | None = None) -> None:
+        if logits is None and (model is None or hidden is None):
+            raise ValueError("NodeScores needs logits, or the model and the hidden states to compute them")
+        self._logits, self._model, self._hidden, self._argmax = logits, model, hidden, argmax
+        self._candidates = candidates  # the certified head's candidates of every node, for draws
 
     @property
     def logits(self) -> torch.Tensor:
         """[n, V]: the plain head over every node (computed once, on first use)."""
         if self._logits is None:
-            self._logits = self._head(self._hidden)
+            self._logits = self._model.logits(self._hidden)
         return self._logits
 
     def argmax(self) -> torch.Tensor:
         """[n] int64: the first index of each node's largest plain logit."""
         if self._argmax is None:
-            self._argmax = greedy_tokens(self.logits, None, SamplingParams())
+            if self._logits is None and self._model is not None:
+                self._argmax = self._model.decide(self._hidden)
+            else:
+                self._argmax = greedy_tokens(self.logits, None, SamplingParams())
         return self._argmax
+
+    def draw(self, node: int, histories: torch.Tensor | None, params: SamplingParams,
+             generator: torch.Generator | None) -> int:
+        """One token from node `node`'s processed distribution."""
+        head = self._model.certified_head if self._model is not None and self._logits is None else None
+        if head is not None and certified_sampling_applies(params):
+            if self._candidates is None:  # every node's candidates in one screen
+                margins = torch.full((self._hidden.shape[0],), margin(params), dtype=torch.float64)
+                self._candidates = head.select(self._hidden, margins)
+            candidates = self._candidates[node]
+            token = None if candidates is None else certified_draw(head, self._hidden[node], candidates, params,
+                                                                   generator)
+            if token is not None:
+                return token
+            head.stats.undecided += candidates is not None
+        history = None if histories is None else histories[node : node + 1]
+        probs = processed_probs(self.logits[node : node + 1], history, params)
+        return int(sample(probs, generator)[0])
 
 
 @dataclass(frozen=True)
@@ -85,12 +110,19 @@ def verify(
         return verify_greedy(tree, scores, histories, params)
     if tree.children_sampled:
         return verify_sampled_children(tree, scores.logits, histories, params, generator)
-    return verify_deterministic_candidates(tree, scores.logits, histories, params, generator)
+    return verify_deterministic_candidates(tree, scores, histories, params, generator)
 
 
 def needs_argmax_only(params: SamplingParams) -> bool:
     """Whether verification under `params` reads each node's argmax and nothing else."""
     return params.is_greedy and not params.uses_history
+
+
+def certified_head_serves(params: SamplingParams, tree: Tree) -> bool:
+    """Whether verifying `tree` under `params` can go through a certified head: greedy
+    decisions, or draws at nodes whose children are deterministic candidates (sampled
+    children need p and the residuals over the whole vocabulary)."""
+    return needs_argmax_only(params) or (certified_sampling_applies(params) and not tree.children_sampled)
 
 
 def verify_greedy(tree: Tree, scores: NodeScores, histories, params) -> Verdict:
@@ -109,12 +141,11 @@ def verify_greedy(tree: Tree, scores: NodeScores, histories, params) -> Verdict:
     return Verdict(tree.path_to(deepest), int(targets[deepest]))
 
 
-def verify_deterministic_candidates(tree: Tree, logits, histories, params, generator) -> Verdict:
+def verify_deterministic_candidates(tree: Tree, scores: NodeScores, histories, params, generator) -> Verdict:
     node = 0
     path = [0]
     while True:
-        p = _node_probs(logits, histories, params, node)
-        y = int(sample(p.unsqueeze(0), generator)[0])
+        y = scores.draw(node, histories, params, generator)
         children = tree.children(node)
         carrying = children[tree.tokens[children] == y]
         if carrying.numel() == 0:

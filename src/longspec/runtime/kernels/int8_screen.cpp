@@ -286,20 +286,25 @@ std::vector<int64_t> screen_isas() {
 
 // The candidates of each row of the screen s [M, N]: the rows i whose upper bound
 //   hi_i = s_i + B_i + u (|s_i| + B_i),  B_i = a e_i + d w_i + b c_i (+ tiny)
-// reaches the largest lower bound lo_j = s_j - B_j - u (|s_j| + B_j), with (a, d, b) per
-// row of h (coefficients [M, 3]: its norms times the error constants) and e, w, c per
-// output row. Computed in double. A row with more than `cap` candidates, or a non-finite screen, gets none and
+// reaches the largest lower bound lo_j = s_j - B_j - u (|s_j| + B_j) less the row's
+// margin (0: the rows that could hold the argmax; a sampler asks for the rows within a
+// margin of it), with (a, d, b) per row of h (coefficients [M, 3]: its norms times the
+// error constants) and e, w, c per output row. Computed in double. A row with more than `cap` candidates, or a non-finite screen, gets none and
 // count -1 (the caller then takes the full head for it). Returns (indices [total],
 // offsets [M + 1] into them, counts [M]).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> candidates(const at::Tensor& s, const at::Tensor& e, const at::Tensor& w,
-                                                          const at::Tensor& c, const at::Tensor& coefficients, double u,
-                                                          double tiny, int64_t cap) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> candidates(
+    const at::Tensor& s, const at::Tensor& e, const at::Tensor& w, const at::Tensor& c, const at::Tensor& coefficients,
+    const at::Tensor& margins, double u, double tiny, int64_t cap) {
   TORCH_CHECK(s.scalar_type() == at::kFloat && s.dim() == 2 && s.is_contiguous(), "s: float32 [M, N]");
   const int64_t M = s.size(0), N = s.size(1);
   for (const at::Tensor* t : {&e, &w, &c})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() == N && t->is_contiguous(), "e, w, c: float32 [N]");
   TORCH_CHECK(coefficients.scalar_type() == at::kDouble && coefficients.is_contiguous() && coefficients.numel() == 3 * M,
               "coefficients: float64 [M, 3]");
+  TORCH_CHECK(margins.scalar_type() == at::kDouble && margins.is_contiguous() && margins.numel() == M,
+              "margins: float64 [M]");
+  const double* mp = margins.data_ptr<double>();
+  std::vector<double> cuts(M, 0.0);
   const float* sp = s.data_ptr<float>();
   const float* ep = e.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
@@ -317,33 +322,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> candidates(const at::Tensor& s, c
     for (int64_t r = begin; r < end; ++r) {
       const float* row = sp + r * N;
       const double a = kp[3 * r], d = kp[3 * r + 1], b = kp[3 * r + 2];
-      // The largest score and its lower bound; rows whose bound with the largest band
-      // stays below it are out without a closer look.
-      int64_t top = 0;
-      for (int64_t i = 1; i < N; ++i) top = row[i] > row[top] ? i : top;
-      const double band_top = a * ep[top] + d * wp[top] + b * cp[top] + tiny;
-      const double st = row[top];
-      const double lo_top = st - band_top - u * (std::fabs(st) + band_top);
-      if (!std::isfinite(lo_top)) {  // a non-finite screen: no certificate
+      const auto band = [&](int64_t i) { return a * ep[i] + d * wp[i] + b * cp[i] + tiny; };
+      // A threshold no candidate's screen is below: the lower bound of the largest score
+      // with the largest band (<= every largest lower bound), then the least score whose
+      // upper bound with the largest band reaches it, as a float rounded down.
+      float top = row[0];
+      for (int64_t i = 1; i < N; ++i) top = row[i] > top ? row[i] : top;
+      const double band_max = a * e_max + d * w_max + b * c_max + tiny;
+      const double floor_lo = top - band_max - u * (std::fabs(double(top)) + band_max);
+      if (!std::isfinite(floor_lo) || std::isnan(top)) {  // a non-finite screen: no certificate
         counts[r] = -1;
         continue;
       }
-      const double band_max = a * e_max + d * w_max + b * c_max + tiny;
+      const double target = floor_lo - mp[r];  // no candidate's upper bound is below this
+      const double reach = target - band_max * (1 + u);
+      const double least = reach >= 0 ? reach / (1 + u) : reach / (1 - u);
+      const float threshold = std::nextafter(std::nextafter(static_cast<float>(least), -INFINITY), -INFINITY);
       std::vector<int64_t> near;
-      for (int64_t i = 0; i < N; ++i) {
-        const double si = row[i];
-        if (si + band_max + u * (std::fabs(si) + band_max) >= lo_top) near.push_back(i);
-      }
-      double lo_max = lo_top;
+      for (int64_t i = 0; i < N; ++i)
+        if (row[i] >= threshold) near.push_back(i);
+      double lo_max = floor_lo;
       for (int64_t i : near) {
-        const double si = row[i], band = a * ep[i] + d * wp[i] + b * cp[i] + tiny;
-        const double lo = si - band - u * (std::fabs(si) + band);
+        const double si = row[i], bi = band(i);
+        const double lo = si - bi - u * (std::fabs(si) + bi);
         lo_max = lo > lo_max ? lo : lo_max;
       }
       auto& kept = found[r];
+      cuts[r] = lo_max - mp[r];
       for (int64_t i : near) {
-        const double si = row[i], band = a * ep[i] + d * wp[i] + b * cp[i] + tiny;
-        if (si + band + u * (std::fabs(si) + band) >= lo_max) {
+        const double si = row[i], bi = band(i);
+        if (si + bi + u * (std::fabs(si) + bi) >= cuts[r]) {
           if (static_cast<int64_t>(kept.size()) == cap) {
             kept.clear();
             counts[r] = -1;
@@ -368,7 +376,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> candidates(const at::Tensor& s, c
   for (int64_t r = 0; r < M; ++r)
     if (counts[r] > 0)
       for (size_t j = 0; j < found[r].size(); ++j) ip[op[r] + j] = found[r][j];
-  return {indices, offsets, count_tensor};
+  at::Tensor cut_tensor = at::empty({M}, s.options().dtype(at::kDouble));
+  for (int64_t r = 0; r < M; ++r) cut_tensor.data_ptr<double>()[r] = cuts[r];
+  return {indices, offsets, count_tensor, cut_tensor};
 }
 
 }  // namespace
@@ -379,7 +389,7 @@ TORCH_LIBRARY_FRAGMENT(longspec_native, m) {
   m.def("int8_screen_with(Tensor x, Tensor alpha, Tensor packed, Tensor scales, int n, int group, int isa) -> Tensor");
   m.impl("int8_screen_with", c10::DispatchKey::CPU, TORCH_FN(screen_with));
   m.def("int8_screen_isas() -> int[]", &screen_isas);
-  m.def("int8_screen_candidates(Tensor s, Tensor e, Tensor w, Tensor c, Tensor coefficients, float u, float tiny, "
-        "int cap) -> (Tensor, Tensor, Tensor)");
+  m.def("int8_screen_candidates(Tensor s, Tensor e, Tensor w, Tensor c, Tensor coefficients, Tensor margins, "
+        "float u, float tiny, int cap) -> (Tensor, Tensor, Tensor, Tensor)");
   m.impl("int8_screen_candidates", c10::DispatchKey::CPU, TORCH_FN(candidates));
 }
