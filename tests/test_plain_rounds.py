@@ -186,5 +186,12 @@ def test_a_batched_plain_rounds_answer_that_is_not_a_count_fails_naming_the_draf
             return -2
 
     model = tiny_decoder("llama", dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"drafter Broken\.plain_rounds\(\) returned -2"):
-        generate_batch(model, batch_prompts()[:2], [Broken([1, 1], plain=True), None])
+    engine = BatchEngine(model, OPTIONS, BatchOptions(max_rows=2, row_capacity=160))
+    prompts = batch_prompts()[:2]
+    broken = engine.submit(prompts[0], max_new_tokens=60, drafter=Broken([1, 1], plain=True))
+    other = engine.submit(prompts[1], max_new_tokens=60)
+    engine.run()
+    # The row fails alone, with its cause; its neighbour decodes on.
+    assert broken.stats.stop_reason == "error" and isinstance(broken.error, ValueError)
+    assert "drafter Broken.plain_rounds() returned -2" in str(broken.error)
+    assert other.stats.stop_reason == "length" and other.tokens.numel() == 60
