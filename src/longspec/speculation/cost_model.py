@@ -120,6 +120,7 @@ def cost_key(model: Decoder, context: int, machine: dict) -> dict:
         "kernels": (f"{kernels_identity()}/attention<={NATIVE_ATTENTION_MAX_QUERIES}q"
                     if model.native_kernels and model.device.type == "cpu" and model.dtype == torch.bfloat16 else "none"),
         "steps": "eager" if model.static_steps is None else repr(model.static_steps.options),
+        "head": "full" if model.certified_head is None else f"certified/{model.certified_head.group}",
     }
 
 
@@ -133,8 +134,9 @@ def measure_forward_cost(
     machine: dict | None = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> ForwardCost:
-    """Time one forward of k tokens (a tree of k - 1 nodes below a root) over a cache
-    of `context` committed positions; best of `repeats` per k after one warm-up."""
+    """Time one verification forward of k tokens (a tree of k - 1 nodes below a root,
+    with every node's decision) over a cache of `context` committed positions; best of
+    `repeats` per k after one warm-up."""
     ks = tuple(sorted(set(int(k) for k in ks)))
     if not ks or ks[0] != 1:
         ks = (1, *ks)
@@ -151,9 +153,18 @@ def measure_forward_cost(
             tree = Tree.from_parents(ids[:k], parents_for(k - 1))
             mask = None if tree.is_chain() else tree.ancestor_mask()
             positions = cache.length + tree.depths
-            seconds.append(_best_time(lambda: model(tree.tokens.unsqueeze(0), cache, tree_mask=mask, positions=positions),
+            seconds.append(_best_time(lambda: _verify_forward(model, tree.tokens.unsqueeze(0), cache, mask, positions),
                                       cache.drop_pending, model.device, repeats, clock))
     return ForwardCost(cost_key(model, context, machine or machine_identity()), ks, tuple(seconds))
+
+
+def _verify_forward(model: Decoder, tokens: torch.Tensor, cache, mask, positions):
+    """A verification forward as the engine runs it: with the certified head, the hidden
+    states and each node's decision from its screen; without, the forward with logits
+    (through the compiled static steps where the model has them) and the argmax."""
+    if model.certified_head is None:
+        return model(tokens, cache, tree_mask=mask, positions=positions).logits[0].argmax(-1)
+    return model.decide(model(tokens, cache, tree_mask=mask, positions=positions, with_logits=False).hidden[0])
 
 
 def commit_random_keys(model: Decoder, cache, context: int, *, chunk: int) -> None:
@@ -224,9 +235,9 @@ def measure_batch_forward_cost(
         for w in widths:
             tokens = ids[:w].expand(rows, w)
 
-            def verify(tokens=tokens, w=w):  # every node through the output layer, as the engine verifies
+            def verify(tokens=tokens, w=w):  # every node's decision, as the engine verifies greedy rows
                 out = model(tokens, batch, positions=batch.next_positions(w), with_logits=False)
-                model.logits(out.hidden.reshape(-1, out.hidden.shape[-1]))
+                model.decide(out.hidden.reshape(-1, out.hidden.shape[-1]))
 
             seconds.append(_best_time(verify, batch.drop_pending, model.device, repeats, clock))
     key = {**cost_key(model, context, machine or machine_identity()), "rows": rows}
