@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import threading
 from collections.abc import Iterator, Sequence
@@ -200,8 +201,16 @@ class LongSpecModel:
         self.engine = SpeculativeEngine(target.model, engine)
         self._max_token_bytes: int | None = None  # longest vocabulary entry, computed on first use
         # A fast tokenizer's Rust core refuses concurrent use ("Already borrowed"): a
-        # server encodes new prompts while another request's tokens are decoded.
+        # server encodes new prompts while other requests' tokens are decoded.
         self._tokenizer_lock = threading.Lock()
+        self._encoder, self._encoding_lock = self.tokenizer, self._tokenizer_lock  # `separate_encoding`
+
+    def separate_encoding(self) -> None:
+        """Tokenize prompts with a copy of the tokenizer under a lock of its own, so that
+        a long prompt being tokenized never holds up the detokenizing of streams (a
+        server's generation thread). Costs a copy of the tokenizer (~2 s for Gemma's)."""
+        if self.tokenizer is not None and self._encoder is self.tokenizer:
+            self._encoder, self._encoding_lock = copy.deepcopy(self.tokenizer), threading.Lock()
 
     @property
     def config(self):
@@ -211,7 +220,11 @@ class LongSpecModel:
     def device(self) -> torch.device:
         return self.model.device
 
-    def encode(self, prompt: str | Sequence[int] | torch.Tensor, *, chat: bool = False) -> torch.Tensor:
+    def encode(self, prompt: str | Sequence[int] | torch.Tensor, *, chat: bool = False,
+               limit: int | None = None) -> torch.Tensor:
+        """Token ids of a prompt. `limit` (default: the model's context): text that cannot
+        fit it is refused before it is tokenized, token ids that exceed it before a tensor
+        is built."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")
@@ -220,47 +233,52 @@ class LongSpecModel:
                     f"{self.target.source} has no tokenizer files: pass the prompt as token ids, or add the "
                     "tokenizer to the checkpoint directory (AutoTokenizer.from_pretrained(ORIGINAL).save_pretrained(DIR))"
                 )
-            self._check_text_fits(prompt)
+            self._check_text_fits(prompt, limit)
             if chat:
-                return self.encode_chat([{"role": "user", "content": prompt}])
-            with self._tokenizer_lock:
-                return torch.tensor(self.tokenizer(prompt).input_ids, dtype=torch.long, device=HOST)
+                return self.encode_chat([{"role": "user", "content": prompt}], limit=limit)
+            with self._encoding_lock:
+                return torch.tensor(self._encoder(prompt).input_ids, dtype=torch.long, device=HOST)
+        limit = self.config.max_position_embeddings if limit is None else limit
+        if not isinstance(prompt, torch.Tensor) and isinstance(prompt, Sequence) and len(prompt) > limit:
+            raise ValueError(f"the prompt has {len(prompt):,} token ids, more than the limit of {limit:,}")
         ids = _prompt_ids(prompt)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}); got {int(ids.min())}..{int(ids.max())}")
         return ids
 
-    def encode_chat(self, messages: Sequence[dict]) -> torch.Tensor:
+    def encode_chat(self, messages: Sequence[dict], *, limit: int | None = None) -> torch.Tensor:
         """Token ids of a conversation in the model's chat template, ending where the
-        assistant's reply begins."""
+        assistant's reply begins; refused before tokenizing when its text cannot fit
+        `limit` tokens (default: the model's context)."""
         if self.tokenizer is None:
             raise ValueError(f"{self.target.source} has no tokenizer files; a chat needs its tokenizer and template")
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template (a base model): write the prompt in the "
                              "model's own format instead — drop --chat, chat=False in Python, /v1/completions over HTTP")
-        for message in messages:
-            self._check_text_fits(str(message.get("content", "")))
-        with self._tokenizer_lock:
-            ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        self._check_text_fits("".join(str(message.get("content", "")) for message in messages), limit)
+        with self._encoding_lock:
+            ids = self._encoder.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
         ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
         return torch.tensor(ids, dtype=torch.long, device=HOST)
 
-    def _check_text_fits(self, text: str) -> None:
-        """Refuse text that cannot fit the context before tokenizing it (a 20 MB file
-        would take seconds and gigabytes to tokenize): no token spells more bytes than
-        the longest vocabulary entry, so bytes / that length is a lower bound on the
-        token count."""
+    def _check_text_fits(self, text: str, limit: int | None = None) -> None:
+        """Refuse text that cannot fit `limit` tokens (default: the context) before
+        tokenizing it (a 20 MB file would take seconds and gigabytes to tokenize): no
+        token spells more bytes than the longest vocabulary entry, so bytes / that length
+        is a lower bound on the token count."""
         if self._max_token_bytes is None:
-            with self._tokenizer_lock:
-                vocabulary = self.tokenizer.get_vocab()
+            with self._encoding_lock:
+                vocabulary = self._encoder.get_vocab()
             self._max_token_bytes = max((len(t.encode("utf-8")) for t in vocabulary), default=1)
         size = len(text.encode("utf-8"))
         at_least = -(-size // self._max_token_bytes)
         context = self.config.max_position_embeddings
-        if at_least > context:
+        limit = context if limit is None else limit
+        if at_least > limit:
+            what = f"the model's context of {context:,}" if limit == context else f"the limit of {limit:,}"
             raise ValueError(
-                f"the prompt ({size:,} bytes) is at least {at_least:,} tokens long, beyond the model's context of "
-                f"{context:,} tokens; shorten it (keep the last part that matters)"
+                f"the prompt ({size:,} bytes) is at least {at_least:,} tokens long, beyond {what} tokens; "
+                "shorten it (keep the last part that matters)"
             )
 
     def stream(

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from longspec.cli.options import add_device_argument, parse_option
+from longspec.serve.limits import RequestLimits
 from longspec.speculation.methods import DEFAULT_METHOD, METHODS
 
 DEFAULT_HOST = "127.0.0.1"
@@ -18,7 +19,9 @@ def add_parser(sub) -> None:
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: from --model)")
     p.add_argument("--host", default=DEFAULT_HOST, help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+                                                   "(visible in `ps`: prefer --api-key-file or LONGSPEC_API_KEY)")
+    p.add_argument("--api-key-file", default=None, help="read the API key from this file (its first line)")
     p.add_argument("--max-concurrent", type=int, default=16, help="requests admitted at once (running + queued); "
                                                                   "more get 429")
     p.add_argument("--max-batch", type=int, default=4, help="requests decoded together in one forward (rows); the "
@@ -26,6 +29,13 @@ def add_parser(sub) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="longest prompt accepted (default: the context); "
                                                                        "with --max-new-tokens it sizes each row's cache")
     p.add_argument("--max-new-tokens", type=int, default=1024, help="largest max_tokens accepted, and the default of chat")
+    p.add_argument("--max-body-bytes", type=int, default=RequestLimits.max_body_bytes,
+                   help=f"largest request body accepted (default: {RequestLimits.max_body_bytes >> 20} MiB); larger "
+                        "bodies get 413 before they are read")
+    p.add_argument("--body-timeout", type=float, default=RequestLimits.body_timeout_s,
+                   help="seconds a client has to send its whole body (default: %(default)s); slower ones get 408")
+    p.add_argument("--max-connections", type=int, default=256,
+                   help="open connections at most (uvicorn's limit_concurrency; more get 503; default: %(default)s)")
     p.add_argument("--method", default=DEFAULT_METHOD, choices=sorted(METHODS),
                    help=f"speculation method when a request names none (default: {DEFAULT_METHOD}, lossless)")
     p.add_argument("--method-option", action="append", default=[], metavar="METHOD:KEY=VALUE",
@@ -68,6 +78,31 @@ def server_method_options(specs: list[str]) -> dict[str, dict]:
     return options
 
 
+API_KEY_VARIABLE = "LONGSPEC_API_KEY"
+
+
+def resolve_api_key(given: str | None, key_file: str | None) -> str | None:
+    """The API key from --api-key, --api-key-file or LONGSPEC_API_KEY (one of them at
+    most); an empty key is refused rather than taken for "no key"."""
+    import os
+
+    sources = {name: value for name, value in (("--api-key", given), ("--api-key-file", key_file),
+                                                (API_KEY_VARIABLE, os.environ.get(API_KEY_VARIABLE))) if value is not None}
+    if len(sources) > 1:
+        raise ValueError(f"the API key is given {len(sources)} ways ({', '.join(sources)}): give one")
+    if not sources:
+        return None
+    (source, value), = sources.items()
+    if source == "--api-key-file":
+        try:
+            value = Path(value).read_text().splitlines()[0] if Path(value).read_text().strip() else ""
+        except OSError as error:
+            raise ValueError(f"--api-key-file {value}: {error.strerror}") from None
+    if not value.strip():
+        raise ValueError(f"the API key from {source} is empty: give a real key, or none (loopback only)")
+    return value.strip()
+
+
 def served_name(model_arg: str | None) -> str:
     from longspec.runtime.default_model import DEFAULT_MODEL_NAME
 
@@ -91,12 +126,14 @@ def run(args) -> int:
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     parse_dtype(args.dtype)
+    api_key = resolve_api_key(args.api_key, args.api_key_file)
     options = ServeOptions(
-        model_name=args.served_model_name or served_name(args.model), method=args.method, api_key=args.api_key,
+        model_name=args.served_model_name or served_name(args.model), method=args.method, api_key=api_key,
         max_concurrent=args.max_concurrent, max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
         max_batch=args.max_batch, method_options=server_method_options(args.method_option),
+        limits=RequestLimits(max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout),
     )
-    for line in exposure_warnings(args.host, args.api_key):
+    for line in exposure_warnings(args.host, api_key):
         print(f"longspec serve: {line}", file=sys.stderr)
     if args.threads is not None:
         import torch
@@ -111,5 +148,9 @@ def run(args) -> int:
     print(f"longspec serve: {options.model_name} on http://{args.host}:{args.port}/v1 (method {options.method}; "
           f"{batch.max_rows} rows of {batch.row_capacity} tokens, KV cache {cache_bytes / 2**20:.0f} MiB)",
           file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    if args.max_connections < 1:
+        raise ValueError(f"--max-connections must be >= 1, got {args.max_connections}")
+    # Idle keep-alive connections close after 5 s; headers are capped at 64 KiB (h11).
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", limit_concurrency=args.max_connections,
+                timeout_keep_alive=5, h11_max_incomplete_event_size=64 << 10)
     return 0

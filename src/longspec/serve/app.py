@@ -10,6 +10,7 @@ client expects: 400 invalid request, 401 missing or wrong key, 404 unknown model
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import secrets
@@ -25,9 +26,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from longspec.api import LongSpecModel, PreparedRequest
 from longspec.serve.metrics import ServerMetrics
+from longspec.serve.limits import LimitError, RequestLimits, parse_json, read_body
 from longspec.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerationFields, error_body
 from longspec.serve.request_options import OptionError, ServerLimits, check_request_options
 from longspec.serve.worker import GenerationWorker, Job, QueueFull, RequestFailed, WorkerUnavailable
@@ -35,6 +38,7 @@ from longspec.speculation.batch_engine import BatchOptions
 from longspec.speculation.methods import DEFAULT_METHOD, METHODS, make_drafter
 
 SSE_DONE = b"data: [DONE]\n\n"
+DISCONNECT_POLL_S = 0.5  # how often a non-streaming handler checks that its client is still there
 logger = logging.getLogger("longspec.serve")
 
 
@@ -47,6 +51,7 @@ class ServeOptions:
     max_prompt_tokens: int | None = None  # None: the model's context
     max_new_tokens: int = 1024
     max_batch: int = 4  # requests decoded together (rows of the batch); the others wait for a row
+    limits: RequestLimits = RequestLimits()  # what a request may weigh, checked before any work
     # The server's own drafter options per method (paths to weights among them), under
     # the few a request may set (`request_options.REQUEST_OPTIONS`).
     method_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
@@ -62,6 +67,8 @@ class ServeOptions:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("the API key is empty: give a real key, or none to serve without one (loopback only)")
 
 
 class RequestError(Exception):
@@ -69,6 +76,25 @@ class RequestError(Exception):
                  kind: str = "invalid_request_error") -> None:
         super().__init__(message)
         self.status, self.param, self.code, self.kind = status, param, code, kind
+
+
+class RequireKey:
+    """'Authorization: Bearer KEY' on every path but /health, as plain ASGI middleware
+    (it passes the rest through untouched: disconnects and streams included)."""
+
+    def __init__(self, app, *, key: str, metrics: ServerMetrics) -> None:
+        self.app, self.expected, self.metrics = app, f"Bearer {key}".encode(), metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                self.metrics.errors.labels(status="401").inc()
+                body = error_body("missing or wrong API key: send 'Authorization: Bearer KEY'", "authentication_error",
+                                  code="invalid_api_key")
+                await JSONResponse(body, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
@@ -83,6 +109,7 @@ def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
     limits = ServerLimits(prompt_tokens=prompt_limit)
     for method, configured in options.method_options.items():
         make_drafter(method, **configured)  # a wrong path or option fails at startup, not in a request
+    model.separate_encoding()  # prompts are tokenized beside the generation thread's detokenizing
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -92,7 +119,8 @@ def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
         finally:
             state.pop("worker").close()
 
-    app = FastAPI(title="longspec", lifespan=lifespan)
+    # No interactive docs: the API is OpenAI's (docs/serving.md); the schema stays behind the key.
+    app = FastAPI(title="longspec", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.metrics = metrics
     app.state.state = state
     app.state.batch = batch
@@ -102,16 +130,26 @@ def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
         metrics.errors.labels(status=str(error.status)).inc()
         return JSONResponse(error_body(str(error), error.kind, error.param, error.code), status_code=error.status)
 
-    @app.middleware("http")
-    async def require_key(request: Request, call_next):
-        if options.api_key is not None and request.url.path != "/health":
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {options.api_key}".encode()):
-                metrics.errors.labels(status="401").inc()
-                body = error_body("missing or wrong API key: send 'Authorization: Bearer KEY'", "authentication_error",
-                                  code="invalid_api_key")
-                return JSONResponse(body, status_code=401)
-        return await call_next(request)
+    @app.exception_handler(LimitError)
+    async def limit_error(request: Request, error: LimitError) -> JSONResponse:
+        metrics.errors.labels(status=str(error.status)).inc()
+        kind = "invalid_request_error"
+        return JSONResponse(error_body(str(error), kind, None, error.code), status_code=error.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        metrics.errors.labels(status=str(error.status_code)).inc()
+        return JSONResponse(error_body(str(error.detail), "invalid_request_error"), status_code=error.status_code)
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, error: Exception) -> JSONResponse:
+        logger.exception("a request failed unexpectedly")
+        metrics.errors.labels(status="500").inc()
+        return JSONResponse(error_body("internal server error (the server's log has the cause)", "server_error"),
+                            status_code=500)
+
+    if options.api_key is not None:
+        app.add_middleware(RequireKey, key=options.api_key, metrics=metrics)
 
     @app.get("/health")
     async def health():
@@ -133,15 +171,14 @@ def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await _parse(request, CompletionRequest)
-        prepared = await run_in_threadpool(_prepare, body, lambda: model.encode(body.prompt))
-        return await _respond(body, prepared, chat=False)
+        return await _admit_and_respond(request, body, lambda: model.encode(body.prompt, limit=prompt_limit), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await _parse(request, ChatCompletionRequest)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        prepared = await run_in_threadpool(_prepare, body, lambda: model.encode_chat(messages))
-        return await _respond(body, prepared, chat=True)
+        return await _admit_and_respond(request, body, lambda: model.encode_chat(messages, limit=prompt_limit),
+                                        chat=True)
 
     # ------------------------------------------------------------ helpers
     async def _parse(request: Request, kind: type[BaseModel]):
@@ -149,13 +186,7 @@ def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
         if content_type.split(";")[0].strip().lower() != "application/json":
             raise RequestError(415, f"the body must be JSON (Content-Type: application/json), got {content_type!r}",
                                code="unsupported_media_type")
-        raw = await request.body()
-        try:
-            data = json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError as error:
-            raise RequestError(400, f"the body is not UTF-8 (byte {error.start})") from None
-        except json.JSONDecodeError as error:
-            raise RequestError(400, f"the body is not valid JSON ({error.msg} at line {error.lineno} column {error.colno})") from None
+        data = parse_json(await read_body(request, options.limits), options.limits)
         if not isinstance(data, dict):
             raise RequestError(400, f"the body must be a JSON object, got {type(data).__name__}")
         try:
@@ -173,7 +204,40 @@ def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
         if body.max_tokens is not None and body.max_tokens > options.max_new_tokens:
             raise RequestError(400, f"max_tokens={body.max_tokens} exceeds this server's limit of "
                                     f"{options.max_new_tokens} new tokens", param="max_tokens")
+        longest_stop = max((len(stop) for stop in body.stops), default=0)
+        if longest_stop > options.limits.max_stop_chars:
+            raise RequestError(400, f"a stop string of {longest_stop} characters exceeds this server's limit of "
+                                    f"{options.limits.max_stop_chars}", param="stop")
+        messages = getattr(body, "messages", ())
+        if len(messages) > options.limits.max_messages:
+            raise RequestError(400, f"{len(messages)} messages exceed this server's limit of "
+                                    f"{options.limits.max_messages}", param="messages")
+        prompt = getattr(body, "prompt", "")
+        if isinstance(prompt, list) and len(prompt) > prompt_limit:
+            raise RequestError(400, f"the prompt has {len(prompt)} tokens, more than this server's limit of "
+                                    f"{prompt_limit}", param="prompt", code="context_length_exceeded")
         return body
+
+    async def _admit_and_respond(request: Request, body: GenerationFields, encode, *, chat: bool):
+        """Counted in first (so tokenizing and building drafters count against the
+        concurrency limit), then prepared off the event loop, then queued."""
+        worker = state["worker"]
+        try:
+            worker.reserve()
+        except QueueFull as error:
+            raise RequestError(429, str(error), kind="rate_limit_error", code="too_many_requests") from None
+        except WorkerUnavailable as error:
+            raise RequestError(503, str(error), kind="server_error", code="service_unavailable") from None
+        try:
+            prepared = await run_in_threadpool(_prepare, body, encode)
+            job = worker.submit(prepared)
+        except ValueError as error:
+            worker.release()
+            raise RequestError(400, str(error), code="context_length_exceeded") from None
+        except BaseException:
+            worker.release()
+            raise
+        return await _respond(request, body, job, chat=chat)
 
     def _prepare(body: GenerationFields, encode) -> PreparedRequest:
         """Everything that can fail on bad input, before the request is admitted."""
@@ -201,25 +265,17 @@ def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
             raise RequestError(500, f"method {body.method or options.method!r} is unavailable on this server (its "
                                     "drafter could not be loaded; see the server's log)", kind="server_error") from None
 
-    async def _respond(body: GenerationFields, prepared: PreparedRequest, *, chat: bool):
-        try:
-            job = state["worker"].submit(prepared)
-        except QueueFull as error:
-            raise RequestError(429, str(error), kind="rate_limit_error", code="too_many_requests") from None
-        except WorkerUnavailable as error:
-            raise RequestError(503, str(error), kind="server_error", code="service_unavailable") from None
-        except ValueError as error:
-            raise RequestError(400, str(error), code="context_length_exceeded") from None
+    async def _respond(request: Request, body: GenerationFields, job: Job, *, chat: bool):
         identity = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         if body.stream:
             return StreamingResponse(_sse(job, body, identity, created, chat), media_type="text/event-stream")
         text = []
         try:
-            async for chunk in _chunks(job):
+            async for chunk in _chunks(job, request):
                 text.append(chunk.text)
         finally:
-            job.cancelled.set()  # no-op when done; frees the row if this handler was cancelled
+            job.cancelled.set()  # no-op when done; frees the row if this handler was cancelled or its client left
         stats = job.stats
         finish = _finish_reason(stats.stop_reason)
         metrics.record_finished(stats, finish)
@@ -264,9 +320,22 @@ def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
             if not finished:
                 job.cancelled.set()  # the client went away: the worker stops this row at its next round
 
-    async def _chunks(job: Job):
+    async def _chunks(job: Job, request: Request | None = None):
+        """The job's chunks; with `request` (a response not yet begun), a client that
+        disconnects cancels the job, as a closed stream does."""
+        checked = time.monotonic()
         while True:
-            kind, payload = await job.events.get()
+            if request is None:
+                kind, payload = await job.events.get()
+            else:
+                if time.monotonic() - checked >= DISCONNECT_POLL_S:
+                    checked = time.monotonic()
+                    if await request.is_disconnected():
+                        raise RequestError(499, "the client closed the connection", code="client_closed")
+                try:
+                    kind, payload = await asyncio.wait_for(job.events.get(), timeout=DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    continue
             if kind == "chunk":
                 yield payload
             elif kind == "done":

@@ -98,12 +98,25 @@ class GenerationWorker:
         """Whether the generation thread is running (the server's /health reports it)."""
         return self._thread.is_alive() and self.died is None
 
-    def submit(self, request: PreparedRequest) -> Job:
-        """Admit a request (raises QueueFull at the limit, ValueError when it cannot fit
-        a cache row); its events arrive on job.events: ("chunk", StreamChunk)..., then
-        ("done", None) or ("error", exception)."""
+    def reserve(self) -> None:
+        """Count a request in before any work is done for it (tokenising, building its
+        drafter): raises QueueFull at the limit, WorkerUnavailable when the generation
+        thread has stopped. Follow with `submit`, or `release` if preparing it fails."""
         if not self.alive:
             raise WorkerUnavailable(f"the generation thread has stopped ({self.died}); restart the server")
+        with self._lock:
+            if self._admitted >= self.capacity:
+                raise QueueFull(f"the server is at its limit of {self.capacity} concurrent requests; retry later")
+            self._admitted += 1
+
+    def release(self) -> None:
+        """Give back a reservation whose request will not be submitted."""
+        self._release_slot()
+
+    def submit(self, request: PreparedRequest) -> Job:
+        """Queue a reserved request (raises ValueError, the reservation kept for the
+        caller to release, when it cannot fit a cache row); its events arrive on
+        job.events: ("chunk", StreamChunk)..., then ("done", None) or ("error", exception)."""
         needed = self.model.row_slots(request)
         if needed > self.engine.batch.row_capacity:
             raise ValueError(
@@ -111,10 +124,6 @@ class GenerationWorker:
                 f"{request.max_new_tokens} + tree + 1) but this server's rows hold {self.engine.batch.row_capacity}; "
                 "lower max_tokens or shorten the prompt"
             )
-        with self._lock:
-            if self._admitted >= self.capacity:
-                raise QueueFull(f"the server is at its limit of {self.capacity} concurrent requests; retry later")
-            self._admitted += 1
         job = Job(request, asyncio.get_running_loop())
         self._incoming.put(job)
         return job
