@@ -30,8 +30,11 @@ from longspec.speculation.engine import EngineOptions
 from longspec.speculation.tree import Tree
 
 
-def decode(model, prompt, method: str, new_tokens: int) -> tuple[float, list[int]]:
-    result = model.generate(prompt, method=method, max_new_tokens=new_tokens, ignore_eos=True)
+SETTINGS = {"greedy": {}, "sampled": {"temperature": 1.0, "top_p": 0.95, "seed": 0}}
+
+
+def decode(model, prompt, method: str, new_tokens: int, setting: str = "greedy") -> tuple[float, list[int]]:
+    result = model.generate(prompt, method=method, max_new_tokens=new_tokens, ignore_eos=True, **SETTINGS[setting])
     return result.stats.new_tokens / result.stats.decode_s, result.token_ids
 
 
@@ -63,6 +66,7 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--methods", nargs="+", default=["ar", "pld", "auto"])
+    parser.add_argument("--settings", nargs="+", default=["greedy", "sampled"], choices=sorted(SETTINGS))
     parser.add_argument("--verify-widths", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
@@ -81,24 +85,27 @@ def main() -> None:
     text = stdlib_source_text(12 * max(args.contexts))
     for context in args.contexts:
         prompt = prompt_ids(model.tokenizer, text, context)
-        for method in args.methods:
-            decode(model, prompt, method, 16)  # warm-up (and auto's cost model, once)
-            speeds = {"full": [], "certified": []}
-            outputs = {}
-            for repeat in range(args.repeats):
-                for label in (("full", "certified") if repeat % 2 == 0 else ("certified", "full")):
-                    decoder._certified_head = head if label == "certified" else None
-                    speed, tokens = decode(model, prompt, method, args.new_tokens)
-                    speeds[label].append(speed)
-                    outputs.setdefault(label, tokens)
-            decoder._certified_head = head
-            row = {"kind": "decode", "context": context, "method": method,
-                   "full_tps": statistics.median(speeds["full"]), "certified_tps": statistics.median(speeds["certified"]),
-                   "same_tokens": outputs["full"] == outputs["certified"], "speeds": speeds}
-            rows.append(row)
-            print(f"decode {context:5d} {method:5s} full {row['full_tps']:6.2f} tok/s  certified "
-                  f"{row['certified_tps']:6.2f} tok/s  x{row['certified_tps'] / row['full_tps']:.3f}  "
-                  f"same tokens: {row['same_tokens']}", flush=True)
+        for setting in args.settings:
+            for method in args.methods:
+                decode(model, prompt, method, 16, setting)  # warm-up (and auto's cost model, once)
+                speeds = {"full": [], "certified": []}
+                outputs = {}
+                for repeat in range(args.repeats):
+                    for label in (("full", "certified") if repeat % 2 == 0 else ("certified", "full")):
+                        decoder._certified_head = head if label == "certified" else None
+                        speed, tokens = decode(model, prompt, method, args.new_tokens, setting)
+                        speeds[label].append(speed)
+                        outputs.setdefault(label, tokens)
+                decoder._certified_head = head
+                # Sampled runs draw through different samplers (each exact): only greedy tokens must match.
+                same = outputs["full"] == outputs["certified"] if setting == "greedy" else None
+                row = {"kind": "decode", "context": context, "setting": setting, "method": method,
+                       "full_tps": statistics.median(speeds["full"]),
+                       "certified_tps": statistics.median(speeds["certified"]), "same_tokens": same, "speeds": speeds}
+                rows.append(row)
+                print(f"decode {context:5d} {setting:7s} {method:5s} full {row['full_tps']:6.2f} tok/s  certified "
+                      f"{row['certified_tps']:6.2f} tok/s  x{row['certified_tps'] / row['full_tps']:.3f}  "
+                      f"same tokens: {same}", flush=True)
         for width in args.verify_widths:
             costs = {"full": [], "certified": []}
             for repeat in range(args.repeats):

@@ -126,6 +126,7 @@ class CertifiedHead:
         self.codes = codes.view(blocks, LANES, self.width // 2, 2).permute(0, 2, 1, 3).contiguous()
         self.scales = scales.view(blocks, LANES, groups).transpose(1, 2).contiguous()
         self.residual, self.row_norm, self.magnitude = residual, row_norm, magnitude
+        self.maxima = torch.stack([t.max().double() for t in (residual, row_norm, magnitude)])
         self.groups = groups
         roundings = self.width + 3 * groups + 4
         self.gamma = roundings * 2.0**-24 / (1 - roundings * 2.0**-24)
@@ -182,8 +183,8 @@ class CertifiedHead:
         ops = native_ops()
         screen = ops.int8_screen(codes, alpha, self.codes, self.scales, self.vocab, self.group)
         indices, offsets, counts, cuts = ops.int8_screen_candidates(
-            screen, self.residual, self.row_norm, self.magnitude, coefficients, margins.contiguous(), BF16_UNIT,
-            self.tiny, self.cap)
+            screen, self.residual, self.row_norm, self.magnitude, coefficients, margins.contiguous(), self.maxima,
+            BF16_UNIT, self.tiny, self.cap)
         out: list[Candidates | None] = []
         for row, (count, cut) in enumerate(zip(counts.tolist(), cuts.tolist())):
             if count < 0 or not bool(finite[row]):

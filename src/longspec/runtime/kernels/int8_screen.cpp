@@ -294,7 +294,7 @@ std::vector<int64_t> screen_isas() {
 // offsets [M + 1] into them, counts [M]).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> candidates(
     const at::Tensor& s, const at::Tensor& e, const at::Tensor& w, const at::Tensor& c, const at::Tensor& coefficients,
-    const at::Tensor& margins, double u, double tiny, int64_t cap) {
+    const at::Tensor& margins, const at::Tensor& maxima, double u, double tiny, int64_t cap) {
   TORCH_CHECK(s.scalar_type() == at::kFloat && s.dim() == 2 && s.is_contiguous(), "s: float32 [M, N]");
   const int64_t M = s.size(0), N = s.size(1);
   for (const at::Tensor* t : {&e, &w, &c})
@@ -310,14 +310,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> candidates(
   const float* wp = w.data_ptr<float>();
   const float* cp = c.data_ptr<float>();
   const double* kp = coefficients.data_ptr<double>();
-  double e_max = 0, w_max = 0, c_max = 0;
-  for (int64_t i = 0; i < N; ++i) {
-    e_max = ep[i] > e_max ? ep[i] : e_max;
-    w_max = wp[i] > w_max ? wp[i] : w_max;
-    c_max = cp[i] > c_max ? cp[i] : c_max;
-  }
+  TORCH_CHECK(maxima.scalar_type() == at::kDouble && maxima.numel() == 3, "maxima: float64 [3] (of e, w, c)");
+  const double e_max = maxima.data_ptr<double>()[0], w_max = maxima.data_ptr<double>()[1],
+               c_max = maxima.data_ptr<double>()[2];
   std::vector<std::vector<int64_t>> found(M);
   std::vector<int64_t> counts(M, 0);
+  // One row alone (a decode step) spreads its scans over the threads; several rows take a thread each.
+  const int64_t span_grain = M == 1 ? 16384 : N;
   at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* row = sp + r * N;
@@ -326,11 +325,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> candidates(
       // A threshold no candidate's screen is below: the lower bound of the largest score
       // with the largest band (<= every largest lower bound), then the least score whose
       // upper bound with the largest band reaches it, as a float rounded down.
-      float top = row[0];
-      for (int64_t i = 1; i < N; ++i) top = row[i] > top ? row[i] : top;
+      const float top = at::parallel_reduce(0, N, span_grain, -INFINITY, [&](int64_t lo, int64_t hi, float best) {
+#pragma omp simd reduction(max : best)
+        for (int64_t i = lo; i < hi; ++i) best = row[i] > best ? row[i] : best;
+        return best;
+      }, [](float x, float y) { return x > y ? x : y; });
       const double band_max = a * e_max + d * w_max + b * c_max + tiny;
       const double floor_lo = top - band_max - u * (std::fabs(double(top)) + band_max);
-      if (!std::isfinite(floor_lo) || std::isnan(top)) {  // a non-finite screen: no certificate
+      if (!std::isfinite(floor_lo)) {  // a non-finite screen: no certificate
         counts[r] = -1;
         continue;
       }
@@ -338,9 +340,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> candidates(
       const double reach = target - band_max * (1 + u);
       const double least = reach >= 0 ? reach / (1 + u) : reach / (1 - u);
       const float threshold = std::nextafter(std::nextafter(static_cast<float>(least), -INFINITY), -INFINITY);
+      // Rows at or above the threshold, and NaN (no certificate), in ascending order.
+      const int64_t spans = (N + span_grain - 1) / span_grain;
+      std::vector<std::vector<int64_t>> parts(spans);
+      at::parallel_for(0, spans, 1, [&](int64_t lo, int64_t hi) {
+        for (int64_t part = lo; part < hi; ++part) {
+          const int64_t last = (part + 1) * span_grain < N ? (part + 1) * span_grain : N;
+          for (int64_t i = part * span_grain; i < last; ++i)
+            if (!(row[i] < threshold)) parts[part].push_back(i);
+        }
+      });
       std::vector<int64_t> near;
-      for (int64_t i = 0; i < N; ++i)
-        if (row[i] >= threshold) near.push_back(i);
+      for (const auto& part : parts) near.insert(near.end(), part.begin(), part.end());
+      bool not_a_number = false;
+      for (int64_t i : near) not_a_number |= std::isnan(row[i]);
+      if (not_a_number) {
+        counts[r] = -1;
+        continue;
+      }
       double lo_max = floor_lo;
       for (int64_t i : near) {
         const double si = row[i], bi = band(i);
@@ -390,6 +407,6 @@ TORCH_LIBRARY_FRAGMENT(longspec_native, m) {
   m.impl("int8_screen_with", c10::DispatchKey::CPU, TORCH_FN(screen_with));
   m.def("int8_screen_isas() -> int[]", &screen_isas);
   m.def("int8_screen_candidates(Tensor s, Tensor e, Tensor w, Tensor c, Tensor coefficients, Tensor margins, "
-        "float u, float tiny, int cap) -> (Tensor, Tensor, Tensor, Tensor)");
+        "Tensor maxima, float u, float tiny, int cap) -> (Tensor, Tensor, Tensor, Tensor)");
   m.impl("int8_screen_candidates", c10::DispatchKey::CPU, TORCH_FN(candidates));
 }
