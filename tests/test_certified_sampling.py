@@ -20,7 +20,7 @@ from longspec.runtime.linear import prepack
 from longspec.runtime.native import bf16_linear_ops, native_ops
 from longspec.speculation import certified_sampling
 from longspec.speculation.batch_engine import BatchEngine, BatchOptions
-from longspec.speculation.certified_sampling import certified_draw, margin
+from longspec.speculation.certified_sampling import certified_draw
 from longspec.speculation.engine import EngineOptions, SpeculativeEngine
 from longspec.speculation.methods import make_drafter
 from longspec.speculation.processors import SamplingParams
@@ -61,13 +61,12 @@ def exact_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return torch.softmax(scores.masked_fill(~kept, -math.inf), 0)
 
 
-def draws(head, hidden, params, seed=0, tail_margin=None) -> torch.Tensor:
-    m = margin(params) if tail_margin is None else tail_margin
-    (candidates,) = head.select(hidden.unsqueeze(0), torch.tensor([m], dtype=torch.float64))
+def draws(head, hidden, params, seed=0, margins=certified_sampling.MARGINS) -> torch.Tensor:
+    screen = head.screen(hidden.unsqueeze(0))
     generator = torch.Generator().manual_seed(seed)
     counts = torch.zeros(V, dtype=torch.float64)
     for _ in range(DRAWS):
-        counts[certified_draw(head, hidden, candidates, params, generator)] += 1
+        counts[certified_draw(screen, 0, hidden, params, generator, margins)] += 1
     return counts
 
 
@@ -110,7 +109,7 @@ def test_rows_outside_the_candidates_keep_their_mass(setup):
     outside[candidates.rows] = False
     probs = exact_probs(logits, params)
     assert probs[outside].sum() > 0.2  # the test is about that mass
-    assert p_value(draws(head, hidden, params, tail_margin=1.0), probs) > ALPHA
+    assert p_value(draws(head, hidden, params, margins=(1.0,)), probs) > ALPHA
 
     generator = torch.Generator().manual_seed(0)
     counts = torch.zeros(V, dtype=torch.float64)
@@ -123,21 +122,38 @@ def test_rows_outside_the_candidates_keep_their_mass(setup):
     assert p_value(counts, probs) < ALPHA
 
 
-def test_the_nth_row_outside_the_candidates():
-    rows = torch.tensor([0, 1, 4, 5, 9])
-    outside = [i for i in range(20) if i not in rows.tolist()]
-    assert [certified_sampling._nth_outside(rows, j) for j in range(len(outside))] == outside
+def test_the_tail_bins_hold_every_row_outside_the_candidates_under_its_envelope(setup):
+    head, hidden, logits = setup
+    screen = head.screen(hidden.unsqueeze(0))
+    (candidates,) = screen.select(torch.tensor([1.0], dtype=torch.float64))
+    step, bins = 0.25, 16
+    counts = screen.tail_counts(0, candidates.cut, step, bins)
+    assert int(counts.sum()) == V - candidates.rows.numel()
+    seen = []
+    for b in range(bins):
+        members = [screen.tail_row(0, candidates.cut, step, bins, b, j) for j in range(int(counts[b]))]
+        assert members == sorted(members)
+        assert all(float(logits[i]) <= candidates.cut - b * step for i in members)  # under the bin's envelope
+        seen += members
+    assert sorted(seen) == sorted(set(range(V)) - set(candidates.rows.tolist()))
 
 
 def test_a_truncation_the_bound_cannot_decide_returns_none(setup):
-    """Top-k larger than the candidates, or a min-p threshold below the cut: the caller
-    must take the full head."""
+    """Top-k larger than the candidates: the caller must take the full head, and nothing
+    was drawn from the generator."""
     head, hidden, _ = setup
-    (few,) = head.select(hidden.unsqueeze(0), torch.tensor([0.5], dtype=torch.float64))
+    screen = head.screen(hidden.unsqueeze(0))
+    (few,) = screen.select(torch.tensor([0.5], dtype=torch.float64))
     generator = torch.Generator().manual_seed(0)
-    assert certified_draw(head, hidden, few, SamplingParams(temperature=1.0, top_k=few.rows.numel() + 1),
-                          generator) is None
-    assert certified_draw(head, hidden, few, SamplingParams(temperature=1.0, min_p=1e-6), generator) is None
+    state = generator.get_state()
+    too_many = SamplingParams(temperature=1.0, top_k=few.rows.numel() + 1)
+    assert certified_draw(screen, 0, hidden, too_many, generator, margins=(0.5,)) is None
+    # min-p's threshold: the margin reaches past it, so the widest low min-p is decided...
+    assert certified_draw(screen, 0, hidden, SamplingParams(temperature=1.0, min_p=1e-6), generator) is not None
+    # ...and an undecided draw took nothing from the generator.
+    generator.set_state(state)
+    assert certified_draw(screen, 0, hidden, too_many, generator, margins=(0.5,)) is None
+    assert torch.equal(generator.get_state(), state)
 
 
 # ------------------------------------------------------------------ through the engines

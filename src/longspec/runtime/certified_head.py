@@ -85,6 +85,56 @@ class Candidates:
     cut: float
 
 
+@dataclass
+class Screen:
+    """The screen of some activation rows: approximate logits [N, V] and each row's bound
+    coefficients; candidates and the rows outside them are read from it."""
+
+    head: "CertifiedHead"
+    scores: torch.Tensor
+    coefficients: torch.Tensor
+    finite: torch.Tensor
+
+    def select(self, margins: torch.Tensor | None = None, rows: list[int] | None = None) -> list[Candidates | None]:
+        """Candidates of `rows` (default: every row) within `margins` [len(rows)] of the largest."""
+        head = self.head
+        rows = list(range(self.scores.shape[0])) if rows is None else rows
+        if margins is None:
+            margins = torch.zeros(len(rows), dtype=torch.float64)
+        every = len(rows) == self.scores.shape[0]
+        scores = self.scores if every else self.scores[rows].contiguous()
+        coefficients = self.coefficients if every else self.coefficients[rows].contiguous()
+        indices, offsets, counts, cuts = native_ops().int8_screen_candidates(
+            scores, head.residual, head.row_norm, head.magnitude, coefficients, margins.contiguous(), head.maxima,
+            BF16_UNIT, head.tiny, head.cap)
+        out: list[Candidates | None] = []
+        for position, (row, count, cut) in enumerate(zip(rows, counts.tolist(), cuts.tolist())):
+            if count < 0 or not bool(self.finite[row]):
+                out.append(None)
+                head.stats.fallbacks += 1
+            else:
+                out.append(Candidates(indices[offsets[position] : offsets[position + 1]], cut))
+                head.stats.candidates[count] += 1
+            head.stats.rows += 1
+        return out
+
+    def tail_counts(self, row: int, cut: float, step: float, bins: int) -> torch.Tensor:
+        """How many output rows outside the candidates below `cut` fall in each bin: bin
+        b holds the rows whose upper bound lies in (cut - (b + 1) step, cut - b step], the
+        last bin every row further down."""
+        head = self.head
+        return native_ops().int8_screen_tail(self.scores[row], head.residual, head.row_norm, head.magnitude,
+                                             self.coefficients[row], head.maxima, BF16_UNIT, head.tiny, cut, step,
+                                             bins, 0, -1)
+
+    def tail_row(self, row: int, cut: float, step: float, bins: int, bin: int, pick: int) -> int:
+        """The `pick`-th (ascending) output row of bin `bin` (see `tail_counts`)."""
+        head = self.head
+        return int(native_ops().int8_screen_tail(self.scores[row], head.residual, head.row_norm, head.magnitude,
+                                                 self.coefficients[row], head.maxima, BF16_UNIT, head.tiny, cut, step,
+                                                 bins, bin, pick)[0])
+
+
 def _round_up_float32(values: torch.Tensor) -> torch.Tensor:
     """float64 -> float32, never below the value."""
     rounded = values.float()
@@ -170,31 +220,20 @@ class CertifiedHead:
                                     self.gamma * (h_sum + d_sum) * inflate], dim=1)
         return codes.view(h.shape[0], -1).to(torch.int16).contiguous(), alpha.contiguous(), coefficients.contiguous()
 
+    def screen(self, hidden: torch.Tensor) -> Screen:
+        """The screen of every row of `hidden` [N, H] (one pass over the int8 copy)."""
+        finite = torch.isfinite(hidden).all(dim=1)
+        codes, alpha, coefficients = self.quantize(torch.where(finite.unsqueeze(1), hidden, torch.zeros_like(hidden)))
+        scores = native_ops().int8_screen(codes, alpha, self.codes, self.scales, self.vocab, self.group)
+        return Screen(self, scores, coefficients, finite)
+
     def select(self, hidden: torch.Tensor, margins: torch.Tensor | None = None) -> list[Candidates | None]:
         """Per row of `hidden` [N, H]: the output rows whose plain logit could lie within
         `margins[row]` (float64 [N]; default 0: could be the largest) of the largest, in
         ascending order, with the bound every other row's logit is below; None where no
         certificate holds (a non-finite row or screen, or more than `cap` candidates:
         the caller takes the full head)."""
-        finite = torch.isfinite(hidden).all(dim=1)
-        codes, alpha, coefficients = self.quantize(torch.where(finite.unsqueeze(1), hidden, torch.zeros_like(hidden)))
-        if margins is None:
-            margins = torch.zeros(hidden.shape[0], dtype=torch.float64)
-        ops = native_ops()
-        screen = ops.int8_screen(codes, alpha, self.codes, self.scales, self.vocab, self.group)
-        indices, offsets, counts, cuts = ops.int8_screen_candidates(
-            screen, self.residual, self.row_norm, self.magnitude, coefficients, margins.contiguous(), self.maxima,
-            BF16_UNIT, self.tiny, self.cap)
-        out: list[Candidates | None] = []
-        for row, (count, cut) in enumerate(zip(counts.tolist(), cuts.tolist())):
-            if count < 0 or not bool(finite[row]):
-                out.append(None)
-                self.stats.fallbacks += 1
-            else:
-                out.append(Candidates(indices[offsets[row] : offsets[row + 1]], cut))
-                self.stats.candidates[count] += 1
-            self.stats.rows += 1
-        return out
+        return self.screen(hidden).select(margins)
 
     def exact_logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """The plain head's logits of output `rows` for every row of `hidden` [N, H]: the

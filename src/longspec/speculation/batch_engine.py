@@ -39,7 +39,6 @@ from longspec.speculation.joint_budget import ReachHistory, cut_to_depth, joint_
 from longspec.speculation.metrics import GenerationStats
 from longspec.speculation.processors import SamplingParams
 from longspec.speculation.tree import Tree
-from longspec.speculation.certified_sampling import margin
 from longspec.speculation.verification import NodeScores, certified_head_serves, needs_argmax_only
 
 
@@ -456,12 +455,11 @@ class BatchEngine:
             for i, argmax in zip(deciding, tokens):
                 scores[i] = NodeScores(model=self.model, hidden=hidden_rows[i], argmax=argmax)
         drawing = [i for i in range(len(rows)) if served[i] and scores[i] is None]
-        if drawing:  # every sampled row's nodes in one screen, each with its temperature's margin
-            margins = torch.cat([torch.full((sizes[i],), margin(rows[i].params), dtype=torch.float64) for i in drawing])
-            found = self.model.certified_head.select(torch.cat([hidden_rows[i] for i in drawing]), margins)
+        if drawing:  # every sampled row's nodes in one screen
+            screen = self.model.certified_head.screen(torch.cat([hidden_rows[i] for i in drawing]))
             start = 0
             for i in drawing:
-                scores[i] = NodeScores(model=self.model, hidden=hidden_rows[i], candidates=found[start : start + sizes[i]])
+                scores[i] = NodeScores(model=self.model, hidden=hidden_rows[i], screen=screen, screen_offset=start)
                 start += sizes[i]
         others = [i for i in range(len(rows)) if not served[i]]
         if others:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from longspec.runtime.device import HOST
-from longspec.speculation.certified_sampling import certified_draw, certified_sampling_applies, margin
+from longspec.speculation.certified_sampling import certified_draw, certified_sampling_applies
 from longspec.speculation.processors import SamplingParams, greedy_tokens, processed_probs, sample
 from longspec.speculation.tree import Tree
 
@@ -34,11 +34,12 @@ class NodeScores:
     recomputation of a few rows, without the full head."""
 
     def __init__(self, logits: torch.Tensor | None = None, *, model=None, hidden: torch.Tensor | None = None,
-                 argmax: torch.Tensor | None = None, candidates: list | None = None) -> None:
+                 argmax: torch.Tensor | None = None, screen=None, screen_offset: int = 0) -> None:
         if logits is None and (model is None or hidden is None):
             raise ValueError("NodeScores needs logits, or the model and the hidden states to compute them")
         self._logits, self._model, self._hidden, self._argmax = logits, model, hidden, argmax
-        self._candidates = candidates  # the certified head's candidates of every node, for draws
+        # The certified head's screen of the nodes (rows from `screen_offset` on), for draws.
+        self._screen, self._screen_offset = screen, screen_offset
 
     @property
     def logits(self) -> torch.Tensor:
@@ -61,15 +62,12 @@ class NodeScores:
         """One token from node `node`'s processed distribution."""
         head = self._model.certified_head if self._model is not None and self._logits is None else None
         if head is not None and certified_sampling_applies(params):
-            if self._candidates is None:  # every node's candidates in one screen
-                margins = torch.full((self._hidden.shape[0],), margin(params), dtype=torch.float64)
-                self._candidates = head.select(self._hidden, margins)
-            candidates = self._candidates[node]
-            token = None if candidates is None else certified_draw(head, self._hidden[node], candidates, params,
-                                                                   generator)
+            if self._screen is None:  # every node in one screen
+                self._screen, self._screen_offset = head.screen(self._hidden), 0
+            token = certified_draw(self._screen, self._screen_offset + node, self._hidden[node], params, generator)
             if token is not None:
                 return token
-            head.stats.undecided += candidates is not None
+            head.stats.undecided += 1
         history = None if histories is None else histories[node : node + 1]
         probs = processed_probs(self.logits[node : node + 1], history, params)
         return int(sample(probs, generator)[0])

@@ -22,6 +22,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
@@ -398,6 +399,61 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> candidates(
   return {indices, offsets, count_tensor, cut_tensor};
 }
 
+// The rows outside a sampler's candidates (upper bound below `cut`), by how far below:
+// row i falls in bin b = floor((cut - hi_i) / step), the last bin taking every row further
+// down, so every row of bin b has hi_i <= cut - b step (its envelope). `pick` >= 0 asks
+// instead for the pick-th row (ascending) of bin `bin`. Rows far below need no exact
+// bound: a float test with the largest band puts them in the last bin.
+template <class Visit>
+void tail_bins(const float* row, int64_t N, const float* ep, const float* wp, const float* cp, const double* k,
+               const double* maxima, double u, double tiny, double cut, double step, int64_t bins, Visit visit) {
+  const double a = k[0], d = k[1], b = k[2];
+  const double band_max = a * maxima[0] + d * maxima[1] + b * maxima[2] + tiny;
+  const double last_top = cut - (bins - 1) * step;  // rows whose bound cannot reach this are in the last bin
+  const double reach = last_top - band_max * (1 + u);
+  const double least = reach >= 0 ? reach / (1 + u) : reach / (1 - u);
+  const float far = std::nextafter(std::nextafter(static_cast<float>(least), -INFINITY), -INFINITY);
+  for (int64_t i = 0; i < N; ++i) {
+    if (row[i] < far) {
+      visit(i, bins - 1);
+      continue;
+    }
+    const double si = row[i], band = a * ep[i] + d * wp[i] + b * cp[i] + tiny;
+    const double hi = si + band + u * (std::fabs(si) + band);
+    if (hi >= cut) continue;  // a candidate
+    const double below = std::floor((cut - hi) / step);
+    visit(i, below >= bins - 1 ? bins - 1 : static_cast<int64_t>(below));
+  }
+}
+
+at::Tensor tail(const at::Tensor& s, const at::Tensor& e, const at::Tensor& w, const at::Tensor& c,
+                const at::Tensor& coefficients, const at::Tensor& maxima, double u, double tiny, double cut,
+                double step, int64_t bins, int64_t bin, int64_t pick) {
+  TORCH_CHECK(s.scalar_type() == at::kFloat && s.dim() == 1 && s.is_contiguous(), "s: one row of the screen, float32");
+  const int64_t N = s.numel();
+  TORCH_CHECK(e.numel() == N && w.numel() == N && c.numel() == N && coefficients.numel() == 3 && maxima.numel() == 3 &&
+                  coefficients.scalar_type() == at::kDouble && maxima.scalar_type() == at::kDouble,
+              "the head's constants and one row's coefficients");
+  TORCH_CHECK(bins >= 1 && step > 0, "bins >= 1, step > 0");
+  const float* row = s.data_ptr<float>();
+  const float *ep = e.data_ptr<float>(), *wp = w.data_ptr<float>(), *cp = c.data_ptr<float>();
+  const double *k = coefficients.data_ptr<double>(), *m = maxima.data_ptr<double>();
+  if (pick < 0) {
+    at::Tensor counts = at::zeros({bins}, s.options().dtype(at::kLong));
+    int64_t* count = counts.data_ptr<int64_t>();
+    tail_bins(row, N, ep, wp, cp, k, m, u, tiny, cut, step, bins, [&](int64_t, int64_t b) { ++count[b]; });
+    return counts;
+  }
+  int64_t seen = 0, found = -1;
+  tail_bins(row, N, ep, wp, cp, k, m, u, tiny, cut, step, bins, [&](int64_t i, int64_t b) {
+    if (b == bin && seen++ == pick && found < 0) found = i;
+  });
+  TORCH_CHECK(found >= 0, "bin ", bin, " has no row ", pick);
+  at::Tensor index = at::empty({1}, s.options().dtype(at::kLong));
+  index.data_ptr<int64_t>()[0] = found;
+  return index;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(longspec_native, m) {
@@ -409,4 +465,7 @@ TORCH_LIBRARY_FRAGMENT(longspec_native, m) {
   m.def("int8_screen_candidates(Tensor s, Tensor e, Tensor w, Tensor c, Tensor coefficients, Tensor margins, "
         "Tensor maxima, float u, float tiny, int cap) -> (Tensor, Tensor, Tensor, Tensor)");
   m.impl("int8_screen_candidates", c10::DispatchKey::CPU, TORCH_FN(candidates));
+  m.def("int8_screen_tail(Tensor s, Tensor e, Tensor w, Tensor c, Tensor coefficients, Tensor maxima, float u, "
+        "float tiny, float cut, float step, int bins, int bin, int pick) -> Tensor");
+  m.impl("int8_screen_tail", c10::DispatchKey::CPU, TORCH_FN(tail));
 }
