@@ -63,11 +63,17 @@ def exact_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 def draws(head, hidden, params, seed=0, margins=certified_sampling.MARGINS) -> torch.Tensor:
     screen = head.screen(hidden.unsqueeze(0))
+    full_logits = full_logits_of(head, hidden)
     generator = torch.Generator().manual_seed(seed)
     counts = torch.zeros(V, dtype=torch.float64)
     for _ in range(DRAWS):
-        counts[certified_draw(screen, 0, hidden, params, generator, margins)] += 1
+        counts[certified_draw(screen, 0, hidden, params, generator, full_logits, margins)] += 1
     return counts
+
+
+def full_logits_of(head, hidden):
+    tiles = prepack(head.weight).tiles
+    return lambda: bf16_linear_ops().bf16_packed_linear(hidden.unsqueeze(0), tiles, V, None)[0]
 
 
 def p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -148,11 +154,9 @@ def test_a_truncation_the_bound_cannot_decide_returns_none(setup):
     state = generator.get_state()
     too_many = SamplingParams(temperature=1.0, top_k=few.rows.numel() + 1)
     assert certified_draw(screen, 0, hidden, too_many, generator, margins=(0.5,)) is None
-    # min-p's threshold: the margin reaches past it, so the widest low min-p is decided...
-    assert certified_draw(screen, 0, hidden, SamplingParams(temperature=1.0, min_p=1e-6), generator) is not None
-    # ...and an undecided draw took nothing from the generator.
-    generator.set_state(state)
-    assert certified_draw(screen, 0, hidden, too_many, generator, margins=(0.5,)) is None
+    # Top-p without the full head to settle an open decision: refused before drawing.
+    assert certified_draw(screen, 0, hidden, SamplingParams(temperature=1.0, top_p=0.9), generator,
+                          margins=(0.5,)) is None
     assert torch.equal(generator.get_state(), state)
 
 

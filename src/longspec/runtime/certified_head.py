@@ -51,7 +51,6 @@ from longspec.runtime.argmax import row_argmax
 from longspec.runtime.native import bf16_linear_ops, native_ops
 
 GROUP = 64  # columns per int8 scale, and per int16 activation scale (docs/lab-notes/certified-head.md)
-ACTIVATION_CODES = 32767  # int16 activation codes: the remainder is ~1e-5 of a group's largest value
 LANES = 16  # output rows per packed block
 CANDIDATE_CAP = 4096  # beyond this a row's full head is cheaper to read than its candidates
 BF16_UNIT = 2.0**-8  # bf16 rounds to 8 significant bits: |bf16(x) - x| <= 2^-8 |x|
@@ -202,28 +201,16 @@ class CertifiedHead:
         return sum(t.numel() * t.element_size()
                    for t in (self.codes, self.scales, self.residual, self.row_norm, self.magnitude))
 
-    def quantize(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Activation rows [N, H] -> int16 codes [N, K], float32 scales [N, G] and the
-        bound's coefficients [N, 3] (float64): for ||r_i||, ||w_i||, and M_i + W_i."""
-        h = hidden.double()
-        if self.width != self.hidden:
-            h = torch.nn.functional.pad(h, (0, self.width - self.hidden))
-        grouped = h.view(h.shape[0], self.groups, self.group)
-        alpha = _round_up_float32(grouped.abs().amax(-1) / ACTIVATION_CODES)
-        safe = torch.where(alpha > 0, alpha.double(), torch.ones_like(alpha, dtype=torch.float64))
-        codes = torch.round(grouped / safe.unsqueeze(-1)).clamp_(-ACTIVATION_CODES, ACTIVATION_CODES)
-        remainder = (grouped - codes * alpha.double().unsqueeze(-1)).view(h.shape[0], -1)
-        h_norm, d_norm = h.norm(dim=1), remainder.norm(dim=1)
-        h_sum, d_sum = h.abs().sum(dim=1), remainder.abs().sum(dim=1)
-        inflate = 1 + 2.0**-40
-        coefficients = torch.stack([(h_norm + d_norm) * inflate, d_norm * inflate,
-                                    self.gamma * (h_sum + d_sum) * inflate], dim=1)
-        return codes.view(h.shape[0], -1).to(torch.int16).contiguous(), alpha.contiguous(), coefficients.contiguous()
+    def quantize(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Activation rows [N, H] (bf16) -> int16 codes [N, K], float32 scales [N, G], the
+        bound's coefficients [N, 3] (float64: for ||r_i||, ||w_i||, and M_i + W_i) and
+        which rows are finite (`kernels/int8_screen.cpp`, `quantize`)."""
+        return native_ops().int8_screen_quantize(hidden.to(torch.bfloat16).contiguous(), self.group, self.groups,
+                                                 self.gamma)
 
     def screen(self, hidden: torch.Tensor) -> Screen:
         """The screen of every row of `hidden` [N, H] (one pass over the int8 copy)."""
-        finite = torch.isfinite(hidden).all(dim=1)
-        codes, alpha, coefficients = self.quantize(torch.where(finite.unsqueeze(1), hidden, torch.zeros_like(hidden)))
+        codes, alpha, coefficients, finite = self.quantize(hidden)
         scores = native_ops().int8_screen(codes, alpha, self.codes, self.scales, self.vocab, self.group)
         return Screen(self, scores, coefficients, finite)
 

@@ -63,82 +63,115 @@ def _uniform(generator: torch.Generator | None) -> float:
 
 
 def certified_draw(screen: Screen, row: int, hidden: torch.Tensor, params: SamplingParams,
-                   generator: torch.Generator | None, margins: tuple[float, ...] = MARGINS) -> int | None:
+                   generator: torch.Generator | None, full_logits=None, margins: tuple[float, ...] = MARGINS) -> int | None:
     """One token drawn from the processed distribution of the head's logits at `hidden`
-    [H] (bf16; row `row` of `screen`), or None where no selection decides the truncation
-    (the caller then draws from the full head). Nothing is drawn from `generator` before
-    the truncation is decided."""
+    [H] (bf16; row `row` of `screen`), or None where the screen cannot serve it (a row
+    without a certificate, a top-k the candidates cannot hold): the caller then draws
+    from the full head. Nothing is drawn from `generator` before that is known.
+    `full_logits()` gives the row's full logits [V] for the rare top-p decision the
+    bounds leave open (None: such a draw returns None too, before drawing)."""
     for temperatures in margins:
         (candidates,) = screen.select(torch.tensor([margin(params, temperatures)], dtype=torch.float64), rows=[row])
         if candidates is None:
             return None
-        token = _draw(screen, row, hidden, candidates, params, generator)
-        if token is not None:
+        draw = _Draw(screen, row, hidden, candidates, params, generator, full_logits)
+        if params.top_k and params.top_k < screen.head.vocab:
+            token = draw.within_top_k()
+            if token is None:
+                continue  # a wider selection may hold the top k
             return token
+        return draw.with_membership()
     return None
 
 
-def _draw(screen: Screen, row: int, hidden: torch.Tensor, candidates: Candidates, params: SamplingParams,
-          generator: torch.Generator | None) -> int | None:
-    head = screen.head
-    rows, cut, T = candidates.rows, candidates.cut, params.temperature
-    vocab = head.vocab
-    logits = head.exact_logits(hidden.unsqueeze(0), rows)[0].double()
-    scores = logits / T
-    kept = torch.ones_like(logits, dtype=torch.bool)
-    others_kept = True  # whether the rows outside the candidates keep their mass
-    if params.top_k and params.top_k < vocab:
-        if rows.numel() < params.top_k:
+class _Draw:
+    """One draw at one row: the candidates' exact logits, the tail's bins, the rules."""
+
+    def __init__(self, screen, row, hidden, candidates: Candidates, params: SamplingParams, generator, full_logits):
+        self.screen, self.row, self.hidden, self.params, self.generator = screen, row, hidden, params, generator
+        self.full_logits = full_logits
+        self.rows, self.cut, self.T = candidates.rows, candidates.cut, params.temperature
+        self.head = screen.head
+        self.logits = self.head.exact_logits(hidden.unsqueeze(0), self.rows)[0].double()
+        self.scores = self.logits / self.T
+        self.top = float(self.scores.max())  # the largest logit is a candidate
+
+    def _pick(self, weights: torch.Tensor, u: float) -> int:
+        cumulative = torch.cumsum(weights, 0)
+        return int(self.rows[int(torch.searchsorted(cumulative, torch.tensor([u], dtype=torch.float64), right=True))])
+
+    def within_top_k(self) -> int | None:
+        """Top-k decided among the candidates (None when a row outside could be in it),
+        then top-p and min-p exactly over the k kept, and one inverse-CDF draw."""
+        k = self.params.top_k
+        if self.rows.numel() < k:
             return None
-        kth = torch.topk(logits, params.top_k).values[-1]
-        if not float(kth) > cut + _SAFETY * abs(cut):  # a row outside could reach the k-th largest
+        kth = torch.topk(self.logits, k).values[-1]
+        if not float(kth) > self.cut + _SAFETY * abs(self.cut):
             return None
-        kept &= logits >= kth  # ties with the k-th survive, as in TopKLogitsWarper
-        others_kept = False
-    top = float(scores[kept].max())
-    step = TAIL_STEP * T
-    bins = screen.tail_counts(row, cut, step, TAIL_BINS).double() if others_kept else None
-    envelopes = torch.exp((cut - step * torch.arange(TAIL_BINS, dtype=torch.float64)) / T - top)
-    unknown = float((bins * envelopes).sum()) if others_kept else 0.0  # the most the rows outside can hold
-    if params.top_p is not None and params.top_p < 1.0:
-        ranked_logits = torch.sort(logits[kept], descending=True).values
-        values = torch.exp(ranked_logits / T - top)
-        known = float(values.sum())
-        mass_above = torch.cumsum(values, 0) - values
-        # TopPLogitsWarper's rule: a token goes when the tokens ranked above it hold top_p
-        # of the mass; the total is known up to what the rows outside could add.
-        last = [int((mass_above < params.top_p * total).sum()) - 1 for total in (known, known + unknown)]
-        if last[0] != last[1]:  # the nucleus's end depends on mass the bound leaves open
-            return None
-        cut_logit = float(ranked_logits[max(last[0], 0)])
-        if others_kept and not cut_logit > cut + _SAFETY * abs(cut):
-            return None  # a row outside could tie into the nucleus
-        kept &= logits >= cut_logit  # ties with the last kept survive
-        others_kept = False
-    if params.min_p is not None:
-        threshold = top + math.log(params.min_p)  # p_i >= min_p p_max
-        kept &= scores >= threshold
-        if others_kept:
-            if cut / T >= threshold - _SAFETY * abs(threshold):  # a row outside could pass it
-                return None
-            others_kept = False
-    weights = torch.exp(scores - top) * kept
-    known = float(weights.sum())
-    tail = bins * envelopes if others_kept else torch.zeros(TAIL_BINS, dtype=torch.float64)
-    unknown = float(tail.sum())
-    cumulative, tail_cumulative = torch.cumsum(weights, 0), torch.cumsum(tail, 0)
-    while True:
-        u = _uniform(generator) * (known + unknown)
-        if u < known:
-            return int(rows[int(torch.searchsorted(cumulative, torch.tensor([u], dtype=torch.float64), right=True))])
-        # A bin of the tail by its envelope mass, a row of it uniformly, accepted with its
-        # weight over the bin's envelope.
-        b = min(int(torch.searchsorted(tail_cumulative, torch.tensor([u - known], dtype=torch.float64), right=True)),
-                TAIL_BINS - 1)
-        count = int(bins[b])
-        if count == 0:  # rounding put u past the last non-empty bin
-            continue
-        token = screen.tail_row(row, cut, step, TAIL_BINS, b, min(int(_uniform(generator) * count), count - 1))
-        exact = float(head.exact_logits(hidden.unsqueeze(0), torch.tensor([token]))[0, 0])
-        if _uniform(generator) < math.exp((exact - (cut - b * step)) / T):
+        kept = self.logits >= kth  # ties with the k-th survive, as in TopKLogitsWarper
+        weights = torch.exp(self.scores - self.top) * kept
+        if self.params.top_p is not None and self.params.top_p < 1.0:
+            ranked = torch.sort(self.logits[kept], descending=True).values
+            values = torch.exp(ranked / self.T - self.top)
+            mass_above = torch.cumsum(values, 0) - values
+            last = int((mass_above < self.params.top_p * values.sum()).sum()) - 1
+            kept &= self.logits >= ranked[max(last, 0)]  # ties with the last kept survive
+        if self.params.min_p is not None:
+            kept &= self.scores >= self.top + math.log(self.params.min_p)  # p_i >= min_p p_max
+        weights = torch.exp(self.scores - self.top) * kept
+        return self._pick(weights, _uniform(self.generator) * float(weights.sum()))
+
+    def with_membership(self) -> int | None:
+        """Without top-k: a token drawn from the untruncated distribution (the candidates'
+        exact weights, the tail through its bins), kept when top-p and min-p keep it and
+        drawn again otherwise (the accepted token then follows the truncated
+        distribution exactly)."""
+        T, cut = self.T, self.cut
+        step = TAIL_STEP * T
+        bins = self.screen.tail_counts(self.row, cut, step, TAIL_BINS).double()
+        envelopes = torch.exp((cut - step * torch.arange(TAIL_BINS, dtype=torch.float64)) / T - self.top)
+        tail = bins * envelopes
+        weights = torch.exp(self.scores - self.top)
+        known, unknown = float(weights.sum()), float(tail.sum())
+        top_p = self.params.top_p if self.params.top_p is not None and self.params.top_p < 1.0 else None
+        if top_p is not None and self.full_logits is None and unknown > 0:
+            return None  # a decision the bounds leave open would need the full head
+        tail_cumulative = torch.cumsum(tail, 0)
+        while True:
+            u = _uniform(self.generator) * (known + unknown)
+            if u < known:
+                token = self._pick(weights, u)
+                logit = float(self.logits[int(torch.searchsorted(self.rows, torch.tensor([token])))])
+            else:
+                b = min(int(torch.searchsorted(tail_cumulative, torch.tensor([u - known], dtype=torch.float64),
+                                               right=True)), TAIL_BINS - 1)
+                count = int(bins[b])
+                if count == 0:  # rounding put u past the last non-empty bin
+                    continue
+                token = self.screen.tail_row(self.row, cut, step, TAIL_BINS, b,
+                                             min(int(_uniform(self.generator) * count), count - 1))
+                logit = float(self.head.exact_logits(self.hidden.unsqueeze(0), torch.tensor([token]))[0, 0])
+                if not _uniform(self.generator) < math.exp((logit - (cut - b * step)) / T):
+                    continue
+            if self.params.min_p is not None and logit / T < self.top + math.log(self.params.min_p):
+                continue
+            if top_p is not None and not self._in_nucleus(logit, weights, known, unknown, top_p):
+                continue
             return token
+
+    def _in_nucleus(self, logit: float, weights: torch.Tensor, known: float, unknown: float, top_p: float) -> bool:
+        """TopPLogitsWarper's rule for one token: kept when the mass strictly above its
+        logit is below top_p of the total. From the bounds (the candidates' exact mass,
+        the tail's between 0 and its envelopes), or, where they leave it open, from the
+        full head."""
+        above = float(weights[self.logits > logit].sum())
+        tail_above = unknown if logit < self.cut else 0.0  # the tail lies below the cut
+        if above + tail_above < top_p * known:
+            return True
+        if above >= top_p * (known + unknown):
+            return False
+        self.head.stats.undecided += 1
+        exact = self.full_logits().double() / self.T
+        mass = torch.exp(exact - float(exact.max()))
+        return float(mass[exact > logit / self.T].sum()) < top_p * float(mass.sum())

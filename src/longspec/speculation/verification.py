@@ -64,10 +64,10 @@ class NodeScores:
         if head is not None and certified_sampling_applies(params):
             if self._screen is None:  # every node in one screen
                 self._screen, self._screen_offset = head.screen(self._hidden), 0
-            token = certified_draw(self._screen, self._screen_offset + node, self._hidden[node], params, generator)
+            token = certified_draw(self._screen, self._screen_offset + node, self._hidden[node], params, generator,
+                                   full_logits=lambda: self._model.logits(self._hidden[node : node + 1])[0])
             if token is not None:
                 return token
-            head.stats.undecided += 1
         history = None if histories is None else histories[node : node + 1]
         probs = processed_probs(self.logits[node : node + 1], history, params)
         return int(sample(probs, generator)[0])

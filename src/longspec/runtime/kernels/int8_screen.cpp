@@ -399,6 +399,60 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> candidates(
   return {indices, offsets, count_tensor, cut_tensor};
 }
 
+// Activation rows h [M, H] (bf16) -> int16 codes [M, K] (K = groups * group, zero past
+// H), their float32 scales [M, G] (alpha = the group's largest |h| / 32767, rounded up)
+// and the bound's coefficients [M, 3] in float64: (||h|| + ||d||, ||d||, gamma (|h|_1 +
+// |d|_1)), d = h - alpha x the remainder, each inflated by 2^-40 for its own rounding;
+// and whether each row is finite (a row that is not gets zero codes).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& h, int64_t group, int64_t groups,
+                                                                    double gamma) {
+  TORCH_CHECK(h.scalar_type() == at::kBFloat16 && h.dim() == 2 && h.is_contiguous(), "h: contiguous bf16 [M, H]");
+  const int64_t M = h.size(0), H = h.size(1), K = group * groups;
+  TORCH_CHECK(H <= K, "more columns than the packed width");
+  at::Tensor codes = at::zeros({M, K}, h.options().dtype(at::kShort));
+  at::Tensor alpha = at::zeros({M, groups}, h.options().dtype(at::kFloat));
+  at::Tensor coefficients = at::zeros({M, 3}, h.options().dtype(at::kDouble));
+  at::Tensor finite = at::empty({M}, h.options().dtype(at::kBool));
+  const auto* bits = reinterpret_cast<const uint16_t*>(h.data_ptr());
+  constexpr double kCodes = 32767.0, kInflate = 1 + 0x1p-40;
+  for (int64_t r = 0; r < M; ++r) {
+    std::vector<double> x(K, 0.0);
+    bool ok = true;
+    for (int64_t k = 0; k < H; ++k) {
+      const uint32_t word = uint32_t(bits[r * H + k]) << 16;
+      float value;
+      std::memcpy(&value, &word, sizeof value);
+      ok &= std::isfinite(value);
+      x[k] = value;
+    }
+    finite.data_ptr<bool>()[r] = ok;
+    if (!ok) continue;
+    double h_sq = 0, d_sq = 0, h_abs = 0, d_abs = 0;
+    for (int64_t g = 0; g < groups; ++g) {
+      double largest = 0;
+      for (int64_t k = g * group; k < (g + 1) * group; ++k) largest = std::fabs(x[k]) > largest ? std::fabs(x[k]) : largest;
+      float a = static_cast<float>(largest / kCodes);
+      if (double(a) < largest / kCodes) a = std::nextafter(a, INFINITY);  // rounded up: |x / a| <= 32767
+      alpha.data_ptr<float>()[r * groups + g] = a;
+      for (int64_t k = g * group; k < (g + 1) * group; ++k) {
+        const double code = a > 0 ? std::nearbyint(x[k] / double(a)) : 0.0;
+        const double clamped = code > kCodes ? kCodes : (code < -kCodes ? -kCodes : code);
+        codes.data_ptr<int16_t>()[r * K + k] = static_cast<int16_t>(clamped);
+        const double d = x[k] - clamped * double(a);
+        h_sq += x[k] * x[k];
+        d_sq += d * d;
+        h_abs += std::fabs(x[k]);
+        d_abs += std::fabs(d);
+      }
+    }
+    double* k3 = coefficients.data_ptr<double>() + 3 * r;
+    k3[0] = (std::sqrt(h_sq) + std::sqrt(d_sq)) * kInflate;
+    k3[1] = std::sqrt(d_sq) * kInflate;
+    k3[2] = gamma * (h_abs + d_abs) * kInflate;
+  }
+  return {codes, alpha, coefficients, finite};
+}
+
 // The rows outside a sampler's candidates (upper bound below `cut`), by how far below:
 // row i falls in bin b = floor((cut - hi_i) / step), the last bin taking every row further
 // down, so every row of bin b has hi_i <= cut - b step (its envelope). `pick` >= 0 asks
@@ -465,6 +519,8 @@ TORCH_LIBRARY_FRAGMENT(longspec_native, m) {
   m.def("int8_screen_candidates(Tensor s, Tensor e, Tensor w, Tensor c, Tensor coefficients, Tensor margins, "
         "Tensor maxima, float u, float tiny, int cap) -> (Tensor, Tensor, Tensor, Tensor)");
   m.impl("int8_screen_candidates", c10::DispatchKey::CPU, TORCH_FN(candidates));
+  m.def("int8_screen_quantize(Tensor h, int group, int groups, float gamma) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.impl("int8_screen_quantize", c10::DispatchKey::CPU, TORCH_FN(quantize));
   m.def("int8_screen_tail(Tensor s, Tensor e, Tensor w, Tensor c, Tensor coefficients, Tensor maxima, float u, "
         "float tiny, float cut, float step, int bins, int bin, int pick) -> Tensor");
   m.impl("int8_screen_tail", c10::DispatchKey::CPU, TORCH_FN(tail));
