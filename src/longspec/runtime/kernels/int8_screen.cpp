@@ -459,15 +459,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize(const at::Te
 // instead for the pick-th row (ascending) of bin `bin`. Rows far below need no exact
 // bound: a float test with the largest band puts them in the last bin.
 template <class Visit>
-void tail_bins(const float* row, int64_t N, const float* ep, const float* wp, const float* cp, const double* k,
-               const double* maxima, double u, double tiny, double cut, double step, int64_t bins, Visit visit) {
+void tail_bins(const float* row, int64_t begin, int64_t N, const float* ep, const float* wp, const float* cp,
+               const double* k, const double* maxima, double u, double tiny, double cut, double step, int64_t bins,
+               Visit visit) {
   const double a = k[0], d = k[1], b = k[2];
   const double band_max = a * maxima[0] + d * maxima[1] + b * maxima[2] + tiny;
   const double last_top = cut - (bins - 1) * step;  // rows whose bound cannot reach this are in the last bin
   const double reach = last_top - band_max * (1 + u);
   const double least = reach >= 0 ? reach / (1 + u) : reach / (1 - u);
   const float far = std::nextafter(std::nextafter(static_cast<float>(least), -INFINITY), -INFINITY);
-  for (int64_t i = 0; i < N; ++i) {
+  for (int64_t i = begin; i < N; ++i) {
     if (row[i] < far) {
       visit(i, bins - 1);
       continue;
@@ -492,14 +493,26 @@ at::Tensor tail(const at::Tensor& s, const at::Tensor& e, const at::Tensor& w, c
   const float* row = s.data_ptr<float>();
   const float *ep = e.data_ptr<float>(), *wp = w.data_ptr<float>(), *cp = c.data_ptr<float>();
   const double *k = coefficients.data_ptr<double>(), *m = maxima.data_ptr<double>();
-  if (pick < 0) {
+  if (pick < 0) {  // counts per bin, the row split among the threads
+    constexpr int64_t kSpan = 16384;
+    const int64_t spans = (N + kSpan - 1) / kSpan;
+    std::vector<std::vector<int64_t>> partial(spans, std::vector<int64_t>(bins, 0));
+    at::parallel_for(0, spans, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t part = lo; part < hi; ++part) {
+        auto& count = partial[part];
+        const int64_t end = (part + 1) * kSpan < N ? (part + 1) * kSpan : N;
+        tail_bins(row, part * kSpan, end, ep, wp, cp, k, m, u, tiny, cut, step, bins,
+                  [&](int64_t, int64_t b) { ++count[b]; });
+      }
+    });
     at::Tensor counts = at::zeros({bins}, s.options().dtype(at::kLong));
     int64_t* count = counts.data_ptr<int64_t>();
-    tail_bins(row, N, ep, wp, cp, k, m, u, tiny, cut, step, bins, [&](int64_t, int64_t b) { ++count[b]; });
+    for (const auto& part : partial)
+      for (int64_t b = 0; b < bins; ++b) count[b] += part[b];
     return counts;
   }
   int64_t seen = 0, found = -1;
-  tail_bins(row, N, ep, wp, cp, k, m, u, tiny, cut, step, bins, [&](int64_t i, int64_t b) {
+  tail_bins(row, 0, N, ep, wp, cp, k, m, u, tiny, cut, step, bins, [&](int64_t i, int64_t b) {
     if (b == bin && seen++ == pick && found < 0) found = i;
   });
   TORCH_CHECK(found >= 0, "bin ", bin, " has no row ", pick);
