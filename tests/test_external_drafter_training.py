@@ -141,7 +141,7 @@ def test_trained_drafters_load_from_their_directory_and_stay_lossless(tmp_path):
 def test_resuming_with_another_vocabulary_is_refused(tmp_path):
     target = tiny_decoder("gemma3", dtype=torch.float32)
     _train(tmp_path / "run", target, reduced_vocabulary(_tokens(), target.config, 60), "mamba", steps=2)
-    with pytest.raises(ValueError, match="another vocabulary"):
+    with pytest.raises(ValueError, match="vocab changed"):
         _train(tmp_path / "run", target, reduced_vocabulary(_tokens(), target.config, 50), "mamba", steps=2)
 
 

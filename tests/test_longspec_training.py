@@ -224,8 +224,8 @@ def test_a_run_killed_before_its_first_checkpoint_logs_each_step_once(tmp_path):
     killed = LongSpecTrainer(target, _tokens(), tmp_path / "run", _options(save_every=10), draft_config=config,
                              progress=False)
     killed.train(stop_after=3)  # stopping saves a checkpoint; a kill before step 10 leaves none:
-    (tmp_path / "run" / "draft.safetensors").unlink()
-    (tmp_path / "run" / "trainer_state.pt").unlink()
+    for name in ("draft.safetensors", "draft.json", "trainer_state.pt", "checkpoint.json"):
+        (tmp_path / "run" / name).unlink()
     restarted = LongSpecTrainer(target, _tokens(), tmp_path / "run", _options(save_every=10), draft_config=config,
                                 progress=False)
     assert restarted.step == 0

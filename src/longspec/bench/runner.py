@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from longspec.bench.methods import BenchMethod, RunOutput, Setting, SkippedMethod, Unavailable
 from longspec.bench.tasks import Prompt
+from longspec.runtime.atomic_files import trim_torn_tail, write_atomically
 from longspec.speculation.metrics import distinct_n
 
 AR_REFERENCE = "ar"  # our autoregressive decoding
@@ -117,17 +118,16 @@ class BenchRunner:
                     f"{self.target.config.max_position_embeddings}; use smaller context buckets or fewer new tokens"
                 )
         out_path = Path(out_path)
-        done = load_rows(out_path) if resume and out_path.is_file() else []
+        done = []
+        if resume and out_path.is_file():
+            trim_torn_tail(out_path, _is_json)  # a row cut off by a killed run is run again
+            done = load_rows(out_path)
+            check_same_run(done, header or {}, out_path)
         done_keys = {row_key(r) for r in done if r.get("kind") == "run"}
-        if done:  # rewrite what parsed, dropping a line cut off by a killed run
-            with out_path.open("w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in done)
-        else:
+        if not done:
             done = [{"kind": "header", **(header or {})}]
             done += [{"kind": "skipped", "method": s.name, "reason": s.reason} for s in self.skipped]
-            out_path.parent.mkdir(parents=True, exist_ok=True)
-            with out_path.open("w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in done)
+            write_atomically(out_path, "".join(json.dumps(r) + "\n" for r in done))
         plan = [(p, s, repeat, m) for p in prompts for s in settings
                 for repeat in range(self.options.repeats) for m in self._rotated(repeat)]
         todo = [job for job in plan if self._key(*job) not in done_keys]
@@ -285,6 +285,31 @@ class BenchRunner:
 def row_key(row: dict) -> tuple:
     return (row["task"], row["item"], row["bucket"], row["context_tokens"], row["setting"], row["seed"],
             row["method"], row["max_new_tokens"], row.get("repeat", 0))  # files from before repeats: one run
+
+
+# What must match for rows of one results file to be compared: a resumed run with another
+# model, dtype, output length or machine would merge rows that do not belong together.
+RESUME_KEYS = ("model", "dtype", "max_new_tokens", "ignore_eos", "repeats", "machine")
+
+
+def check_same_run(rows: list[dict], header: dict, path: Path) -> None:
+    """Refuse to resume `path` with a header that differs where rows would not compare."""
+    old = next((r for r in rows if r.get("kind") == "header"), None)
+    if old is None:
+        raise ValueError(f"{path} has no header line: not a results file of `longspec bench`; pass another --out")
+    changed = [key for key in RESUME_KEYS if key in header and old.get(key) != header.get(key)]
+    if changed:
+        details = "; ".join(f"{key}: {old.get(key)!r} -> {header.get(key)!r}" for key in changed)
+        raise ValueError(f"--resume of {path} with a different run ({details}); resume with the same options on the "
+                         "same machine, or pass a new --out")
+
+
+def _is_json(line: bytes) -> bool:
+    try:
+        json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
+    return True
 
 
 def load_rows(path: Path) -> list[dict]:

@@ -9,6 +9,7 @@ the reason is logged once.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -39,20 +40,39 @@ def native_ops():
     try:
         from torch.utils.cpp_extension import load
 
-        load(
-            name=LIBRARY,
-            sources=[str(source) for source in SOURCES],
-            extra_cflags=["-O3", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
+        with _build_lock():
+            load(
+                name=LIBRARY,
+                sources=[str(source) for source in SOURCES],
+                extra_cflags=["-O3", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+                verbose=False,
+            )
     except (RuntimeError, OSError, ImportError) as error:
         text = str(error).strip()
         reason = text.splitlines()[0] if text else type(error).__name__
         log.warning("native CPU kernels could not be built (%s); PyTorch and oneDNN run instead, decode is slower", reason)
         return None
     return getattr(torch.ops, LIBRARY)
+
+
+@contextlib.contextmanager
+def _build_lock():
+    """Hold a lock of our own while PyTorch builds or loads the library. PyTorch's own
+    build lock is a file that a process killed mid-build leaves behind, and every later
+    process would wait on it forever; ours is released by the kernel when its holder
+    dies, so a `lock` file found while holding ours is a dead builder's: removed."""
+    from filelock import FileLock
+    from torch.utils.cpp_extension import _get_build_directory
+
+    directory = Path(_get_build_directory(LIBRARY, False))
+    with FileLock(str(directory / "longspec-build.lock")):
+        stale = directory / "lock"
+        if stale.exists():
+            log.warning("removing the build lock of a native-kernel build that was killed (%s)", stale)
+            stale.unlink(missing_ok=True)
+        yield
 
 
 @functools.cache

@@ -18,6 +18,8 @@ rows of every batch (DDP).
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -32,7 +34,7 @@ from longspec.speculation.drafters.shared.vocab_map import VocabMap
 from longspec.training.data import SequenceSampler, most_frequent_ids
 from longspec.training.fingerprint import target_fingerprint, tokens_fingerprint
 from longspec.training.longspec.features import IGNORE, FeatureCache
-from longspec.training.resumable import ResumableTrainer
+from longspec.training.resumable import RUN_CONTROL, ResumableTrainer
 
 WEIGHTS_NAME = "model.safetensors"  # what `save_pretrained` writes
 LABELS_VERSION = 1
@@ -96,7 +98,12 @@ class ExternalDrafterTrainer(ResumableTrainer):
         self.sampler = SequenceSampler(train_tokens, options.seq_len, options.seed, options.row_prefix, options.max_rows)
         self.drafter = model.to(device=self.device, dtype=torch.float32).train()
         weights = self.out / WEIGHTS_NAME
-        if weights.is_file():
+        # What the run trains on: a resume with another target, corpus, drafter or options is refused.
+        inputs = {"trainer": "external", "target": target_fingerprint(target), "tokens": tokens_fingerprint(train_tokens),
+                  "options": {k: v for k, v in asdict(options).items() if k not in RUN_CONTROL},
+                  "architecture": model.config.to_dict(), "vocab": vocab.target_ids.tolist()}
+        resume = self._resume_point(inputs)
+        if resume:
             from safetensors.torch import load_file
 
             saved = VocabMap.load(self.out)
@@ -114,7 +121,7 @@ class ExternalDrafterTrainer(ResumableTrainer):
         forward_module = self.drafter if forward_module is None else forward_module.to(self.device, torch.float32)
         if {id(p) for p in forward_module.parameters()} != {id(p) for p in self.drafter.parameters()}:
             raise ValueError("forward_module must compute the logits from the drafter's own parameters")
-        self._prepare_optimization(forward_module, options, resume=weights.is_file())
+        self._prepare_optimization(forward_module, options, resume=resume)
 
     # ------------------------------------------------------------------ loop
     @property
@@ -157,14 +164,15 @@ class ExternalDrafterTrainer(ResumableTrainer):
     def save(self) -> None:
         if self.rank != 0:
             return
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.drafter.save_pretrained(self.out, safe_serialization=True)
-        self.vocab.to(HOST).save(self.out)
         state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "step": self.step,
                  "position": self.position, "options": asdict(self.options)}
-        tmp = self.out / (self.state_name + ".tmp")
-        torch.save(state, tmp)
-        tmp.replace(self.out / self.state_name)
+        # `transformers` writes the model's files; they join the checkpoint as one unit.
+        with tempfile.TemporaryDirectory(dir=self.out.parent if self.out.parent.exists() else None) as scratch:
+            scratch = Path(scratch)
+            self.drafter.save_pretrained(scratch, safe_serialization=True)
+            self.vocab.to(HOST).save(scratch)
+            writers = {f.name: (lambda path, f=f: shutil.copyfile(f, path)) for f in sorted(scratch.iterdir()) if f.is_file()}
+            self._commit(writers, state)
 
 
 def cut_vocabulary(model, vocab: VocabMap, frequencies: torch.Tensor, keep: int, always: list[int]) -> VocabMap:

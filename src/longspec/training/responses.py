@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from itertools import accumulate
 from pathlib import Path
 
+from longspec.runtime.atomic_files import trim_torn_tail
 from longspec.training.data import Document, is_held_out
 
 CODE_SUFFIXES = (".py", ".c", ".h", ".js")
@@ -149,20 +150,21 @@ class ResponseSettings:
             raise ValueError(f"batch_rows must be >= 1, got {self.batch_rows}")
 
 
+def _is_response(line: bytes) -> bool:
+    try:
+        return "id" in json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError, TypeError):
+        return False
+
+
 def answered_ids(path: Path) -> set[str]:
-    """Prompt ids already in a responses file. A line cut off by a killed run is dropped
-    from the file (its prompt is answered again), so new rows start on a line of their own."""
+    """Prompt ids already in a responses file. Only a last line cut off by a killed run
+    is dropped (its prompt is answered again); a damaged line elsewhere is refused,
+    never silently lost."""
     if not path.is_file():
         return set()
-    kept, done = [], set()
-    for line in path.read_text().splitlines():
-        try:
-            done.add(json.loads(line)["id"])
-        except (json.JSONDecodeError, KeyError, TypeError):
-            continue
-        kept.append(line + "\n")
-    path.write_text("".join(kept))
-    return done
+    trim_torn_tail(path, _is_response)
+    return {json.loads(line)["id"] for line in path.read_text().splitlines() if line.strip()}
 
 
 def write_responses(model, prompts: Sequence[ResponsePrompt], out_path: Path, settings: ResponseSettings,

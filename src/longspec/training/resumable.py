@@ -6,6 +6,8 @@ from its checkpoint's step (rows logged after it are dropped)."""
 from __future__ import annotations
 
 import csv
+import io
+import json
 import math
 import time
 from pathlib import Path
@@ -13,7 +15,12 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from longspec.runtime.atomic_files import Checkpoint, CheckpointError, trim_torn_tail, write_atomically
+
 LOSS_LOG = "loss.csv"
+# Options that steer a run without changing what it learns at a step: a resume may change
+# them (train further with more steps, save more often); every other option is an input.
+RUN_CONTROL = frozenset({"steps", "save_every"})
 
 
 def cosine_lr(step: int, steps: int, warmup: int, min_lr_ratio: float) -> float:
@@ -33,6 +40,25 @@ class ResumableTrainer:
     progress_label = "train"
     state_name = "trainer_state.pt"
 
+    def _resume_point(self, inputs: dict) -> bool:
+        """Whether `out` holds a checkpoint to resume from: its files checked against its
+        manifest and `inputs` (what the run trains on) against the ones it was trained on
+        (`runtime.atomic_files.Checkpoint`; raises CheckpointError naming the difference).
+        Call before loading anything from `out`."""
+        self.inputs = json.loads(json.dumps(inputs, sort_keys=True, default=str))
+        self.checkpoint = Checkpoint(self.out)
+        manifest = self.checkpoint.verify(self.inputs)
+        if manifest is None and (Path(self.out) / self.state_name).is_file():
+            raise CheckpointError(f"{self.out} holds a run without a checkpoint manifest (written by an older "
+                                  "version, or damaged): start a new run (another --out)")
+        return manifest is not None
+
+    def _commit(self, writers: dict, state: dict) -> None:
+        """Write this step's checkpoint (the module's files from `writers`, name -> writer
+        of a path, and the optimizer `state`) as one unit."""
+        self.checkpoint.commit({**writers, self.state_name: lambda path: torch.save(state, path)}, self.inputs,
+                               self.step)
+
     def _prepare_optimization(self, module, options, resume: bool) -> None:
         """DDP across ranks, AdamW with the cosine schedule, and — when `resume` (the run
         directory holds weights) — the optimizer, schedule, step and data position of the
@@ -49,7 +75,7 @@ class ResumableTrainer:
         self.position = 0  # sequences consumed, all ranks together
         state_file = Path(self.out) / self.state_name
         if resume and state_file.is_file():
-            state = torch.load(state_file, weights_only=False, map_location=self.device)
+            state = torch.load(state_file, weights_only=True, map_location=self.device)
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
             self.step, self.position = state["step"], state["position"]
@@ -81,14 +107,18 @@ class ResumableTrainer:
         return self.trained_module
 
     def _truncate_log(self) -> None:
-        """Drop loss rows logged after the checkpoint a resumed run starts from."""
+        """Drop loss rows logged after the checkpoint a resumed run starts from (and a
+        row a kill cut off), rewriting the log atomically."""
         path = Path(self.out) / LOSS_LOG
         if self.rank != 0 or not path.is_file():
             return
+        trim_torn_tail(path, lambda line: len(line.split(b",")) == 5)
         rows = list(csv.reader(path.open()))
         kept = rows[:1] + [r for r in rows[1:] if int(r[0]) <= self.step]
-        with path.open("w", newline="") as f:
-            csv.writer(f).writerows(kept)
+        if len(kept) != len(rows):
+            buffer = io.StringIO()
+            csv.writer(buffer).writerows(kept)
+            write_atomically(path, buffer.getvalue())
 
     def _log(self, loss: float, tokens: int, elapsed: float) -> None:
         if self.rank != 0:

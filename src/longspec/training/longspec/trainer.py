@@ -21,10 +21,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from safetensors.torch import save_file
 
 from longspec.runtime.device import HOST
 from longspec.runtime.model import Decoder
-from longspec.speculation.drafters.longspec.checkpoint import load_draft, save_draft
+from longspec.speculation.drafters.longspec.checkpoint import config_path, draft_config_json, draft_tensors, load_draft
 from longspec.speculation.drafters.longspec.config import DraftConfig
 from longspec.speculation.drafters.longspec.model import DraftModel, chunked_cross_entropy, cross_attention_bias, target_rope
 from longspec.training.data import SequenceSampler, most_frequent_ids
@@ -32,7 +33,7 @@ from longspec.training.fingerprint import target_fingerprint, tokens_fingerprint
 from longspec.training.longspec.features import FEATURES_VERSION, IGNORE, FeatureCache, target_features
 from longspec.training.longspec.warm_start import warm_start_from_target
 from longspec.training.longspec.visibility import NoisyShift, anchor_offset_positions
-from longspec.training.resumable import ResumableTrainer
+from longspec.training.resumable import RUN_CONTROL, ResumableTrainer
 
 WEIGHTS_NAME = "draft.safetensors"
 
@@ -92,8 +93,15 @@ class LongSpecTrainer(ResumableTrainer):
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         self.sampler = SequenceSampler(train_tokens, options.seq_len, options.seed, options.row_prefix, options.max_rows)
         weights = self.out / WEIGHTS_NAME
+        # What the run trains on: a resume with another target, corpus or options is refused.
+        inputs = {"trainer": "longspec", "target": target_fingerprint(target), "tokens": tokens_fingerprint(train_tokens),
+                  "options": {k: v for k, v in options.describe().items() if k not in RUN_CONTROL},
+                  "draft_config": draft_config.to_dict() if draft_config is not None else None,
+                  "draft_vocab": draft_vocab, "init_from": str(init_from) if init_from is not None else None,
+                  "warm_start": warm_start}
+        resume = self._resume_point(inputs)
         with torch.device(HOST):  # built on the host, then moved to the target's device
-            if weights.is_file():
+            if resume:
                 self.draft = load_draft(weights, target.config).requires_grad_(True).train()
             elif init_from is not None:
                 # Continue training an existing draft (its config and vocabulary) with a
@@ -123,7 +131,7 @@ class LongSpecTrainer(ResumableTrainer):
         self.label_map = torch.full((config.vocab_size,), IGNORE, dtype=torch.long, device=self.device)
         ids = self.draft.vocab_ids if self.draft.reduced_vocab else torch.arange(config.vocab_size, device=self.device)
         self.label_map[ids] = torch.arange(ids.numel(), device=self.device)
-        self._prepare_optimization(self.draft, options, resume=weights.is_file())
+        self._prepare_optimization(self.draft, options, resume=resume)
 
     # ------------------------------------------------------------------ loop
     @property
@@ -189,11 +197,11 @@ class LongSpecTrainer(ResumableTrainer):
         if self.rank != 0:
             return
         meta = {"step": self.step, "options": self.options.describe()}
-        save_draft(self.draft, self.out / WEIGHTS_NAME, meta=meta)
-        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "step": self.step, "position": self.position}
-        tmp = self.out / (self.state_name + ".tmp")
-        torch.save(state, tmp)
-        tmp.replace(self.out / self.state_name)
+        weights = self.out / WEIGHTS_NAME
+        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "step": self.step,
+                 "position": self.position}
+        self._commit({weights.name: lambda path: save_file(draft_tensors(self.draft), str(path)),
+                      config_path(weights).name: lambda path: path.write_text(draft_config_json(self.draft, meta))}, state)
 
 
 def training_hidden(model, config: DraftConfig, target: Decoder, features: dict, cross_mask: torch.Tensor,

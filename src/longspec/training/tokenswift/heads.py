@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from longspec.runtime.atomic_files import Checkpoint, CheckpointError, trim_torn_tail, write_atomically
 from longspec.runtime.device import HOST
 from longspec.speculation.drafters.tokenswift.heads import TokenSwiftHeads
 from longspec.training.tokenswift.data import batches, split_heldout
@@ -69,6 +70,26 @@ def _run_defining(config: dict) -> dict:
 def training_dtype(target) -> torch.dtype:
     """The heads' weights and the loss: float32, or the target's dtype where it is wider."""
     return torch.promote_types(target.dtype, torch.float32)
+
+
+def verify_committed(out_dir: Path) -> None:
+    """Refuse to resume from heads and state that are not a committed checkpoint's."""
+    checkpoint = Checkpoint(out_dir)
+    manifest = checkpoint.manifest()
+    if manifest is None:
+        raise CheckpointError(f"{out_dir} holds a run without a checkpoint manifest (written by an older version, "
+                              "or damaged): start a new --out")
+    checkpoint.verify(manifest["inputs"])  # every file as committed
+
+
+def keep_curve_until(path: Path, step: int) -> None:
+    """A resumed run's curve: the rows up to its checkpoint's step (later rows, and a row a
+    kill cut off, are written again), rewritten atomically."""
+    trim_torn_tail(path)
+    lines = path.read_text().splitlines(keepends=True)
+    kept = lines[:1] + [line for line in lines[1:] if line.split(",")[0].isdigit() and int(line.split(",")[0]) <= step]
+    if len(kept) != len(lines):
+        write_atomically(path, "".join(kept))
 
 
 def lr_factor(step: int, config: HeadsTrainingConfig) -> float:
@@ -162,7 +183,8 @@ def train_heads(target, data: torch.Tensor, out_dir: Path, config: HeadsTraining
     if resume:
         if not state_path.is_file():
             raise FileNotFoundError(f"cannot resume: {state_path} does not exist (run without --resume first)")
-        state = torch.load(state_path, weights_only=False, map_location=target.device)
+        verify_committed(out_dir)
+        state = torch.load(state_path, weights_only=True, map_location=target.device)
         if _run_defining(state["config"]) != _run_defining(asdict(config)):
             raise ValueError(f"cannot resume: {state_path} was written with a different configuration {state['config']}")
         if data_key is not None and state.get("data_key") != data_key:
@@ -174,16 +196,19 @@ def train_heads(target, data: torch.Tensor, out_dir: Path, config: HeadsTraining
 
     curve_path = out_dir / CURVE_FILE
     new_curve = not (resume and curve_path.exists())
+    if not new_curve:
+        keep_curve_until(curve_path, start_step)
     curve = curve_path.open("w" if new_curve else "a", newline="")
     writer = csv.writer(curve)
     if new_curve:
         writer.writerow(["step", "tokens", "elapsed_s", "lr", "train_loss", "eval_loss", "eval_acc_head1",
                          "eval_acc_head2", "eval_acc_head3"])
 
-    def save(step: int) -> None:
-        heads.save(out_dir / HEADS_FILE)
-        torch.save({"config": asdict(config), "heads": heads.state_dict(), "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(), "step": step, "data_key": data_key}, state_path)
+    def save(step: int) -> None:  # the heads and the run's state commit as one
+        state = {"config": asdict(config), "heads": heads.state_dict(), "optimizer": optimizer.state_dict(),
+                 "scheduler": scheduler.state_dict(), "step": step, "data_key": data_key}
+        Checkpoint(out_dir).commit({HEADS_FILE: heads.save, STATE_FILE: lambda path: torch.save(state, path)},
+                                   {"config": _run_defining(asdict(config)), "data_key": data_key}, step)
 
     started = time.perf_counter()
     step = start_step

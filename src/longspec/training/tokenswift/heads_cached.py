@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from longspec.runtime.atomic_files import Checkpoint
 from longspec.runtime.device import HOST
 from longspec.speculation.drafters.longspec.model import chunked_cross_entropy
 from longspec.speculation.drafters.tokenswift.heads import TokenSwiftHeads
@@ -41,7 +42,7 @@ from longspec.training.data import load_split, most_frequent_ids, prefixed_rows
 from longspec.training.fingerprint import digest, target_fingerprint, tokens_fingerprint
 from longspec.training.longspec.features import FEATURES_VERSION, IGNORE, FeatureCache, target_features
 from longspec.training.tokenswift.heads import (
-    CURVE_FILE, HEADS_FILE, STATE_FILE, lr_factor, restore_run, training_dtype)
+    CURVE_FILE, HEADS_FILE, STATE_FILE, keep_curve_until, lr_factor, restore_run, training_dtype, verify_committed)
 
 _ROW_FILE = re.compile(r"row(\d+)-(self|data)-(aoi|plain)\.safetensors")
 # The feature layout that first stored the target's hidden states.
@@ -288,7 +289,8 @@ def train_heads_from_features(target, rows: FeatureRows, out_dir: Path, config: 
     if resume:
         if not state_path.is_file():
             raise FileNotFoundError(f"cannot resume: {state_path} does not exist (run without --resume first)")
-        state = torch.load(state_path, weights_only=False, map_location=target.device)
+        verify_committed(out_dir)
+        state = torch.load(state_path, weights_only=True, map_location=target.device)
         if state.get("defining") != defining:
             raise ValueError(f"cannot resume: {state_path} was written with other settings or feature caches "
                              f"({state.get('defining')}); resume with the same ones or start a new --out")
@@ -298,17 +300,19 @@ def train_heads_from_features(target, rows: FeatureRows, out_dir: Path, config: 
 
     curve_path = out_dir / CURVE_FILE
     new_curve = not (resume and curve_path.exists())
+    if not new_curve:
+        keep_curve_until(curve_path, start_step)
     with curve_path.open("w" if new_curve else "a", newline="") as curve:
         writer = csv.writer(curve)
         if new_curve:
             writer.writerow(["step", "positions_per_head", "elapsed_s", "lr", "train_loss",
                              *[f"eval_acc_head{i + 1}" for i in range(gamma)]])
 
-        def save(step: int) -> None:
-            heads.save(out_dir / HEADS_FILE)
-            torch.save({"defining": defining, "config": asdict(config), "heads": heads.state_dict(),
-                        "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step},
-                       state_path)
+        def save(step: int) -> None:  # the heads and the run's state commit as one
+            state = {"defining": defining, "config": asdict(config), "heads": heads.state_dict(),
+                     "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step}
+            Checkpoint(out_dir).commit({HEADS_FILE: heads.save, STATE_FILE: lambda path: torch.save(state, path)},
+                                       {"defining": defining}, step)
 
         per_epoch = train.numel() // config.batch_size
         started = time.perf_counter()

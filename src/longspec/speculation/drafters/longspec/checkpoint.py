@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from longspec.runtime.atomic_files import write_atomically
 from longspec.runtime.device import HOST
 from longspec.speculation.drafters.longspec.config import DraftConfig
 from longspec.speculation.drafters.longspec.model import DraftModel
@@ -23,18 +24,25 @@ def config_path(weights: Path) -> Path:
     return Path(weights).with_suffix(".json")
 
 
+def draft_tensors(model: DraftModel, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The weights as saved (float32 for training checkpoints; bfloat16 halves a shipped draft)."""
+    return {name: t.detach().to(device=HOST, dtype=dtype if t.is_floating_point() else t.dtype).contiguous()
+            for name, t in model.state_dict().items()}
+
+
+def draft_config_json(model: DraftModel, meta: dict | None = None) -> str:
+    return json.dumps({"format": FORMAT, "config": model.config.to_dict(), "meta": meta or {}}, indent=2)
+
+
 def save_draft(model: DraftModel, path: str | Path, meta: dict | None = None, dtype: torch.dtype = torch.float32) -> Path:
-    """Save weights (float32 for training checkpoints; bfloat16 halves a shipped draft)."""
+    """Save weights and config, each file atomically (a training run commits them together
+    through its checkpoint instead)."""
     path = Path(path)
     if path.suffix != ".safetensors":
         raise ValueError(f"draft weights must be saved as a .safetensors file, got {path}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.detach().to(device=HOST, dtype=dtype if t.is_floating_point() else t.dtype).contiguous()
-               for name, t in model.state_dict().items()}
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp))
-    tmp.replace(path)
-    config_path(path).write_text(json.dumps({"format": FORMAT, "config": model.config.to_dict(), "meta": meta or {}}, indent=2))
+    tensors = draft_tensors(model, dtype)
+    write_atomically(path, lambda tmp: save_file(tensors, str(tmp)))
+    write_atomically(config_path(path), draft_config_json(model, meta))
     return path
 
 
