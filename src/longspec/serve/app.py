@@ -110,6 +110,7 @@ def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
     for method, configured in options.method_options.items():
         make_drafter(method, **configured)  # a wrong path or option fails at startup, not in a request
     model.separate_encoding()  # prompts are tokenized beside the generation thread's detokenizing
+    _ = model.model.certified_head  # built now (seconds for a large vocabulary), not in the first request
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
