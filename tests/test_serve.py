@@ -328,3 +328,47 @@ def test_sixteen_concurrent_clients_all_complete_with_offline_outputs(server, mo
     for prompt, texts in results.items():
         assert texts == [expected[prompt]] * 3
     wait_idle(server)
+
+
+def test_chat_content_parts_and_the_developer_role(server, model):
+    client = server.client()
+    plain = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "say cat cat"}]
+    parts = [{"role": "developer", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]},
+             {"role": "user", "content": [{"type": "text", "text": "say cat cat"}]}]
+    reference = offline(model, model.encode_chat(plain), max_new_tokens=20, temperature=0.0)
+    reply = client.chat.completions.create(model=NAME, messages=parts, max_tokens=20, temperature=0)
+    assert reply.choices[0].message.content == reference.text
+    image = {"model": NAME, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}
+    refused = httpx.post(server.url + "/v1/chat/completions", json=image, timeout=DEADLINE_S)
+    assert refused.status_code == 400 and "'image_url' are not supported" in refused.json()["error"]["message"]
+
+
+def test_ignore_eos_generates_to_max_tokens(tmp_path):
+    """A model whose greedy output hits EOS at once: without ignore_eos the completion
+    stops there, with it the completion runs to max_tokens."""
+    directory = save_checkpoint(tmp_path / "eos", max_position_embeddings=1 << 12)
+    probe = LongSpecModel(load_target(directory, dtype=torch.float32), EngineOptions(progress=False))
+    first = probe.generate(PROMPT, method="ar", max_new_tokens=1).token_ids[0]
+    directory = save_checkpoint(tmp_path / "eos", max_position_embeddings=1 << 12, eos_token_id=first)
+    eos_model = LongSpecModel(load_target(directory, dtype=torch.float32), EngineOptions(progress=False))
+    running = Server(eos_model, ServeOptions(model_name=NAME, method="ar"))
+    try:
+        stopped = running.client().completions.create(model=NAME, prompt=PROMPT, max_tokens=30, temperature=0)
+        assert stopped.usage.completion_tokens == 1 and stopped.choices[0].finish_reason == "stop"
+        result = running.client().completions.create(model=NAME, prompt=PROMPT, max_tokens=30, temperature=0,
+                                                     extra_body={"ignore_eos": True})
+        assert result.usage.completion_tokens == 30 and result.choices[0].finish_reason == "length"
+    finally:
+        running.stop()
+
+
+def test_a_chat_template_for_a_model_without_one(tmp_path):
+    directory = save_checkpoint(tmp_path / "base", max_position_embeddings=1 << 12)  # no chat template
+    base = LongSpecModel(load_target(directory, dtype=torch.float32), EngineOptions(progress=False))
+    with pytest.raises(ValueError, match="no chat template"):
+        base.encode_chat([{"role": "user", "content": "hi"}])
+    with pytest.raises(ValueError, match="does not compile"):
+        base.set_chat_template("{% for m in messages %}")
+    base.set_chat_template(TEMPLATE)
+    assert base.encode_chat([{"role": "user", "content": "hi"}]).tolist() == base.encode("<user>hi\n<assistant>").tolist()

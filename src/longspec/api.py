@@ -205,6 +205,23 @@ class LongSpecModel:
         self._tokenizer_lock = threading.Lock()
         self._encoder, self._encoding_lock = self.tokenizer, self._tokenizer_lock  # `separate_encoding`
 
+    def set_chat_template(self, template: str) -> None:
+        """Use this Jinja chat template (vLLM's `--chat-template`), for a model whose
+        tokenizer has none (a base model) or a different one."""
+        if self.tokenizer is None:
+            raise ValueError(f"{self.target.source} has no tokenizer files; a chat template needs its tokenizer")
+        if not template.strip():
+            raise ValueError("the chat template is empty")
+        from jinja2 import TemplateSyntaxError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        try:  # compiled now: a broken template fails at startup, not in a request
+            ImmutableSandboxedEnvironment().from_string(template)
+        except TemplateSyntaxError as error:
+            raise ValueError(f"the chat template does not compile (line {error.lineno}: {error.message})") from None
+        for tokenizer in {id(t): t for t in (self.tokenizer, self._encoder)}.values():
+            tokenizer.chat_template = template
+
     def separate_encoding(self) -> None:
         """Tokenize prompts with a copy of the tokenizer under a lock of its own, so that
         a long prompt being tokenized never holds up the detokenizing of streams (a

@@ -42,6 +42,9 @@ def add_parser(sub) -> None:
                    help="a drafter option of the server's, e.g. longspec:checkpoint=DIR/draft.safetensors or "
                         "mamba:model=DIR (repeatable): options naming files or models are set here, never by requests, "
                         "which may set only bounded numeric options (docs: serving)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template for /v1/chat/completions (for a base model without one, e.g. the "
+                        "embedded Gemma 3 270M)")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) | float32 | float64")
     add_device_argument(p)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
@@ -141,7 +144,15 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     from longspec.speculation.engine import EngineOptions
 
+    template = None
+    if args.chat_template is not None:
+        try:
+            template = Path(args.chat_template).read_text()
+        except OSError as error:
+            raise ValueError(f"--chat-template {args.chat_template}: {error.strerror}") from None
     model = longspec.load(args.model, dtype=args.dtype, engine=EngineOptions(progress=False), device=args.device)
+    if template is not None:
+        model.set_chat_template(template)
     app = create_app(model, options)
     batch = app.state.batch
     cache_bytes = model.batch_cache_bytes(batch)

@@ -177,7 +177,7 @@ def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await _parse(request, ChatCompletionRequest)
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        messages = [m.for_template() for m in body.messages]
         return await _admit_and_respond(request, body, lambda: model.encode_chat(messages, limit=prompt_limit),
                                         chat=True)
 
@@ -255,7 +255,7 @@ def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
                 ids, max_new_tokens=max_new, method=method,
                 method_options=drafter_options, temperature=body.temperature,
                 top_p=body.top_p if body.top_p < 1.0 else None, top_k=body.top_k, min_p=body.min_p,
-                seed=body.seed, stop=body.stops,
+                seed=body.seed, stop=body.stops, ignore_eos=body.ignore_eos,
             )
         except OptionError as error:
             raise RequestError(400, str(error), param="method_options") from None

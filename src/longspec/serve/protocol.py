@@ -2,9 +2,11 @@
 
 Fields OpenAI defines but this server does not implement are accepted only at their
 neutral value (`n` = 1, no `logprobs`, zero presence/frequency penalties, ...) and
-refused otherwise with a message saying so; unknown fields are refused. Two extra
-fields choose the speculation per request: `method` (a registered method name) and
-`method_options` (that drafter's keyword options).
+refused otherwise with a message saying so; unknown fields are refused. Chat content
+may be a list of text parts, and the `developer` role is the system role. Extra fields:
+`top_k`, `min_p`, vLLM's `ignore_eos`, and the speculation per request: `method` (a
+registered method name) and `method_options` (that drafter's bounded options,
+`request_options.py`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class GenerationFields(BaseModel):
     user: str | None = None
     # longspec's own fields.
     top_k: StrictInt | None = Field(default=None, ge=0, le=2**31 - 1)
+    ignore_eos: StrictBool = False  # vLLM's extension: generate past EOS up to max_tokens
     min_p: StrictFloat | None = Field(default=None, ge=0.0, le=1.0)
     method: str | None = None
     method_options: dict[str, Any] | None = None
@@ -95,11 +98,40 @@ class CompletionRequest(GenerationFields):
         return prompt
 
 
+class TextPart(BaseModel):
+    """A text part of a message's content (OpenAI's `{"type": "text", "text": ...}`);
+    other part types (images, audio, files) are refused by their type."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant"]
-    content: str
+    # "developer" is OpenAI's newer name for the system role: mapped to "system" (`text`).
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _only_text_parts(cls, content):
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(f"content parts of type {kind!r} are not supported: this server reads text parts "
+                                     "only ({'type': 'text', 'text': ...})")
+        return content
+
+    def for_template(self) -> dict:
+        """The message as a chat template reads it: one string, the developer role as system."""
+        text = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+        message = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
 
 class ChatCompletionRequest(GenerationFields):
