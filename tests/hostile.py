@@ -2,7 +2,7 @@
 sends (paths in drafter options, out-of-bound values, oversized and deeply nested
 bodies, malformed JSON, slow and vanishing clients), each with the status it must get.
 Used by tests/test_hostile_requests.py (an in-process server) and by
-benchmarks/serve_hostile.py (a `longspec serve` process, its memory watched)."""
+benchmarks/serving/serve_hostile.py (a `longspec serve` process, its memory watched)."""
 
 from __future__ import annotations
 

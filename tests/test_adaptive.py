@@ -569,7 +569,7 @@ def test_a_round_whose_components_found_nothing_does_not_switch_speculation_off(
     (Counted as off, such rounds made the controller skip asking for up to 32 rounds
     where its own work is large beside a decode step, as on a GPU: `auto` over prompt
     lookup then fell from 1.48x to 1.09x plain decoding on 2 ms forwards,
-    `benchmarks/adaptive_round_cost.py`.)"""
+    `benchmarks/micro/adaptive_round_cost.py`.)"""
     model, _ = diverse_model("qwen2")
     prompt = random_ids(20, seed=6)[0]
     reference = run(model, prompt, max_new_tokens=120)

@@ -3,7 +3,7 @@
 On a machine without a GPU the device tests still prove what the CPU can: each run
 happens under `stray_allocations_on_meta`, so a tensor that longspec creates without
 naming its device fails the run instead of silently landing on the CPU (where, on a
-GPU machine, it would be on the wrong device). `benchmarks/gpu_check.py` runs this
+GPU machine, it would be on the wrong device). `benchmarks/device/gpu_check.py` runs this
 file on a GPU.
 """
 

@@ -6,7 +6,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "device" / "gpu_check.py"
 
 
 def test_gpu_check_smoke_run_on_cpu(tmp_path):

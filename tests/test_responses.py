@@ -179,7 +179,7 @@ def test_committed_longbench_responses_use_no_item_a_committed_benchmark_measure
 
     results = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
     rows = [json.loads(line) for line in
-            (results / "responses-longbench-gemma-3-270m" / "responses.jsonl").read_text().splitlines()]
+            (results / "2026-11-26-responses-longbench-gemma-3-270m" / "responses.jsonl").read_text().splitlines()]
     used = {tuple(r["source"].split(":", 1)) for r in rows}
     measured = {(r["task"], str(r["item"])) for path in results.glob("**/results*.jsonl")
                 for r in load_rows(path) if r.get("kind") == "run"}

@@ -121,7 +121,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 @pytest.mark.parametrize("dtype", [
     pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
         INTERPRETED, reason="Triton's interpreter computes bfloat16 dot products wrongly (a 16x16 product is off by "
-                            "2e10; float16 and float32 are exact): checked on a GPU by benchmarks/gpu_check.py")),
+                            "2e10; float16 and float32 are exact): checked on a GPU by benchmarks/device/gpu_check.py")),
     torch.float16,
 ])
 def test_half_precision_inputs_stay_close_to_the_reference(dtype):

@@ -8,7 +8,7 @@ rounds, one factor for every tree size.
 
 Fitting the curve's shape as well — the weight-bound base and what the nodes add
 scaled apart, and the cost of each accepted token's draw told apart from both
-(`benchmarks/adaptive_cost_fits.py`) — was measured against this one factor on
+(`benchmarks/suite/adaptive_cost_fits.py`) — was measured against this one factor on
 replayed bench outputs and did not pay
 (docs/lab-notes/auto-controller.md#autos-cost-correction-one-factor-or-the-measured-curve-refitted-per-term-issue-adaptive-speculation--measured-left-out).
 The `cost_fit_type` of `AdaptiveDrafter` is where such alternatives plug in.
