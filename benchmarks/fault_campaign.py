@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
@@ -38,7 +40,7 @@ def prepare(root: Path) -> dict:
     root.mkdir(parents=True, exist_ok=True)
     checkpoint = root / "target"
     if not (checkpoint / "config.json").is_file():
-        save_checkpoint(checkpoint, family="llama", max_position_embeddings=512)
+        save_checkpoint(checkpoint, family="llama", max_position_embeddings=2048)
     corpus = root / "corpus.txt"
     corpus.write_text(CORPUS)
     tasks = root / "tasks.jsonl"
@@ -47,21 +49,21 @@ def prepare(root: Path) -> dict:
     return {"checkpoint": checkpoint, "corpus": corpus, "tasks": tasks}
 
 
-def jobs(files: dict) -> dict:
+def jobs(files: dict, steps: int = 8) -> dict:
     """name -> (argv without --out, the artifacts compared, whether restarts pass --resume)."""
     model = ["--model", str(files["checkpoint"]), "--dtype", "float32", "--threads", "1"]
     training = model + ["--corpus", str(files["corpus"]), "--heldout", "0", "--seq-len", "32", "--batch-size", "2",
                         "--save-every", "2"]
     return {
-        "train-longspec": (["train", "longspec", *training, "--steps", "8", "--layers", "1"],
+        "train-longspec": (["train", "longspec", *training, "--steps", str(steps), "--layers", "1", "--no-warm-start"],
                            ["draft.safetensors", "draft.json", "trainer_state.pt"], False),
-        "train-mamba": (["train", "mamba", *training, "--steps", "8", "--hidden-size", "32", "--layers", "2",
+        "train-mamba": (["train", "mamba", *training, "--steps", str(steps), "--hidden-size", "32", "--layers", "2",
                          "--draft-vocab", "40"], ["model.safetensors", "trainer_state.pt"], False),
-        "train-tokenswift": (["train", "tokenswift", *model, "--data", str(files["corpus"]), "--steps", "8",
+        "train-tokenswift": (["train", "tokenswift", *model[:4], "--data", str(files["corpus"]), "--steps", str(steps),
                               "--seq-len", "32", "--batch-size", "2", "--eval-every", "2"],
                              ["heads.safetensors", "trainer_state.pt"], True),
         "train-responses": (["train", "responses", *model, "--corpus", str(files["corpus"]), "--heldout", "0",
-                             "--prompts", "8", "--max-new-tokens", "24"], ["responses.jsonl"], False),
+                             "--prompts", "8", "--excerpt-tokens", "64", "--max-new-tokens", "24"], ["responses.jsonl"], False),
         "bench": (["bench", *model, "--tasks", f"jsonl={files['tasks']}", "--methods", "ar", "pld",
                    "--max-new-tokens", "24", "--no-plots", "--no-chat"], ["results.jsonl"], True),
     }
@@ -79,9 +81,38 @@ def digest(run: Path, names: list[str]) -> dict:
                                                            "token_ids", "text", "item_id", "response")}
                     for row in rows if row.get("kind", "run") != "header"]
             out[name] = hashlib.sha256(json.dumps(sorted(keep, key=json.dumps), sort_keys=True).encode()).hexdigest()
+        elif name.endswith(".pt"):  # torch.save's bytes vary from run to run; its values must not
+            out[name] = _canonical_digest(torch.load(path, weights_only=True, map_location="cpu"))
+        elif name.endswith(".safetensors"):  # the header's metadata order varies; tensors and metadata must not
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as f:
+                out[name] = _canonical_digest({"tensors": {k: f.get_tensor(k) for k in f.keys()},
+                                               "metadata": f.metadata()})
         else:
             out[name] = hashlib.sha256(path.read_bytes()).hexdigest()
     return out
+
+
+def _canonical_digest(value) -> str:
+    digest = hashlib.sha256()
+
+    def visit(item) -> None:
+        if isinstance(item, torch.Tensor):
+            digest.update(str((item.dtype, tuple(item.shape))).encode())
+            digest.update(item.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes() if item.numel() else b"")
+        elif isinstance(item, dict):
+            for key in sorted(item, key=repr):
+                digest.update(repr(key).encode())
+                visit(item[key])
+        elif isinstance(item, (list, tuple)):
+            for element in item:
+                visit(element)
+        else:
+            digest.update(repr(item).encode())
+
+    visit(value)
+    return digest.hexdigest()
 
 
 def command(argv: list[str], out: Path) -> list[str]:
@@ -100,7 +131,7 @@ def run_to_end(argv: list[str], out: Path, resume: bool, kills: int, rng: random
         process = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         first = False
         if killed < kills:
-            try:
+            try:  # past the imports (~3 s) most kills land in the work itself
                 process.wait(timeout=rng.uniform(0.5, budget_s))
             except subprocess.TimeoutExpired:
                 process.send_signal(signal.SIGKILL)
@@ -114,9 +145,9 @@ def run_to_end(argv: list[str], out: Path, resume: bool, kills: int, rng: random
         return {"kills": killed, "restarts": restarts}
 
 
-def campaign(job_names: list[str], kills: int, root: Path, seed: int = 0) -> list[dict]:
+def campaign(job_names: list[str], kills: int, root: Path, seed: int = 0, steps: int = 8) -> list[dict]:
     files = prepare(root / "inputs")
-    table = jobs(files)
+    table = jobs(files, steps)
     rows = []
     for name in job_names:
         argv, artifacts, resume = table[name]
@@ -125,7 +156,8 @@ def campaign(job_names: list[str], kills: int, root: Path, seed: int = 0) -> lis
         run_to_end(argv, reference, resume, 0, random.Random(seed), 0)
         uninterrupted_s = time.monotonic() - start
         killed = root / f"{name}-killed"
-        result = run_to_end(argv, killed, resume, kills, random.Random(seed), max(uninterrupted_s, 2.0))
+        # Kills land within the first half of a full run: every restart still has work left to interrupt.
+        result = run_to_end(argv, killed, resume, kills, random.Random(seed), max(uninterrupted_s / 2, 1.0))
         same = digest(reference, artifacts) == digest(killed, artifacts)
         rows.append({"job": name, **result, "uninterrupted_s": round(uninterrupted_s, 1), "same_final_state": same})
         print(f"{name:18s} kills {result['kills']:3d}  same final state: {same}", flush=True)
@@ -138,10 +170,12 @@ def main() -> None:
                                                        "train-responses", "bench"])
     parser.add_argument("--kills", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=40, help="training steps of each training job (longer runs take "
+                                                              "more kills before they finish)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/longspec-fault-campaign"))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    rows = campaign(args.jobs, args.kills, args.work, args.seed)
+    rows = campaign(args.jobs, args.kills, args.work, args.seed, args.steps)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         with (args.out / "results.jsonl").open("w") as out:
