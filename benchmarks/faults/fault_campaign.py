@@ -2,8 +2,8 @@
 every run must end at the state of an uninterrupted run (the same weights, the same
 result rows), and nothing committed may be lost along the way.
 
-    python benchmarks/fault_campaign.py --kills 10 --out benchmarks/results/fault-campaign
-    python benchmarks/fault_campaign.py --jobs bench --kills 3          # one job, a few kills
+    python benchmarks/faults/fault_campaign.py --kills 10 --out benchmarks/results/$(date +%F)-fault-campaign
+    python benchmarks/faults/fault_campaign.py --jobs bench --kills 3          # one job, a few kills
 
 Jobs run the real command line (`longspec train longspec|mamba|tokenswift|responses`,
 `longspec bench --resume`) on a tiny random checkpoint with float32 weights, so that
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE.parents[1] / "tests"))
 
 CORPUS = "the quick brown fox jumps over the lazy dog. " * 60 + "def add(a, b):\n    return a + b\n" * 40
 
