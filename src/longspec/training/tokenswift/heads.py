@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import csv
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -70,6 +71,20 @@ def _run_defining(config: dict) -> dict:
 def training_dtype(target) -> torch.dtype:
     """The heads' weights and the loss: float32, or the target's dtype where it is wider."""
     return torch.promote_types(target.dtype, torch.float32)
+
+
+def has_committed_run(out_dir: Path, state_path: Path) -> bool:
+    """Whether --resume finds a checkpoint in `out_dir`. A directory without one (a run
+    killed before its first checkpoint) starts from step 0, said on stderr; a directory
+    that does not exist is refused (most likely a mistyped --out)."""
+    if not out_dir.is_dir():
+        raise FileNotFoundError(f"cannot resume: {out_dir} does not exist (run without --resume first)")
+    Checkpoint(out_dir).recover()
+    if state_path.is_file():
+        return True
+    print(f"longspec: {out_dir} holds no checkpoint yet (a run stopped before its first one): starting at step 0",
+          file=sys.stderr)
+    return False
 
 
 def verify_committed(out_dir: Path) -> None:
@@ -180,9 +195,8 @@ def train_heads(target, data: torch.Tensor, out_dir: Path, config: HeadsTraining
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, config))
     start_step = 0
     state_path = out_dir / STATE_FILE
+    resume = resume and has_committed_run(out_dir, state_path)
     if resume:
-        if not state_path.is_file():
-            raise FileNotFoundError(f"cannot resume: {state_path} does not exist (run without --resume first)")
         verify_committed(out_dir)
         state = torch.load(state_path, weights_only=True, map_location=target.device)
         if _run_defining(state["config"]) != _run_defining(asdict(config)):

@@ -42,7 +42,8 @@ from longspec.training.data import load_split, most_frequent_ids, prefixed_rows
 from longspec.training.fingerprint import digest, target_fingerprint, tokens_fingerprint
 from longspec.training.longspec.features import FEATURES_VERSION, IGNORE, FeatureCache, target_features
 from longspec.training.tokenswift.heads import (
-    CURVE_FILE, HEADS_FILE, STATE_FILE, keep_curve_until, lr_factor, restore_run, training_dtype, verify_committed)
+    CURVE_FILE, HEADS_FILE, STATE_FILE, has_committed_run, keep_curve_until, lr_factor, restore_run, training_dtype,
+    verify_committed)
 
 _ROW_FILE = re.compile(r"row(\d+)-(self|data)-(aoi|plain)\.safetensors")
 # The feature layout that first stored the target's hidden states.
@@ -286,9 +287,8 @@ def train_heads_from_features(target, rows: FeatureRows, out_dir: Path, config: 
                 "data": digest({"caches": rows.sources, "labels": rows.label_kind})}
     state_path = out_dir / STATE_FILE
     start_step = 0
+    resume = resume and has_committed_run(out_dir, state_path)
     if resume:
-        if not state_path.is_file():
-            raise FileNotFoundError(f"cannot resume: {state_path} does not exist (run without --resume first)")
         verify_committed(out_dir)
         state = torch.load(state_path, weights_only=True, map_location=target.device)
         if state.get("defining") != defining:
