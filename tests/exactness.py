@@ -38,6 +38,9 @@ PROCESSORS = {
     "min_p": SamplingParams(temperature=1.0, min_p=0.1),
     "eta": SamplingParams(temperature=1.0, eta=0.05),
     "penalty": SamplingParams(temperature=1.0, penalty=1.8, penalty_window=48),
+    "presence": SamplingParams(temperature=1.0, presence_penalty=1.5),
+    "frequency": SamplingParams(temperature=0.9, frequency_penalty=1.2, presence_penalty=-0.5),
+    "logit_bias": SamplingParams(temperature=1.0, logit_bias={3: 4.0, 7: -100.0, 40: 2.5}),
 }
 
 

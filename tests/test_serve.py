@@ -372,3 +372,26 @@ def test_a_chat_template_for_a_model_without_one(tmp_path):
         base.set_chat_template("{% for m in messages %}")
     base.set_chat_template(TEMPLATE)
     assert base.encode_chat([{"role": "user", "content": "hi"}]).tolist() == base.encode("<user>hi\n<assistant>").tolist()
+
+
+def test_penalties_and_logit_bias_through_the_client(server, model):
+    client = server.client()
+    ids = model.encode(PROMPT)
+    kwargs = dict(presence_penalty=0.8, frequency_penalty=0.4, logit_bias={str(int(ids[2])): -100})
+    reference = model.generate(ids, method="pld", max_new_tokens=30, temperature=0.0, presence_penalty=0.8,
+                               frequency_penalty=0.4, logit_bias={int(ids[2]): -100.0})
+    result = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=30, temperature=0, **kwargs)
+    assert result.choices[0].text == reference.text
+    assert int(ids[2]) not in model.encode(result.choices[0].text).tolist()
+    seeded = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=30, temperature=0.9, seed=3,
+                                       extra_body={"method": "ngram"}, **kwargs)
+    assert seeded.choices[0].text == model.generate(ids, method="ar", max_new_tokens=30, temperature=0.9, seed=3,
+                                                    presence_penalty=0.8, frequency_penalty=0.4,
+                                                    logit_bias={int(ids[2]): -100.0}).text
+    for body, fragment in [({"logit_bias": {"999999": 1}}, "outside the vocabulary"),
+                           ({"logit_bias": {"3": 150}}, "biases lie in [-100, 100]"),
+                           ({"logit_bias": {"cat": 1}}, "keys are token ids"),
+                           ({"presence_penalty": 3}, "presence_penalty")]:
+        response = httpx.post(server.url + "/v1/completions", timeout=DEADLINE_S,
+                              json={"model": NAME, "prompt": PROMPT, "max_tokens": 3, **body})
+        assert response.status_code == 400 and fragment in response.json()["error"]["message"], response.text

@@ -312,6 +312,9 @@ class LongSpecModel:
         eta: float | None = None,
         penalty: float = 1.0,
         penalty_window: int = 1024,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        logit_bias: dict[int, float] | None = None,
         seed: int | None = None,
         stop: str | Sequence[str] = (),
         chat: bool = False,
@@ -320,7 +323,8 @@ class LongSpecModel:
         request = self.prepare(
             prompt, max_new_tokens=max_new_tokens, method=method, method_options=method_options,
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, eta=eta, penalty=penalty,
-            penalty_window=penalty_window, seed=seed, stop=stop, chat=chat, ignore_eos=ignore_eos,
+            penalty_window=penalty_window, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+            logit_bias=logit_bias, seed=seed, stop=stop, chat=chat, ignore_eos=ignore_eos,
         )
         rounds = self.engine.generate(
             request.ids, params=request.params, max_new_tokens=max_new_tokens, drafter=request.drafter,
@@ -396,13 +400,18 @@ class LongSpecModel:
     def prepare(self, prompt, *, max_new_tokens: int = 256, method: str | Drafter = DEFAULT_METHOD,
                 method_options: dict[str, Any] | None = None, temperature: float = 0.0, top_k: int | None = None,
                 top_p: float | None = None, min_p: float | None = None, eta: float | None = None,
-                penalty: float = 1.0, penalty_window: int = 1024, seed: int | None = None,
+                penalty: float = 1.0, penalty_window: int = 1024, presence_penalty: float = 0.0,
+                frequency_penalty: float = 0.0, logit_bias: dict[int, float] | None = None, seed: int | None = None,
                 stop: str | Sequence[str] = (), chat: bool = False, ignore_eos: bool = False) -> PreparedRequest:
         """Validate a request (the keywords of `stream`) without generating."""
         params = SamplingParams(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, eta=eta,
-            penalty=penalty, penalty_window=penalty_window,
+            penalty=penalty, penalty_window=penalty_window, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, logit_bias=logit_bias or (),
         )
+        beyond = [token for token, _ in params.logit_bias if token >= self.config.vocab_size]
+        if beyond:
+            raise ValueError(f"logit_bias names token {beyond[0]}, outside the vocabulary [0, {self.config.vocab_size})")
         _check_int("max_new_tokens", max_new_tokens, low=1)
         if seed is not None:
             _check_int("seed", seed, low=0, high=MAX_SEED)

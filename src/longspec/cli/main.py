@@ -31,6 +31,12 @@ def _generate_parser(sub) -> None:
     p.add_argument("--eta", type=float, default=None)
     p.add_argument("--penalty", type=float, default=1.0, help="contextual repetition penalty theta (1 = off)")
     p.add_argument("--penalty-window", type=int, default=1024, help="penalize tokens of the last W tokens")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]: subtracted once from every "
+                                                                       "generated token's logit (OpenAI's)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]: subtracted per occurrence of a "
+                                                                        "generated token (OpenAI's)")
+    p.add_argument("--logit-bias", action="append", default=[], metavar="TOKEN=BIAS",
+                   help="add BIAS in [-100, 100] to token id TOKEN's logit (repeatable)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -66,8 +72,17 @@ def _cmd_generate(args) -> int:
     from longspec.speculation.methods import make_drafter
     from longspec.speculation.processors import SamplingParams
 
+    logit_bias = {}
+    for spec in args.logit_bias:
+        token, eq, bias = spec.partition("=")
+        try:
+            logit_bias[int(token)] = float(bias)
+        except ValueError:
+            raise ValueError(f"--logit-bias {spec!r}: write TOKEN=BIAS, e.g. --logit-bias 42=-100") from None
     SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                   eta=args.eta, penalty=args.penalty, penalty_window=args.penalty_window)
+                   eta=args.eta, penalty=args.penalty, penalty_window=args.penalty_window,
+                   presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                   logit_bias=logit_bias)
     make_drafter(args.method, **options)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -79,7 +94,8 @@ def _cmd_generate(args) -> int:
     stream = model.stream(
         prompt, max_new_tokens=args.max_new_tokens, method=args.method, method_options=options,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, eta=args.eta,
-        penalty=args.penalty, penalty_window=args.penalty_window, seed=args.seed, stop=args.stop,
+        penalty=args.penalty, penalty_window=args.penalty_window, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, logit_bias=logit_bias, seed=args.seed, stop=args.stop,
         chat=args.chat, ignore_eos=args.ignore_eos,
     )
     for chunk in stream:

@@ -255,7 +255,8 @@ def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
                 ids, max_new_tokens=max_new, method=method,
                 method_options=drafter_options, temperature=body.temperature,
                 top_p=body.top_p if body.top_p < 1.0 else None, top_k=body.top_k, min_p=body.min_p,
-                seed=body.seed, stop=body.stops, ignore_eos=body.ignore_eos,
+                presence_penalty=float(body.presence_penalty), frequency_penalty=float(body.frequency_penalty),
+                logit_bias=body.token_bias, seed=body.seed, stop=body.stops, ignore_eos=body.ignore_eos,
             )
         except OptionError as error:
             raise RequestError(400, str(error), param="method_options") from None

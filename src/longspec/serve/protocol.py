@@ -36,9 +36,9 @@ class GenerationFields(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: StrictInt = 1
-    presence_penalty: StrictFloat = 0.0
-    frequency_penalty: StrictFloat = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: StrictFloat | StrictInt = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat | StrictInt = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, StrictFloat | StrictInt] | None = Field(default=None, max_length=1024)
     user: str | None = None
     # longspec's own fields.
     top_k: StrictInt | None = Field(default=None, ge=0, le=2**31 - 1)
@@ -61,10 +61,6 @@ class GenerationFields(BaseModel):
     def _unsupported_values(self):
         refused = {
             "n": (self.n != 1, "n must be 1 (one choice per request)"),
-            "presence_penalty": (self.presence_penalty != 0, "presence_penalty is not supported (use repetition control "
-                                 "through the method's sampling, or leave it 0)"),
-            "frequency_penalty": (self.frequency_penalty != 0, "frequency_penalty is not supported; leave it 0"),
-            "logit_bias": (bool(self.logit_bias), "logit_bias is not supported"),
             "stream_options": (self.stream_options is not None and not self.stream,
                                "stream_options is only allowed with stream: true"),
         }
@@ -72,6 +68,20 @@ class GenerationFields(BaseModel):
             if bad:
                 raise ValueError(f"{field}: {message}")
         return self
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_by_token_id(cls, bias):
+        for key, value in (bias or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys are token ids (as strings, e.g. \"42\"), got {key!r}")
+            if not -100 <= value <= 100:
+                raise ValueError(f"biases lie in [-100, 100], got {value} for token {key}")
+        return bias
+
+    @property
+    def token_bias(self) -> dict[int, float]:
+        return {int(key): float(value) for key, value in (self.logit_bias or {}).items()}
 
     @property
     def stops(self) -> list[str]:

@@ -29,7 +29,7 @@ from longspec.runtime.model import Decoder
 from longspec.speculation.drafters.base import DraftContext, Drafter, TargetView, check_drafter
 from longspec.speculation.metrics import GenerationStats
 from longspec.speculation.plain_rounds import PlainRounds
-from longspec.speculation.processors import SamplingParams
+from longspec.speculation.processors import NodeHistories, SamplingParams
 from longspec.speculation.seeding import drafter_generator
 from longspec.speculation.tree import MalformedTreeError, Tree
 from longspec.speculation.verification import NodeScores, Verdict, verify
@@ -122,8 +122,13 @@ class DecodingSequence:
 
     def verify(self, tree: Tree, scores: NodeScores, hidden: torch.Tensor) -> Verdict:
         histories = None
-        if self.params.uses_history:
-            histories = node_histories(self.tokens[: self.length], tree, self.params.penalty_window)
+        if self.params.uses_history or self.params.counts_outputs:
+            recent = outputs = None
+            if self.params.uses_history:
+                recent = node_histories(self.tokens[: self.length], tree, self.params.penalty_window)
+            if self.params.counts_outputs:  # every generated token so far, then the node's path
+                outputs = node_histories(self.tokens[self.prompt.numel() : self.length], tree, max(self.produced, 1))
+            histories = NodeHistories(recent, outputs)
         verdict = verify(tree, scores, histories, self.params, self.generator)
         self.view.last_hidden = verdict.path_rows(hidden)
         return verdict

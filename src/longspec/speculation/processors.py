@@ -6,18 +6,21 @@ longer lossless. The engine therefore applies these functions to all nodes at
 once, each row carrying the node's own token history (its ancestor path), and
 autoregressive decoding uses the same functions with a single row.
 
-The penalty and warpers reproduce, in order, what transformers' ``generate``
-applies for sampling: RepetitionPenaltyLogitsProcessor, then TemperatureLogitsWarper,
-TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper and EtaLogitsWarper (all with
-``min_tokens_to_keep=1``).
+The chain, in order: the logit bias (OpenAI's `logit_bias`), the repetition penalty
+(transformers' RepetitionPenaltyLogitsProcessor), the presence and frequency penalties
+(OpenAI's and vLLM's, over the tokens generated so far), then transformers' warpers
+TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper and
+EtaLogitsWarper (all with ``min_tokens_to_keep=1``).
 
 On the CPU, truncated distributions (top-k, top-p, min-p) of float32/bf16 logits and
 every draw run through native kernels (`runtime/kernels/truncated_sampling.cpp`); the
 PyTorch code here is their reference and runs everywhere else (float64 included).
 
-Histories are ``[N, W]`` int64 with ``-1`` as padding. ``history_windows`` builds
-them right-aligned (left-padded), but padding may sit anywhere: only the row's
-non-padding tokens and their order matter.
+Histories are ``[N, W]`` int64 with ``-1`` as padding: each row a node's recent
+tokens (the repetition penalty's window) followed by its own path. The presence and
+frequency penalties read another history per node, its generated tokens and path
+(`NodeHistories.outputs`). Padding may sit anywhere: only a row's non-padding tokens
+and their order matter.
 """
 
 from __future__ import annotations
@@ -57,6 +60,9 @@ class SamplingParams:
     eta: eta-sampling epsilon in (0, 1); None disables.
     penalty: contextual (repetition) penalty theta > 0, usually >= 1; 1.0 disables.
     penalty_window: only the last W tokens of a row's history are penalized.
+    presence_penalty, frequency_penalty: in [-2, 2], subtracted from the logit of every
+        token already generated, once and once per occurrence (OpenAI's definition).
+    logit_bias: token id -> bias in [-100, 100], added to that token's logit.
     """
 
     temperature: float = 0.0
@@ -66,6 +72,9 @@ class SamplingParams:
     eta: float | None = None
     penalty: float = 1.0
     penalty_window: int = 1024
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias) pairs; a dict is accepted
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -92,6 +101,17 @@ class SamplingParams:
         w = self.penalty_window
         if not (_is_int(w) and w >= 1):
             raise ValueError(f"penalty_window must be an integer >= 1, got {w!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (_is_real(value) and -2.0 <= value <= 2.0):
+                raise ValueError(f"{name} must lie in [-2, 2] (0 disables), got {value!r}")
+        bias = self.logit_bias
+        pairs = tuple(bias.items()) if isinstance(bias, dict) else tuple(bias or ())
+        for pair in pairs:
+            if not (isinstance(pair, tuple) and len(pair) == 2 and _is_int(pair[0]) and pair[0] >= 0
+                    and _is_real(pair[1]) and -100.0 <= pair[1] <= 100.0):
+                raise ValueError(f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {pair!r}")
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in pairs)))
 
     @property
     def is_greedy(self) -> bool:
@@ -99,7 +119,19 @@ class SamplingParams:
 
     @property
     def uses_history(self) -> bool:
+        """Whether each node's recent tokens are needed (the repetition penalty)."""
         return self.penalty != 1.0
+
+    @property
+    def counts_outputs(self) -> bool:
+        """Whether each node's generated tokens are needed (presence, frequency)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether processors change logits before the warpers (bias and penalties): a
+        decision then reads the adjusted logits, not the head's argmax."""
+        return self.uses_history or self.counts_outputs or bool(self.logit_bias)
 
 
 def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
@@ -236,16 +268,66 @@ def _eta(scores: torch.Tensor, epsilon: float) -> torch.Tensor:
     return scores.masked_fill((probs < cutoff) & ~keep_top, _NEG_INF)
 
 
+@dataclass(frozen=True)
+class NodeHistories:
+    """What the history-reading processors see at each row (tree node): `recent`
+    [N, W] the repetition penalty's window, `outputs` [N, G] the tokens generated so
+    far and the node's path (presence and frequency); -1 padding in both."""
+
+    recent: torch.Tensor | None = None
+    outputs: torch.Tensor | None = None
+
+    def rows(self, start: int, stop: int) -> "NodeHistories":
+        return NodeHistories(None if self.recent is None else self.recent[start:stop],
+                             None if self.outputs is None else self.outputs[start:stop])
+
+
+def _split(histories) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(recent, outputs) of what a caller passed: NodeHistories, or a recent-history tensor."""
+    if isinstance(histories, NodeHistories):
+        return histories.recent, histories.outputs
+    return histories, None
+
+
+def apply_counts(scores: torch.Tensor, outputs: torch.Tensor, presence: float, frequency: float) -> torch.Tensor:
+    """scores[i, t] -= frequency * c + presence * (c > 0), c the count of t in row i of
+    `outputs` (-1 and ids outside the vocabulary ignored). In place; returns scores."""
+    v = scores.shape[1]
+    hist = outputs.to(device=scores.device, dtype=torch.long)
+    valid = (hist >= 0) & (hist < v)
+    counts = torch.zeros_like(scores).scatter_add_(1, torch.where(valid, hist, 0), valid.to(scores.dtype))
+    return scores.sub_(frequency * counts + presence * (counts > 0).to(scores.dtype))
+
+
 def _penalized(
-    logits: torch.Tensor, histories: torch.Tensor | None, params: SamplingParams
+    logits: torch.Tensor, histories, params: SamplingParams
 ) -> torch.Tensor:
+    """The bias, the repetition penalty and the presence and frequency penalties."""
     _check_logits(logits)
-    if not params.uses_history:
+    if not params.adjusts_logits:
         return logits.to(_compute_dtype(logits), copy=True)
-    if histories is None:
-        raise ValueError(f"penalty={params.penalty} needs per-row histories, got None")
-    _check_histories(histories, logits.shape[0])
-    return penalize(logits, _last_tokens(histories, params.penalty_window), params.penalty)
+    recent, outputs = _split(histories)
+    if params.uses_history:
+        if recent is None:
+            raise ValueError(f"penalty={params.penalty} needs per-row histories, got None")
+        _check_histories(recent, logits.shape[0])
+    if params.counts_outputs:
+        if outputs is None:
+            raise ValueError("presence_penalty / frequency_penalty need each row's generated tokens, got None")
+        _check_histories(outputs, logits.shape[0])
+    scores = logits.to(_compute_dtype(logits), copy=True)
+    if params.logit_bias:
+        tokens = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long, device=scores.device)
+        if int(tokens.max()) >= scores.shape[1]:
+            raise ValueError(f"logit_bias names token {int(tokens.max())}, outside the vocabulary "
+                             f"[0, {scores.shape[1]})")
+        bias = torch.tensor([b for _, b in params.logit_bias], dtype=scores.dtype, device=scores.device)
+        scores[:, tokens] += bias
+    if params.uses_history:
+        scores = penalize(scores, _last_tokens(recent, params.penalty_window), params.penalty)
+    if params.counts_outputs:
+        scores = apply_counts(scores, outputs, params.presence_penalty, params.frequency_penalty)
+    return scores
 
 
 def processed_logits(
@@ -310,8 +392,8 @@ def _native_truncation(logits: torch.Tensor, params: SamplingParams):
 def greedy_tokens(
     logits: torch.Tensor, histories: torch.Tensor | None, params: SamplingParams
 ) -> torch.Tensor:
-    """Argmax after the penalty (ties -> lowest index). Returns [N] int64."""
-    if not params.uses_history:
+    """Argmax after the bias and penalties (ties -> lowest index). Returns [N] int64."""
+    if not params.adjusts_logits:
         _check_logits(logits)
         return row_argmax(logits)
     return _penalized(logits, histories, params).argmax(dim=-1)

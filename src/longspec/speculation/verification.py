@@ -22,7 +22,7 @@ import torch
 
 from longspec.runtime.device import HOST
 from longspec.speculation.certified_sampling import certified_draw, certified_sampling_applies
-from longspec.speculation.processors import SamplingParams, greedy_tokens, processed_probs, sample
+from longspec.speculation.processors import NodeHistories, SamplingParams, greedy_tokens, processed_probs, sample
 from longspec.speculation.tree import Tree
 
 
@@ -68,7 +68,7 @@ class NodeScores:
                                    full_logits=lambda: self._model.logits(self._hidden[node : node + 1])[0])
             if token is not None:
                 return token
-        history = None if histories is None else histories[node : node + 1]
+        history = node_history(histories, node)
         probs = processed_probs(self.logits[node : node + 1], history, params)
         return int(sample(probs, generator)[0])
 
@@ -111,9 +111,18 @@ def verify(
     return verify_deterministic_candidates(tree, scores, histories, params, generator)
 
 
+def node_history(histories, node: int):
+    """Node `node`'s row of the histories (a NodeHistories or a recent-history tensor)."""
+    if histories is None:
+        return None
+    if isinstance(histories, NodeHistories):
+        return histories.rows(node, node + 1)
+    return histories[node : node + 1]
+
+
 def needs_argmax_only(params: SamplingParams) -> bool:
     """Whether verification under `params` reads each node's argmax and nothing else."""
-    return params.is_greedy and not params.uses_history
+    return params.is_greedy and not params.adjusts_logits
 
 
 def certified_head_serves(params: SamplingParams, tree: Tree) -> bool:
@@ -181,5 +190,5 @@ def verify_sampled_children(tree: Tree, logits, histories, params, generator) ->
 
 
 def _node_probs(logits, histories, params, node: int) -> torch.Tensor:
-    history = None if histories is None else histories[node : node + 1]
+    history = node_history(histories, node)
     return processed_probs(logits[node : node + 1], history, params)[0]
