@@ -1,7 +1,8 @@
 """Our autoregressive decode and prefill beside llama.cpp's, same model, same machine,
-one run: llama.cpp on the BF16 GGUF (the bytes per weight we read) and on the
-shipped Q4_K_M; ours in bfloat16. Decode rates at several context depths, prefill
-rates, and the ratios the runtime issue's goals are stated in.
+one run: llama.cpp on the BF16 and F16 GGUFs (the bytes per weight we read), Q8_0 and
+the shipped Q4_K_M; ours in bfloat16, with the certified head (the default) and with
+the full head. Decode rates at several context depths, prefill rates, and the ratios
+the goals are stated in.
 
     python benchmarks/suite/peers.py --llama-bin /tmp/llama.cpp/build/bin --contexts 1024 4096 --threads 2
 
@@ -17,8 +18,8 @@ from the PyPI source distribution of `llama-cpp-python` (its vendored llama.cpp)
     cmake --build build --target llama-bench llama-quantize
 
 (GGML_NATIVE=OFF with AMX off: on these VMs the AMX tile loads die with SIGILL.) The
-BF16 GGUF is made once from the shipped Q4_K_M with `llama-quantize --allow-requantize
-IN OUT BF16` (kept under --work). Writes JSON lines to --out and prints a markdown table.
+other GGUFs are made once from the shipped Q4_K_M with `llama-quantize --allow-requantize
+IN OUT TYPE` (kept under --work). Writes JSON lines to --out and prints a markdown table.
 """
 
 from __future__ import annotations
@@ -50,10 +51,10 @@ def shipped_gguf(work: Path) -> Path:
     return path
 
 
-def bf16_gguf(bin_dir: Path, q4: Path, work: Path) -> Path:
-    path = work / "gemma-3-270m-bf16.gguf"
+def requantized_gguf(bin_dir: Path, q4: Path, work: Path, kind: str) -> Path:
+    path = work / f"gemma-3-270m-{kind.lower()}.gguf"
     if not path.is_file():
-        subprocess.run([str(bin_dir / "llama-quantize"), "--allow-requantize", str(q4), str(path), "BF16"],
+        subprocess.run([str(bin_dir / "llama-quantize"), "--allow-requantize", str(q4), str(path), kind],
                        check=True, capture_output=True)
     return path
 
@@ -67,11 +68,14 @@ def llama_bench(bin_dir: Path, model: Path, *, threads: int, prompt: int, genera
     return float(rows[0]["avg_ts"])
 
 
-def ours(model, ids: torch.Tensor, new_tokens: int, *, repeats: int, native_kernels: bool = True) -> tuple[float, float]:
+def ours(model, ids: torch.Tensor, new_tokens: int, *, repeats: int, native_kernels: bool = True,
+         certified: bool = True) -> tuple[float, float]:
     """(decode tokens/s, prefill tokens/s) of our AR decoding after the prompt `ids`,
-    with the native CPU kernels or without them (PyTorch / oneDNN only); the mean
-    of `repeats` runs, as llama-bench reports its own."""
+    with the native CPU kernels or without them (PyTorch / oneDNN only), with the
+    certified head or the full one; the mean of `repeats` runs, as llama-bench reports."""
     model.model.prepare(native_kernels=native_kernels)
+    if not certified:
+        model.model._certified_head = None  # the full head decides
     model.generate(ids[:64].tolist(), max_new_tokens=8, method="ar", ignore_eos=True)  # warm-up
     runs = [model.generate(ids.tolist(), max_new_tokens=new_tokens, method="ar", ignore_eos=True).stats
             for _ in range(repeats)]
@@ -92,7 +96,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     args.work.mkdir(parents=True, exist_ok=True)
     q4 = shipped_gguf(args.work)
-    bf16 = bf16_gguf(args.llama_bin, q4, args.work)
+    ggufs = {f"llama_{kind.lower()}": requantized_gguf(args.llama_bin, q4, args.work, kind)
+             for kind in ("BF16", "F16", "Q8_0")}
+    ggufs["llama_q4_k_m"] = q4
     model = longspec.load()
     text_ids = model.tokenizer(stdlib_source_text(40 * max(args.contexts))).input_ids
     bandwidth = read_bandwidth_gbs()
@@ -103,12 +109,14 @@ def main() -> None:
     for context in args.contexts:
         ids = torch.tensor(text_ids[:context])
         pytorch_decode, _ = ours(model, ids, args.new_tokens, repeats=args.repeats, native_kernels=False)
+        full_decode, _ = ours(model, ids, args.new_tokens, repeats=args.repeats, certified=False)
         decode, prefill = ours(model, ids, args.new_tokens, repeats=args.repeats)
         row = {"context": context, "ours_bf16_decode": decode, "ours_bf16_prefill": prefill,
+               "ours_bf16_decode_full_head": full_decode,
                "ours_bf16_decode_without_native_kernels": pytorch_decode,
                "bandwidth_floor_decode": ar_floor_tokens_per_s(model.model, context, bandwidth),
                "compute_floor_prefill": prefill_floor_tokens_per_s(model.model, context, matmul)}
-        for name, path in (("llama_bf16", bf16), ("llama_q4_k_m", q4)):
+        for name, path in ggufs.items():
             row[f"{name}_decode"] = llama_bench(args.llama_bin, path, threads=args.threads, prompt=0,
                                                 generate=args.new_tokens, depth=context, repeats=args.repeats)
             row[f"{name}_prefill"] = llama_bench(args.llama_bin, path, threads=args.threads, prompt=context,
@@ -118,15 +126,16 @@ def main() -> None:
         write_results(args.out, header, rows)
     print(f"\nmachine: {header['machine']}, {args.threads} threads, read bandwidth {bandwidth:.1f} GB/s, "
           f"{model.model.dtype} matmul {matmul:.0f} GFLOP/s\n")
-    print("| context | ours bf16 decode | without native kernels | llama.cpp BF16 | Q4_K_M | ours / BF16 | floor | floor / ours "
-          "| ours prefill | llama.cpp BF16 prefill | ours / BF16 | prefill floor | floor / llama.cpp BF16 |")
+    print("| context | ours bf16 decode | full head | without native kernels | llama.cpp BF16 | F16 | Q8_0 | Q4_K_M "
+          "| ours / faster 16-bit | ours / Q8_0 | floor (full head) | ours prefill | llama.cpp BF16 prefill |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['context']} | {r['ours_bf16_decode']:.1f} | {r['ours_bf16_decode_without_native_kernels']:.1f} "
-              f"| {r['llama_bf16_decode']:.1f} | {r['llama_q4_k_m_decode']:.1f} | {r['ours_bf16_decode'] / r['llama_bf16_decode']:.2f} "
-              f"| {r['bandwidth_floor_decode']:.1f} | {r['bandwidth_floor_decode'] / r['ours_bf16_decode']:.2f} "
-              f"| {r['ours_bf16_prefill']:.0f} | {r['llama_bf16_prefill']:.0f} | {r['ours_bf16_prefill'] / r['llama_bf16_prefill']:.2f} "
-              f"| {r['compute_floor_prefill']:.0f} | {r['compute_floor_prefill'] / r['llama_bf16_prefill']:.2f} |")
+        sixteen = max(r["llama_bf16_decode"], r["llama_f16_decode"])
+        print(f"| {r['context']} | {r['ours_bf16_decode']:.1f} | {r['ours_bf16_decode_full_head']:.1f} "
+              f"| {r['ours_bf16_decode_without_native_kernels']:.1f} | {r['llama_bf16_decode']:.1f} "
+              f"| {r['llama_f16_decode']:.1f} | {r['llama_q8_0_decode']:.1f} | {r['llama_q4_k_m_decode']:.1f} "
+              f"| {r['ours_bf16_decode'] / sixteen:.2f} | {r['ours_bf16_decode'] / r['llama_q8_0_decode']:.2f} "
+              f"| {r['bandwidth_floor_decode']:.1f} | {r['ours_bf16_prefill']:.0f} | {r['llama_bf16_prefill']:.0f} |")
 
 
 if __name__ == "__main__":
