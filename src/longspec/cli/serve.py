@@ -24,8 +24,9 @@ def add_parser(sub) -> None:
     p.add_argument("--api-key-file", default=None, help="read the API key from this file (its first line)")
     p.add_argument("--max-concurrent", type=int, default=16, help="requests admitted at once (running + queued); "
                                                                   "more get 429")
-    p.add_argument("--max-batch", type=int, default=4, help="requests decoded together in one forward (rows); the "
-                                                             "others wait for a free row (default: 4)")
+    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together in one forward (rows); the "
+                                                             "others wait for a free row (default: 8; each row holds "
+                                                             "--max-prompt-tokens + --max-new-tokens of KV cache)")
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="longest prompt accepted (default: the context); "
                                                                        "with --max-new-tokens it sizes each row's cache")
     p.add_argument("--max-new-tokens", type=int, default=1024, help="largest max_tokens accepted, and the default of chat")

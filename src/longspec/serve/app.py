@@ -50,7 +50,7 @@ class ServeOptions:
     max_concurrent: int = 16
     max_prompt_tokens: int | None = None  # None: the model's context
     max_new_tokens: int = 1024
-    max_batch: int = 4  # requests decoded together (rows of the batch); the others wait for a row
+    max_batch: int = 8  # requests decoded together (rows of the batch); the others wait for a row
     limits: RequestLimits = RequestLimits()  # what a request may weigh, checked before any work
     # The server's own drafter options per method (paths to weights among them), under
     # the few a request may set (`request_options.REQUEST_OPTIONS`).
