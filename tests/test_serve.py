@@ -129,7 +129,9 @@ BAD_REQUESTS = [
                                                 "method_options": {"bogus": 1}}, 400, "has no option bogus"),
     ("oversize prompt", "application/json", {"model": NAME, "prompt": "x" * 1500}, 400, "1500 tokens, more than this server's limit of 1000"),
     ("unknown field", "application/json", {"model": NAME, "prompt": "hi", "temprature": 1}, 400, "temprature: Extra inputs"),
-    ("n > 1", "application/json", {"model": NAME, "prompt": "hi", "n": 2}, 400, "n must be 1"),
+    ("n above the limit", "application/json", {"model": NAME, "prompt": "hi", "n": 9}, 400,
+     "n=9 exceeds this server's limit of 8 choices"),
+    ("n of zero", "application/json", {"model": NAME, "prompt": "hi", "n": 0}, 400, "n: Input should be greater"),
     ("logprobs", "application/json", {"model": NAME, "prompt": "hi", "logprobs": 5}, 400, "logprobs"),
     ("batch of prompts", "application/json", {"model": NAME, "prompt": ["a", "b"]}, 400, "prompt"),
     ("empty stop", "application/json", {"model": NAME, "prompt": "hi", "stop": [""]}, 400, "stop strings must be non-empty"),
@@ -395,3 +397,23 @@ def test_penalties_and_logit_bias_through_the_client(server, model):
         response = httpx.post(server.url + "/v1/completions", timeout=DEADLINE_S,
                               json={"model": NAME, "prompt": PROMPT, "max_tokens": 3, **body})
         assert response.status_code == 400 and fragment in response.json()["error"]["message"], response.text
+
+
+def test_n_choices_are_the_single_requests_with_seeds_seed_plus_i(server, model):
+    client = server.client()
+    kwargs = dict(model=NAME, prompt=PROMPT, max_tokens=24, temperature=0.9, top_p=0.9)
+    replies = [client.completions.create(seed=11 + i, **kwargs) for i in range(3)]
+    singles = [reply.choices[0].text for reply in replies]
+    result = client.completions.create(n=3, seed=11, **kwargs)
+    assert [c.index for c in result.choices] == [0, 1, 2]
+    assert [c.text for c in result.choices] == singles
+    assert result.usage.prompt_tokens == len(PROMPT)  # the prompt once, every choice's completion
+    assert result.usage.completion_tokens == sum(reply.usage.completion_tokens for reply in replies)
+    pieces = {0: [], 1: [], 2: []}
+    for chunk in client.completions.create(n=3, seed=11, stream=True, **kwargs):
+        for choice in chunk.choices:
+            pieces[choice.index].append(choice.text)
+    assert ["".join(pieces[i]) for i in range(3)] == singles
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "cat"}], n=2,
+                                          max_tokens=10, temperature=0)
+    assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content

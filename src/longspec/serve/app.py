@@ -52,6 +52,7 @@ class ServeOptions:
     max_new_tokens: int = 1024
     max_batch: int = 8  # requests decoded together (rows of the batch); the others wait for a row
     limits: RequestLimits = RequestLimits()  # what a request may weigh, checked before any work
+    max_n: int = 8  # choices a request may ask for (`n`): each is a row of the batch
     # The server's own drafter options per method (paths to weights among them), under
     # the few a request may set (`request_options.REQUEST_OPTIONS`).
     method_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
@@ -62,7 +63,7 @@ class ServeOptions:
         unknown = sorted(set(self.method_options) - set(METHODS))
         if unknown:
             raise ValueError(f"options for unknown method(s) {', '.join(unknown)}; available: {', '.join(METHODS)}")
-        for name in ("max_concurrent", "max_new_tokens", "max_batch"):
+        for name in ("max_concurrent", "max_new_tokens", "max_batch", "max_n"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
@@ -213,6 +214,8 @@ def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
         if len(messages) > options.limits.max_messages:
             raise RequestError(400, f"{len(messages)} messages exceed this server's limit of "
                                     f"{options.limits.max_messages}", param="messages")
+        if body.n > options.max_n:
+            raise RequestError(400, f"n={body.n} exceeds this server's limit of {options.max_n} choices", param="n")
         prompt = getattr(body, "prompt", "")
         if isinstance(prompt, list) and len(prompt) > prompt_limit:
             raise RequestError(400, f"the prompt has {len(prompt)} tokens, more than this server's limit of "
@@ -223,25 +226,40 @@ def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
         """Counted in first (so tokenizing and building drafters count against the
         concurrency limit), then prepared off the event loop, then queued."""
         worker = state["worker"]
+        reserved = 0
+        jobs: list[Job] = []
         try:
-            worker.reserve()
+            for _ in range(body.n):  # every choice is a row, counted against the limit
+                worker.reserve()
+                reserved += 1
+            prepared = await run_in_threadpool(_prepare, body, encode)
+            for choice in prepared:
+                jobs.append(worker.submit(choice))
         except QueueFull as error:
+            _give_back(worker, reserved, jobs)
             raise RequestError(429, str(error), kind="rate_limit_error", code="too_many_requests") from None
         except WorkerUnavailable as error:
+            _give_back(worker, reserved, jobs)
             raise RequestError(503, str(error), kind="server_error", code="service_unavailable") from None
-        try:
-            prepared = await run_in_threadpool(_prepare, body, encode)
-            job = worker.submit(prepared)
         except ValueError as error:
-            worker.release()
+            _give_back(worker, reserved, jobs)
             raise RequestError(400, str(error), code="context_length_exceeded") from None
         except BaseException:
-            worker.release()
+            _give_back(worker, reserved, jobs)
             raise
-        return await _respond(request, body, job, chat=chat)
+        return await _respond(request, body, jobs, chat=chat)
 
-    def _prepare(body: GenerationFields, encode) -> PreparedRequest:
-        """Everything that can fail on bad input, before the request is admitted."""
+    def _give_back(worker: GenerationWorker, reserved: int, jobs: list[Job]) -> None:
+        """Undo a request's admission: reservations not yet submitted are released, jobs
+        already queued are cancelled (the worker releases theirs)."""
+        for job in jobs:
+            job.cancelled.set()
+        for _ in range(reserved - len(jobs)):
+            worker.release()
+
+    def _prepare(body: GenerationFields, encode) -> list[PreparedRequest]:
+        """Everything that can fail on bad input, before the request is queued: one
+        prepared request per choice (choice i draws from seed + i)."""
         try:
             ids = encode()
             if ids.numel() > prompt_limit:
@@ -251,13 +269,14 @@ def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
             method = body.method or options.method
             drafter_options = {**options.method_options.get(method, {}),
                                **check_request_options(method, body.method_options, limits)}
-            return model.prepare(
+            seeds = [None if body.seed is None else body.seed + i for i in range(body.n)]
+            return [model.prepare(
                 ids, max_new_tokens=max_new, method=method,
                 method_options=drafter_options, temperature=body.temperature,
                 top_p=body.top_p if body.top_p < 1.0 else None, top_k=body.top_k, min_p=body.min_p,
                 presence_penalty=float(body.presence_penalty), frequency_penalty=float(body.frequency_penalty),
-                logit_bias=body.token_bias, seed=body.seed, stop=body.stops, ignore_eos=body.ignore_eos,
-            )
+                logit_bias=body.token_bias, seed=seed, stop=body.stops, ignore_eos=body.ignore_eos,
+            ) for seed in seeds]
         except OptionError as error:
             raise RequestError(400, str(error), param="method_options") from None
         except (ValueError, TypeError) as error:
@@ -267,26 +286,61 @@ def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
             raise RequestError(500, f"method {body.method or options.method!r} is unavailable on this server (its "
                                     "drafter could not be loaded; see the server's log)", kind="server_error") from None
 
-    async def _respond(request: Request, body: GenerationFields, job: Job, *, chat: bool):
+    async def _respond(request: Request, body: GenerationFields, jobs: list[Job], *, chat: bool):
         identity = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         if body.stream:
-            return StreamingResponse(_sse(job, body, identity, created, chat), media_type="text/event-stream")
-        text = []
+            return StreamingResponse(_sse(jobs, body, identity, created, chat), media_type="text/event-stream")
+        texts: list[list[str]] = [[] for _ in jobs]
         try:
-            async for chunk in _chunks(job, request):
-                text.append(chunk.text)
+            async for index, chunk in _merged(jobs, request):
+                texts[index].append(chunk.text)
         finally:
-            job.cancelled.set()  # no-op when done; frees the row if this handler was cancelled or its client left
-        stats = job.stats
-        finish = _finish_reason(stats.stop_reason)
-        metrics.record_finished(stats, finish)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": "".join(text)}, "finish_reason": finish}
-                  if chat else {"index": 0, "text": "".join(text), "logprobs": None, "finish_reason": finish})
+            for job in jobs:
+                job.cancelled.set()  # no-op when done; frees the rows if this handler was cancelled or its client left
+        choices = []
+        for index, (job, text) in enumerate(zip(jobs, texts)):
+            finish = _finish_reason(job.stats.stop_reason)
+            metrics.record_finished(job.stats, finish)
+            choices.append({"index": index, "message": {"role": "assistant", "content": "".join(text)},
+                            "finish_reason": finish} if chat else
+                           {"index": index, "text": "".join(text), "logprobs": None, "finish_reason": finish})
         return {"id": identity, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": options.model_name, "choices": [choice], "usage": _usage(job)}
+                "model": options.model_name, "choices": choices, "usage": _usage(jobs)}
 
-    async def _sse(job: Job, body: GenerationFields, identity: str, created: int, chat: bool) -> AsyncIterator[bytes]:
+    async def _merged(jobs: list[Job], request: Request | None = None):
+        """(choice index, chunk) of every job as they come; the first failure fails all."""
+        if len(jobs) == 1:
+            async for chunk in _chunks(jobs[0], request):
+                yield 0, chunk
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, job: Job) -> None:
+            try:
+                async for chunk in _chunks(job, request):
+                    await queue.put((index, chunk, None))
+            except RequestError as error:
+                await queue.put((index, None, error))
+            await queue.put((index, None, None))
+
+        tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
+        try:
+            running = len(jobs)
+            while running:
+                index, chunk, error = await queue.get()
+                if error is not None:
+                    raise error
+                if chunk is None:
+                    running -= 1
+                else:
+                    yield index, chunk
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def _sse(jobs: list[Job], body: GenerationFields, identity: str, created: int,
+                   chat: bool) -> AsyncIterator[bytes]:
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         def event(choices: list, usage: dict | None = None) -> bytes:
@@ -295,32 +349,35 @@ def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
                 data["usage"] = usage
             return b"data: " + json.dumps(data).encode() + b"\n\n"
 
-        def choice(text: str | None, finish: str | None, first: bool = False) -> dict:
+        def choice(index: int, text: str | None, finish: str | None, first: bool = False) -> dict:
             if chat:
                 delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-                return {"index": 0, "delta": delta, "finish_reason": finish}
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+                return {"index": index, "delta": delta, "finish_reason": finish}
+            return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
 
         finished = False
         try:
             if chat:
-                yield event([choice(None, None, first=True)])
-            async for chunk in _chunks(job):
+                for index in range(len(jobs)):
+                    yield event([choice(index, None, None, first=True)])
+            async for index, chunk in _merged(jobs):
                 if chunk.text:
-                    yield event([choice(chunk.text, None)])
-            finish = _finish_reason(job.stats.stop_reason)
-            yield event([choice(None, finish)])
+                    yield event([choice(index, chunk.text, None)])
+            for index, job in enumerate(jobs):
+                finish = _finish_reason(job.stats.stop_reason)
+                yield event([choice(index, None, finish)])
+                metrics.record_finished(job.stats, finish)
             if body.include_usage:
-                yield event([], _usage(job))
+                yield event([], _usage(jobs))
             yield SSE_DONE
             finished = True
-            metrics.record_finished(job.stats, finish)
         except RequestError as error:  # the generation failed after the response began
             yield b"data: " + json.dumps(error_body(str(error), error.kind)).encode() + b"\n\n"
             yield SSE_DONE
         finally:
             if not finished:
-                job.cancelled.set()  # the client went away: the worker stops this row at its next round
+                for job in jobs:
+                    job.cancelled.set()  # the client went away: the worker stops these rows at their next round
 
     async def _chunks(job: Job, request: Request | None = None):
         """The job's chunks; with `request` (a response not yet begun), a client that
@@ -359,6 +416,7 @@ def _finish_reason(stop_reason: str) -> str:
     return "length" if stop_reason == "length" else "stop"
 
 
-def _usage(job: Job) -> dict:
-    prompt, completion = job.stats.prompt_tokens, len(job.token_ids)
+def _usage(jobs: list[Job]) -> dict:
+    """OpenAI's usage: the prompt once, the completions of every choice."""
+    prompt, completion = jobs[0].stats.prompt_tokens, sum(len(job.token_ids) for job in jobs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

@@ -1,7 +1,7 @@
 """The OpenAI-compatible request bodies the server accepts, validated by pydantic.
 
 Fields OpenAI defines but this server does not implement are accepted only at their
-neutral value (`n` = 1, no `logprobs`, zero presence/frequency penalties, ...) and
+neutral value (no `logprobs`, no `response_format`, ...) and
 refused otherwise with a message saying so; unknown fields are refused. Chat content
 may be a list of text parts, and the `developer` role is the system role. Extra fields:
 `top_k`, `min_p`, vLLM's `ignore_eos`, and the speculation per request: `method` (a
@@ -35,7 +35,7 @@ class GenerationFields(BaseModel):
     seed: StrictInt | None = Field(default=None, ge=0, le=2**64 - 1)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: StrictInt = 1
+    n: StrictInt = Field(default=1, ge=1)
     presence_penalty: StrictFloat | StrictInt = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: StrictFloat | StrictInt = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, StrictFloat | StrictInt] | None = Field(default=None, max_length=1024)
@@ -60,7 +60,6 @@ class GenerationFields(BaseModel):
     @model_validator(mode="after")
     def _unsupported_values(self):
         refused = {
-            "n": (self.n != 1, "n must be 1 (one choice per request)"),
             "stream_options": (self.stream_options is not None and not self.stream,
                                "stream_options is only allowed with stream: true"),
         }
