@@ -132,7 +132,8 @@ BAD_REQUESTS = [
     ("n above the limit", "application/json", {"model": NAME, "prompt": "hi", "n": 9}, 400,
      "n=9 exceeds this server's limit of 8 choices"),
     ("n of zero", "application/json", {"model": NAME, "prompt": "hi", "n": 0}, 400, "n: Input should be greater"),
-    ("logprobs", "application/json", {"model": NAME, "prompt": "hi", "logprobs": 5}, 400, "logprobs"),
+    ("logprobs above 20", "application/json", {"model": NAME, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("logprobs as a flag", "application/json", {"model": NAME, "prompt": "hi", "logprobs": True}, 400, "logprobs"),
     ("batch of prompts", "application/json", {"model": NAME, "prompt": ["a", "b"]}, 400, "prompt"),
     ("empty stop", "application/json", {"model": NAME, "prompt": "hi", "stop": [""]}, 400, "stop strings must be non-empty"),
     ("unknown model", "application/json", {"model": "gpt-9", "prompt": "hi"}, 404, "does not exist"),
@@ -204,7 +205,11 @@ def test_chat_refusals(server):
     for body, fragment in [({"model": NAME, "messages": []}, "messages"),
                            ({"model": NAME, "messages": [{"role": "wizard", "content": "x"}]}, "role"),
                            ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 3,
-                             "max_completion_tokens": 3}, "not both")]:
+                             "max_completion_tokens": 3}, "not both"),
+                           ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+                            "top_logprobs needs logprobs: true"),
+                           ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                             "top_logprobs": 21}, "top_logprobs")]:
         response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=DEADLINE_S)
         assert response.status_code == 400 and fragment in response.json()["error"]["message"], response.text
 
@@ -417,3 +422,40 @@ def test_n_choices_are_the_single_requests_with_seeds_seed_plus_i(server, model)
     chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "cat"}], n=2,
                                           max_tokens=10, temperature=0)
     assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content
+
+
+def test_logprobs_are_the_models_through_the_client(server, model):
+    client = server.client()
+    ids = model.encode(PROMPT)
+    reference = offline(model, ids, max_new_tokens=20, temperature=0.0, logprobs=3)
+    strings = model.token_strings(reference.token_ids)
+    result = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=20, temperature=0, logprobs=3)
+    logprobs = result.choices[0].logprobs
+    assert logprobs.tokens == strings
+    assert logprobs.token_logprobs == pytest.approx([e.logprob for e in reference.logprobs], abs=1e-5)
+    assert logprobs.text_offset == [sum(map(len, strings[:i])) for i in range(len(strings))]
+    for top, entry, text in zip(logprobs.top_logprobs, reference.logprobs, strings):
+        assert text in top and len(top) <= 4  # the 3 most likely (by text), and the chosen token
+        assert max(top.values()) == pytest.approx(entry.top[0][1], abs=1e-5)
+    streamed_tokens, streamed_offsets = [], []
+    for chunk in client.completions.create(model=NAME, prompt=PROMPT, max_tokens=20, temperature=0, logprobs=3,
+                                           stream=True):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed_tokens += chunk.choices[0].logprobs.tokens
+            streamed_offsets += chunk.choices[0].logprobs.text_offset
+    assert streamed_tokens == strings and streamed_offsets == logprobs.text_offset
+    assert client.completions.create(model=NAME, prompt=PROMPT, max_tokens=4).choices[0].logprobs is None
+
+    messages = [{"role": "user", "content": "say cat cat cat"}]
+    reference = offline(model, model.encode_chat(messages), max_new_tokens=12, temperature=0.0, logprobs=2)
+    reply = client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0, logprobs=True,
+                                           top_logprobs=2)
+    content = reply.choices[0].logprobs.content
+    assert [c.token for c in content] == model.token_strings(reference.token_ids)
+    assert [c.logprob for c in content] == pytest.approx([e.logprob for e in reference.logprobs], abs=1e-5)
+    assert all(len(c.top_logprobs) == 2 and c.bytes == list(c.token.encode()) for c in content)
+    streamed = [item.token for chunk in client.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=12, temperature=0, logprobs=True, stream=True)
+        for choice in chunk.choices if choice.logprobs for item in choice.logprobs.content]
+    assert streamed == [c.token for c in content]
+    assert client.chat.completions.create(model=NAME, messages=messages, max_tokens=3).choices[0].logprobs is None

@@ -18,6 +18,7 @@ from longspec.runtime.loading import LoadedTarget, load_target
 from longspec.speculation.batch_engine import BatchEngine, BatchOptions, RequestHandle
 from longspec.speculation.drafters.base import Drafter
 from longspec.speculation.engine import EngineOptions, SpeculativeEngine
+from longspec.speculation.logprobs import LogprobRecorder, TokenLogprob
 from longspec.speculation.methods import DEFAULT_METHOD, make_drafter
 from longspec.speculation.metrics import GenerationStats
 from longspec.speculation.processors import SamplingParams
@@ -86,12 +87,14 @@ class GenerationResult:
     text: str
     token_ids: list[int]
     stats: GenerationStats
+    logprobs: list[TokenLogprob] | None = None  # one per token, when asked (`logprobs=`)
 
 
 @dataclass
 class StreamChunk:
     text: str  # new text since the previous chunk (may be empty while a character is incomplete)
     token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None  # of `token_ids`, when asked
 
 
 @dataclass
@@ -102,11 +105,14 @@ class TokenStream:
     stats: GenerationStats
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
 
     def __iter__(self) -> Iterator[StreamChunk]:
         for chunk in self._chunks:
             self.text += chunk.text
             self.token_ids.extend(chunk.token_ids)
+            if chunk.logprobs is not None:
+                self.logprobs = (self.logprobs or []) + chunk.logprobs
             yield chunk
         self.stats.record_output(self.token_ids)
 
@@ -124,6 +130,7 @@ class PreparedRequest:
     stops: tuple[str, ...]
     generator: torch.Generator
     stats: GenerationStats
+    logprobs: LogprobRecorder | None = None  # collects log-probabilities, when asked
 
 
 def _rounds_of(handle: RequestHandle) -> Iterator[torch.Tensor]:
@@ -146,6 +153,7 @@ class RowStream:
         self._chunks = chunks
         self.text = ""
         self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = None
         self.ended = False  # the row left and its text is flushed, or a stop string ended it
         self.stopped = False  # a stop string ended it: the caller cancels the row to free its cache
 
@@ -160,6 +168,8 @@ class RowStream:
                 break
             self.text += chunk.text
             self.token_ids.extend(chunk.token_ids)
+            if chunk.logprobs is not None:
+                self.logprobs = (self.logprobs or []) + chunk.logprobs
             out.append(chunk)
             if self.stats.stop_reason == "stop":
                 self.ended = self.stopped = True
@@ -168,7 +178,7 @@ class RowStream:
     def result(self) -> GenerationResult:
         """The whole output, once `ended`."""
         self.stats.record_output(self.token_ids)
-        return GenerationResult(self.text, self.token_ids, self.stats)
+        return GenerationResult(self.text, self.token_ids, self.stats, self.logprobs)
 
 
 def load(
@@ -236,6 +246,15 @@ class LongSpecModel:
     @property
     def device(self) -> torch.device:
         return self.model.device
+
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        """Each token's text alone (as log-probability listings show tokens), or
+        `token_id:N` without a tokenizer. Decoded with the prompt tokenizer, so streams'
+        detokenizing is not held up."""
+        if self._encoder is None:
+            return [f"token_id:{token}" for token in ids]
+        with self._encoding_lock:
+            return [self._encoder.decode([token]) for token in ids]
 
     def encode(self, prompt: str | Sequence[int] | torch.Tensor, *, chat: bool = False,
                limit: int | None = None) -> torch.Tensor:
@@ -319,18 +338,22 @@ class LongSpecModel:
         stop: str | Sequence[str] = (),
         chat: bool = False,
         ignore_eos: bool = False,
+        logprobs: int | None = None,
     ) -> TokenStream:
+        """As `generate`, token by token. logprobs: the model's log-probability of every
+        generated token and of the `logprobs` most likely ones at that point (0: the
+        token's alone; None: none)."""
         request = self.prepare(
             prompt, max_new_tokens=max_new_tokens, method=method, method_options=method_options,
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, eta=eta, penalty=penalty,
             penalty_window=penalty_window, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-            logit_bias=logit_bias, seed=seed, stop=stop, chat=chat, ignore_eos=ignore_eos,
+            logit_bias=logit_bias, seed=seed, stop=stop, chat=chat, ignore_eos=ignore_eos, logprobs=logprobs,
         )
         rounds = self.engine.generate(
             request.ids, params=request.params, max_new_tokens=max_new_tokens, drafter=request.drafter,
-            eos_token_ids=request.eos, generator=request.generator, stats=request.stats,
+            eos_token_ids=request.eos, generator=request.generator, stats=request.stats, logprobs=request.logprobs,
         )
-        return TokenStream(self._chunks(rounds, request.stops, request.stats), request.stats)
+        return TokenStream(self._chunks(rounds, request.stops, request.stats, request.logprobs), request.stats)
 
     def generate_batch(
         self,
@@ -394,15 +417,16 @@ class LongSpecModel:
         returned stream's `pump` as the engine steps."""
         handle = engine.submit(request.ids, params=request.params, max_new_tokens=request.max_new_tokens,
                                drafter=request.drafter, eos_token_ids=request.eos, generator=request.generator,
-                               stats=request.stats)
-        return RowStream(handle, self._chunks(_rounds_of(handle), request.stops, request.stats))
+                               stats=request.stats, logprobs=request.logprobs)
+        return RowStream(handle, self._chunks(_rounds_of(handle), request.stops, request.stats, request.logprobs))
 
     def prepare(self, prompt, *, max_new_tokens: int = 256, method: str | Drafter = DEFAULT_METHOD,
                 method_options: dict[str, Any] | None = None, temperature: float = 0.0, top_k: int | None = None,
                 top_p: float | None = None, min_p: float | None = None, eta: float | None = None,
                 penalty: float = 1.0, penalty_window: int = 1024, presence_penalty: float = 0.0,
                 frequency_penalty: float = 0.0, logit_bias: dict[int, float] | None = None, seed: int | None = None,
-                stop: str | Sequence[str] = (), chat: bool = False, ignore_eos: bool = False) -> PreparedRequest:
+                stop: str | Sequence[str] = (), chat: bool = False, ignore_eos: bool = False,
+                logprobs: int | None = None) -> PreparedRequest:
         """Validate a request (the keywords of `stream`) without generating."""
         params = SamplingParams(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, eta=eta,
@@ -429,21 +453,33 @@ class LongSpecModel:
         # The verifier draws on the model's device; a seed reproduces a run on one device.
         generator = torch.Generator(device=self.device).manual_seed(seed)
         eos = () if ignore_eos else self.config.eos_token_ids
-        return PreparedRequest(ids, max_new_tokens, params, drafter, eos, stops, generator, GenerationStats(method=name))
+        recorder = None if logprobs is None else LogprobRecorder(top=logprobs)
+        return PreparedRequest(ids, max_new_tokens, params, drafter, eos, stops, generator, GenerationStats(method=name),
+                               recorder)
 
     def generate(self, prompt, **kwargs) -> GenerationResult:
         stream = self.stream(prompt, **kwargs)
         for _ in stream:
             pass
-        return GenerationResult(stream.text, stream.token_ids, stream.stats)
+        return GenerationResult(stream.text, stream.token_ids, stream.stats, stream.logprobs)
 
-    def _chunks(self, rounds, stop: Sequence[str], stats: GenerationStats) -> Iterator[StreamChunk]:
+    def _chunks(self, rounds, stop: Sequence[str], stats: GenerationStats,
+                recorder: LogprobRecorder | None = None) -> Iterator[StreamChunk]:
         """Text pieces per round. With stop strings, the last len(longest)-1
         characters are held back until they cannot begin a stop string, so text
         that is later cut never reaches the caller."""
         decoder = IncrementalDecoder(self.tokenizer) if self.tokenizer is not None else None
         holdback = max((len(s) for s in stop), default=1) - 1
-        text, emitted = "", 0
+        text, emitted, recorded = "", 0, 0
+
+        def logprobs_of(kept: list[int]) -> list[TokenLogprob] | None:
+            nonlocal recorded
+            if recorder is None:
+                return None
+            entries = recorder.entries[recorded : recorded + len(kept)]
+            recorded += len(kept)
+            return entries
+
         for new in rounds:
             kept: list[int] = []
             for token in new.tolist():
@@ -458,11 +494,11 @@ class LongSpecModel:
                     hits = [i for i in (text.find(s, search_from) for s in stop) if i >= 0]
                     if hits:
                         stats.stop_reason = "stop"
-                        yield StreamChunk(text[emitted : min(hits)], kept)
+                        yield StreamChunk(text[emitted : min(hits)], kept, logprobs_of(kept))
                         rounds.close()
                         return
             safe = max(emitted, len(text) - holdback)
-            yield StreamChunk(text[emitted:safe], kept)
+            yield StreamChunk(text[emitted:safe], kept, logprobs_of(kept))
             emitted = safe
         if emitted < len(text):
-            yield StreamChunk(text[emitted:], [])
+            yield StreamChunk(text[emitted:], [], logprobs_of([]))

@@ -16,9 +16,8 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,12 +28,14 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from longspec.api import LongSpecModel, PreparedRequest
-from longspec.serve.metrics import ServerMetrics
 from longspec.serve.limits import LimitError, RequestLimits, parse_json, read_body
+from longspec.serve.logprob_fields import CompletionLogprobs, chat_logprobs
+from longspec.serve.metrics import ServerMetrics
 from longspec.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerationFields, error_body
 from longspec.serve.request_options import OptionError, ServerLimits, check_request_options
 from longspec.serve.worker import GenerationWorker, Job, QueueFull, RequestFailed, WorkerUnavailable
 from longspec.speculation.batch_engine import BatchOptions
+from longspec.speculation.logprobs import TokenLogprob
 from longspec.speculation.methods import DEFAULT_METHOD, METHODS, make_drafter
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -276,6 +277,7 @@ def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
                 top_p=body.top_p if body.top_p < 1.0 else None, top_k=body.top_k, min_p=body.min_p,
                 presence_penalty=float(body.presence_penalty), frequency_penalty=float(body.frequency_penalty),
                 logit_bias=body.token_bias, seed=seed, stop=body.stops, ignore_eos=body.ignore_eos,
+                logprobs=body.logprob_alternatives,
             ) for seed in seeds]
         except OptionError as error:
             raise RequestError(400, str(error), param="method_options") from None
@@ -292,19 +294,26 @@ def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
         if body.stream:
             return StreamingResponse(_sse(jobs, body, identity, created, chat), media_type="text/event-stream")
         texts: list[list[str]] = [[] for _ in jobs]
+        entries: list[list[TokenLogprob]] = [[] for _ in jobs]
         try:
             async for index, chunk in _merged(jobs, request):
                 texts[index].append(chunk.text)
+                entries[index].extend(chunk.logprobs or ())
         finally:
             for job in jobs:
                 job.cancelled.set()  # no-op when done; frees the rows if this handler was cancelled or its client left
+        asked = body.logprob_alternatives is not None
         choices = []
         for index, (job, text) in enumerate(zip(jobs, texts)):
             finish = _finish_reason(job.stats.stop_reason)
             metrics.record_finished(job.stats, finish)
-            choices.append({"index": index, "message": {"role": "assistant", "content": "".join(text)},
-                            "finish_reason": finish} if chat else
-                           {"index": index, "text": "".join(text), "logprobs": None, "finish_reason": finish})
+            if chat:
+                logprobs = chat_logprobs(entries[index], model.token_strings) if asked else None
+                choices.append({"index": index, "message": {"role": "assistant", "content": "".join(text)},
+                                "logprobs": logprobs, "finish_reason": finish})
+            else:
+                logprobs = CompletionLogprobs(model.token_strings).fields(entries[index]) if asked else None
+                choices.append({"index": index, "text": "".join(text), "logprobs": logprobs, "finish_reason": finish})
         return {"id": identity, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": options.model_name, "choices": choices, "usage": _usage(jobs)}
 
@@ -349,11 +358,17 @@ def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
                 data["usage"] = usage
             return b"data: " + json.dumps(data).encode() + b"\n\n"
 
-        def choice(index: int, text: str | None, finish: str | None, first: bool = False) -> dict:
+        asked = body.logprob_alternatives is not None
+        completion_logprobs = [CompletionLogprobs(model.token_strings) for _ in jobs]
+
+        def choice(index: int, text: str | None, finish: str | None, first: bool = False,
+                   entries: list[TokenLogprob] | None = None) -> dict:
             if chat:
                 delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-                return {"index": index, "delta": delta, "finish_reason": finish}
-            return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+                logprobs = chat_logprobs(entries, model.token_strings) if entries else None
+                return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            logprobs = completion_logprobs[index].fields(entries) if entries else None
+            return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
 
         finished = False
         try:
@@ -361,8 +376,8 @@ def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
                 for index in range(len(jobs)):
                     yield event([choice(index, None, None, first=True)])
             async for index, chunk in _merged(jobs):
-                if chunk.text:
-                    yield event([choice(index, chunk.text, None)])
+                if chunk.text or (asked and chunk.token_ids):
+                    yield event([choice(index, chunk.text, None, entries=chunk.logprobs)])
             for index, job in enumerate(jobs):
                 finish = _finish_reason(job.stats.stop_reason)
                 yield event([choice(index, None, finish)])

@@ -1,7 +1,7 @@
 """The OpenAI-compatible request bodies the server accepts, validated by pydantic.
 
 Fields OpenAI defines but this server does not implement are accepted only at their
-neutral value (no `logprobs`, no `response_format`, ...) and
+neutral value (no `response_format`, no `echo`, ...) and
 refused otherwise with a message saying so; unknown fields are refused. Chat content
 may be a list of text parts, and the `developer` role is the system role. Extra fields:
 `top_k`, `min_p`, vLLM's `ignore_eos`, and the speculation per request: `method` (a
@@ -14,6 +14,8 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
+
+from longspec.speculation.logprobs import MAX_TOP
 
 
 class StreamOptions(BaseModel):
@@ -87,6 +89,12 @@ class GenerationFields(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     @property
+    def logprob_alternatives(self) -> int | None:
+        """How many most likely tokens to report beside each chosen token's
+        log-probability (0: its own alone), or None: no log-probabilities."""
+        raise NotImplementedError
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
@@ -94,10 +102,15 @@ class GenerationFields(BaseModel):
 class CompletionRequest(GenerationFields):
     prompt: str | list[StrictInt]
     max_tokens: StrictInt | None = Field(default=16, ge=1)  # OpenAI's default for completions
-    logprobs: None = None
+    # The log-probabilities of the chosen tokens and of the `logprobs` most likely at each position.
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP)
     echo: Literal[False] = False
     best_of: Literal[1] | None = None
     suffix: None = None
+
+    @property
+    def logprob_alternatives(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -146,16 +159,22 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
-    logprobs: Literal[False] | None = None
-    top_logprobs: None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP)
 
     @model_validator(mode="after")
-    def _one_limit(self):
+    def _coherent_fields(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise ValueError("give max_tokens or max_completion_tokens, not both")
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
         return self
+
+    @property
+    def logprob_alternatives(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,

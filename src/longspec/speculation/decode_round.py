@@ -27,6 +27,7 @@ import torch
 from longspec.runtime.device import HOST
 from longspec.runtime.model import Decoder
 from longspec.speculation.drafters.base import DraftContext, Drafter, TargetView, check_drafter
+from longspec.speculation.logprobs import LogprobRecorder
 from longspec.speculation.metrics import GenerationStats
 from longspec.speculation.plain_rounds import PlainRounds
 from longspec.speculation.processors import NodeHistories, SamplingParams
@@ -69,11 +70,13 @@ class DecodingSequence:
     draft_generator: torch.Generator | None = None
     plain: PlainRounds | None = None
     learns_while_verifying: bool = False  # its drafter's `learn` runs during the forward
+    logprobs: LogprobRecorder | None = None  # collects the tokens' log-probabilities, when asked
 
     @classmethod
     def create(cls, model: Decoder, prompt_ids, *, params: SamplingParams, max_new_tokens: int,
                drafter: Drafter | None, eos_token_ids: Sequence[int], generator: torch.Generator | None,
-               stats: GenerationStats | None, tree_budget: int) -> "DecodingSequence":
+               stats: GenerationStats | None, tree_budget: int,
+               logprobs: LogprobRecorder | None = None) -> "DecodingSequence":
         """A checked request: everything that can be refused is refused here, before prefill."""
         prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=HOST).reshape(-1)
         check_request(model, prompt.numel(), max_new_tokens)
@@ -86,7 +89,7 @@ class DecodingSequence:
         tokens[: prompt.numel()] = prompt
         eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=HOST)
         return cls(prompt, params, max_new_tokens, drafter, eos, generator, stats,
-                   tree_budget if drafter is not None else 0, tokens, prompt.numel())
+                   tree_budget if drafter is not None else 0, tokens, prompt.numel(), logprobs=logprobs)
 
     @property
     def prefill_ids(self) -> torch.Tensor:
@@ -133,10 +136,13 @@ class DecodingSequence:
         self.view.last_hidden = verdict.path_rows(hidden)
         return verdict
 
-    def advance(self, tree: Tree, verdict: Verdict) -> "Committed":
-        """Append the round's tokens (up to a stop), tell the drafter, record the round."""
+    def advance(self, tree: Tree, verdict: Verdict, scores: NodeScores | None = None) -> "Committed":
+        """Append the round's tokens (up to a stop), tell the drafter, record the round
+        (and, when asked, the tokens' log-probabilities from the rows that predicted them)."""
         accepted = torch.cat([tree.tokens[verdict.path[1:]], torch.tensor([verdict.bonus], device=HOST)])
         new, stop_reason = truncate_at_stop(accepted, self.eos, self.max_new_tokens - self.produced)
+        if self.logprobs is not None and scores is not None:
+            self.logprobs.record(scores.logits_of(verdict.path[: new.numel()]), new)
         self.tokens[self.length : self.length + new.numel()] = new
         self.length += new.numel()
         self.produced += new.numel()
@@ -239,12 +245,13 @@ def decode_round(sequences: list[DecodingSequence], target: RoundTarget, *,
     target.commit([root_only if verdict is None else verdict.path for verdict in verdicts])
     commit_s = (time.perf_counter() - t1) / len(sequences)
 
-    for sequence, result, whole, tree, verdict in zip(sequences, results, proposed, trees, verdicts):
+    for sequence, result, whole, tree, verdict, tree_scores in zip(sequences, results, proposed, trees, verdicts,
+                                                                   scores):
         if verdict is None:
             continue
         t2 = time.perf_counter()
         try:
-            result.committed = sequence.advance(tree, verdict)
+            result.committed = sequence.advance(tree, verdict, tree_scores)
         except Exception as error:
             if not contain_errors:
                 raise

@@ -48,6 +48,13 @@ class NodeScores:
             self._logits = self._model.logits(self._hidden)
         return self._logits
 
+    def logits_of(self, rows: torch.Tensor) -> torch.Tensor:
+        """[len(rows), V]: the plain head over some nodes (the full head of those rows
+        alone, unless the whole tree's logits are already computed)."""
+        if self._logits is None:
+            return self._model.logits(self._hidden[rows.to(self._hidden.device)])
+        return self._logits[rows.to(self._logits.device)]
+
     def argmax(self) -> torch.Tensor:
         """[n] int64: the first index of each node's largest plain logit."""
         if self._argmax is None:
