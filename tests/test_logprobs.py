@@ -12,6 +12,7 @@ from longspec.runtime.loading import load_target
 from longspec.speculation.engine import EngineOptions, SpeculativeEngine
 from longspec.speculation.logprobs import LogprobRecorder
 from longspec.speculation.methods import make_drafter
+from longspec.speculation.processors import NodeHistories, SamplingParams, processed_logits
 from tiny_models import random_ids, tiny_decoder, tiny_hf_model
 
 TOP = 3
@@ -24,12 +25,15 @@ def model(tmp_path_factory):
     return LongSpecModel(load_target(directory, dtype=torch.float64))
 
 
-def reference_logprobs(model: LongSpecModel, prompt: torch.Tensor, tokens: list[int]) -> torch.Tensor:
-    """log-softmax of one plain forward over prompt + tokens, at the rows that predicted each token."""
+def reference_logits(model: LongSpecModel, prompt: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+    """One plain forward over prompt + tokens: the logits of the rows that predicted each token."""
     ids = torch.cat([prompt.view(-1), torch.tensor(tokens)]).view(1, -1)
     cache = model.model.new_cache(ids.shape[1] + 1)
-    logits = model.model(ids, cache).logits[0]
-    return torch.log_softmax(logits[prompt.numel() - 1 : -1].double(), dim=-1)
+    return model.model(ids, cache).logits[0, prompt.numel() - 1 : -1]
+
+
+def reference_logprobs(model: LongSpecModel, prompt: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+    return torch.log_softmax(reference_logits(model, prompt, tokens).double(), dim=-1)
 
 
 @pytest.mark.parametrize("method", ["ar", "pld", "auto"])
@@ -101,3 +105,32 @@ def test_certified_head_rounds_report_the_full_heads_logprobs():
     assert [e.token for e in runs[0][1]] == runs[0][0]
     assert [e.logprob for e in runs[0][1]] == pytest.approx([e.logprob for e in runs[1][1]], abs=1e-6)
     assert [[t for t, _ in e.top] for e in runs[0][1]] == [[t for t, _ in e.top] for e in runs[1][1]]
+
+
+PROCESSING = dict(temperature=0.7, top_k=20, presence_penalty=0.5, frequency_penalty=0.3, penalty=1.2,
+                  penalty_window=16, logit_bias={5: 2.0, 7: -3.0})
+
+
+def padded(rows: list[list[int]], width: int) -> torch.Tensor:
+    return torch.tensor([[-1] * (width - len(r)) + r[-width:] if r else [-1] * width for r in rows])
+
+
+@pytest.mark.parametrize("method", ["ar", "pld", "auto"])
+def test_processed_logprobs_are_of_the_distribution_tokens_are_drawn_from(model, method):
+    prompt = random_ids(10, seed=4)[0].repeat(3)
+    result = model.generate(prompt, max_new_tokens=20, method=method, seed=5, logprobs=2, logprobs_mode="processed",
+                            **PROCESSING)
+    tokens = result.token_ids
+    everything = prompt.tolist() + tokens
+    histories = NodeHistories(
+        padded([everything[: prompt.numel() + i] for i in range(len(tokens))], PROCESSING["penalty_window"]),
+        padded([tokens[:i] for i in range(len(tokens))], len(tokens)),
+    )
+    params = SamplingParams(**{**PROCESSING, "logit_bias": tuple(PROCESSING["logit_bias"].items())})
+    expected = torch.log_softmax(processed_logits(reference_logits(model, prompt, tokens), histories, params), dim=-1)
+    for position, entry in enumerate(result.logprobs):
+        assert entry.logprob == pytest.approx(expected[position, tokens[position]].item(), abs=1e-9)
+        assert entry.logprob > float("-inf")  # a drawn token survives truncation
+        assert [v for _, v in entry.top] == pytest.approx(torch.topk(expected[position], 2).values.tolist(), abs=1e-9)
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        model.generate(prompt, max_new_tokens=2, logprobs=1, logprobs_mode="logits")

@@ -459,3 +459,21 @@ def test_logprobs_are_the_models_through_the_client(server, model):
         for choice in chunk.choices if choice.logprobs for item in choice.logprobs.content]
     assert streamed == [c.token for c in content]
     assert client.chat.completions.create(model=NAME, messages=messages, max_tokens=3).choices[0].logprobs is None
+
+
+def test_processed_logprobs_mode_reports_the_drawn_distribution(model):
+    processed = Server(model, ServeOptions(model_name=NAME, method="pld", logprobs_mode="processed"))
+    try:
+        kwargs = dict(max_new_tokens=12, temperature=0.8, top_k=2, seed=4, logprobs=4)
+        reference = offline(model, model.encode(PROMPT), logprobs_mode="processed", **kwargs)
+        result = processed.client().completions.create(model=NAME, prompt=PROMPT, max_tokens=12, temperature=0.8,
+                                                       seed=4, logprobs=4, extra_body={"top_k": 2})
+        logprobs = result.choices[0].logprobs
+        assert logprobs.token_logprobs == pytest.approx([e.logprob for e in reference.logprobs], abs=1e-5)
+        # Two tokens survive top_k=2; the others' -inf shows as vLLM's -9999.0, and the JSON stays valid.
+        wide = [top for top in logprobs.top_logprobs if len(top) > 2]
+        assert wide and all(min(top.values()) == -9999.0 for top in wide)
+    finally:
+        processed.stop()
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        ServeOptions(model_name=NAME, logprobs_mode="logits")

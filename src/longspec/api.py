@@ -18,6 +18,7 @@ from longspec.runtime.loading import LoadedTarget, load_target
 from longspec.speculation.batch_engine import BatchEngine, BatchOptions, RequestHandle
 from longspec.speculation.drafters.base import Drafter
 from longspec.speculation.engine import EngineOptions, SpeculativeEngine
+from longspec.speculation.logprobs import MODES as LOGPROBS_MODES
 from longspec.speculation.logprobs import LogprobRecorder, TokenLogprob
 from longspec.speculation.methods import DEFAULT_METHOD, make_drafter
 from longspec.speculation.metrics import GenerationStats
@@ -339,15 +340,18 @@ class LongSpecModel:
         chat: bool = False,
         ignore_eos: bool = False,
         logprobs: int | None = None,
+        logprobs_mode: str = "raw",
     ) -> TokenStream:
-        """As `generate`, token by token. logprobs: the model's log-probability of every
+        """As `generate`, token by token. logprobs: the log-probability of every
         generated token and of the `logprobs` most likely ones at that point (0: the
-        token's alone; None: none)."""
+        token's alone; None: none), of the model's distribution ("raw") or of the one
+        the token is drawn from ("processed": after bias, penalties, temperature, truncation)."""
         request = self.prepare(
             prompt, max_new_tokens=max_new_tokens, method=method, method_options=method_options,
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, eta=eta, penalty=penalty,
             penalty_window=penalty_window, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
             logit_bias=logit_bias, seed=seed, stop=stop, chat=chat, ignore_eos=ignore_eos, logprobs=logprobs,
+            logprobs_mode=logprobs_mode,
         )
         rounds = self.engine.generate(
             request.ids, params=request.params, max_new_tokens=max_new_tokens, drafter=request.drafter,
@@ -426,7 +430,7 @@ class LongSpecModel:
                 penalty: float = 1.0, penalty_window: int = 1024, presence_penalty: float = 0.0,
                 frequency_penalty: float = 0.0, logit_bias: dict[int, float] | None = None, seed: int | None = None,
                 stop: str | Sequence[str] = (), chat: bool = False, ignore_eos: bool = False,
-                logprobs: int | None = None) -> PreparedRequest:
+                logprobs: int | None = None, logprobs_mode: str = "raw") -> PreparedRequest:
         """Validate a request (the keywords of `stream`) without generating."""
         params = SamplingParams(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, eta=eta,
@@ -440,6 +444,9 @@ class LongSpecModel:
         if seed is not None:
             _check_int("seed", seed, low=0, high=MAX_SEED)
         stops = _stop_strings(stop)
+        recorder = None if logprobs is None else LogprobRecorder(top=logprobs, mode=logprobs_mode)
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}")
         if method_options is not None and not isinstance(method_options, dict):
             raise TypeError(f"method_options must be a dict of drafter options, got {type(method_options).__name__}")
         ids = self.encode(prompt, chat=chat)
@@ -453,7 +460,6 @@ class LongSpecModel:
         # The verifier draws on the model's device; a seed reproduces a run on one device.
         generator = torch.Generator(device=self.device).manual_seed(seed)
         eos = () if ignore_eos else self.config.eos_token_ids
-        recorder = None if logprobs is None else LogprobRecorder(top=logprobs)
         return PreparedRequest(ids, max_new_tokens, params, drafter, eos, stops, generator, GenerationStats(method=name),
                                recorder)
 

@@ -31,6 +31,9 @@ def add_parser(sub) -> None:
                                                                        "with --max-new-tokens it sizes each row's cache")
     p.add_argument("--max-new-tokens", type=int, default=1024, help="largest max_tokens accepted, and the default of chat")
     p.add_argument("--max-n", type=int, default=8, help="largest n (choices per request, each a row) accepted")
+    p.add_argument("--logprobs-mode", choices=("raw", "processed"), default="raw",
+                   help="the distribution logprobs report: the model's (raw), or the one tokens are drawn from "
+                        "(processed: after bias, penalties, temperature, truncation)")
     p.add_argument("--max-body-bytes", type=int, default=RequestLimits.max_body_bytes,
                    help=f"largest request body accepted (default: {RequestLimits.max_body_bytes >> 20} MiB); larger "
                         "bodies get 413 before they are read")
@@ -137,6 +140,7 @@ def run(args) -> int:
         max_concurrent=args.max_concurrent, max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
         max_batch=args.max_batch, method_options=server_method_options(args.method_option),
         limits=RequestLimits(max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout), max_n=args.max_n,
+        logprobs_mode=args.logprobs_mode,
     )
     for line in exposure_warnings(args.host, api_key):
         print(f"longspec serve: {line}", file=sys.stderr)

@@ -35,6 +35,7 @@ from longspec.serve.protocol import ChatCompletionRequest, CompletionRequest, Ge
 from longspec.serve.request_options import OptionError, ServerLimits, check_request_options
 from longspec.serve.worker import GenerationWorker, Job, QueueFull, RequestFailed, WorkerUnavailable
 from longspec.speculation.batch_engine import BatchOptions
+from longspec.speculation.logprobs import MODES as LOGPROBS_MODES
 from longspec.speculation.logprobs import TokenLogprob
 from longspec.speculation.methods import DEFAULT_METHOD, METHODS, make_drafter
 
@@ -54,6 +55,7 @@ class ServeOptions:
     max_batch: int = 8  # requests decoded together (rows of the batch); the others wait for a row
     limits: RequestLimits = RequestLimits()  # what a request may weigh, checked before any work
     max_n: int = 8  # choices a request may ask for (`n`): each is a row of the batch
+    logprobs_mode: str = "raw"  # the distribution `logprobs` report (vLLM's flag): raw or processed
     # The server's own drafter options per method (paths to weights among them), under
     # the few a request may set (`request_options.REQUEST_OPTIONS`).
     method_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
@@ -67,6 +69,8 @@ class ServeOptions:
         for name in ("max_concurrent", "max_new_tokens", "max_batch", "max_n"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
         if self.api_key is not None and not self.api_key.strip():
@@ -277,7 +281,7 @@ def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
                 top_p=body.top_p if body.top_p < 1.0 else None, top_k=body.top_k, min_p=body.min_p,
                 presence_penalty=float(body.presence_penalty), frequency_penalty=float(body.frequency_penalty),
                 logit_bias=body.token_bias, seed=seed, stop=body.stops, ignore_eos=body.ignore_eos,
-                logprobs=body.logprob_alternatives,
+                logprobs=body.logprob_alternatives, logprobs_mode=options.logprobs_mode,
             ) for seed in seeds]
         except OptionError as error:
             raise RequestError(400, str(error), param="method_options") from None

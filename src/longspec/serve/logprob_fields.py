@@ -14,6 +14,11 @@ from collections.abc import Callable, Sequence
 from longspec.speculation.logprobs import TokenLogprob
 
 TokenStrings = Callable[[Sequence[int]], list[str]]
+FLOOR = -9999.0  # what JSON shows for -inf (a token the processed distribution removed), as vLLM does
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, FLOOR)
 
 
 class CompletionLogprobs:
@@ -30,12 +35,12 @@ class CompletionLogprobs:
         for entry, text in zip(entries, chosen):
             top: dict[str, float] = {}
             for _, logprob in entry.top:  # tokens that read alike share a key: the likelier one's
-                top.setdefault(next(alternatives), logprob)
-            top.setdefault(text, entry.logprob)
+                top.setdefault(next(alternatives), _finite(logprob))
+            top.setdefault(text, _finite(entry.logprob))
             tops.append(top)
             offsets.append(self.offset)
             self.offset += len(text)
-        return {"tokens": chosen, "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
+        return {"tokens": chosen, "token_logprobs": [_finite(e.logprob) for e in entries], "top_logprobs": tops,
                 "text_offset": offsets}
 
 
@@ -44,7 +49,7 @@ def chat_logprobs(entries: Sequence[TokenLogprob], token_strings: TokenStrings) 
     alternatives = iter(strings[len(entries) :])
 
     def item(text: str, logprob: float) -> dict:
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
 
     content = [{**item(text, entry.logprob), "top_logprobs": [item(next(alternatives), lp) for _, lp in entry.top]}
                for entry, text in zip(entries, strings)]

@@ -71,6 +71,7 @@ class DecodingSequence:
     plain: PlainRounds | None = None
     learns_while_verifying: bool = False  # its drafter's `learn` runs during the forward
     logprobs: LogprobRecorder | None = None  # collects the tokens' log-probabilities, when asked
+    round_histories: NodeHistories | None = None  # the processors' histories of this round's tree nodes
 
     @classmethod
     def create(cls, model: Decoder, prompt_ids, *, params: SamplingParams, max_new_tokens: int,
@@ -132,6 +133,7 @@ class DecodingSequence:
             if self.params.counts_outputs:  # every generated token so far, then the node's path
                 outputs = node_histories(self.tokens[self.prompt.numel() : self.length], tree, max(self.produced, 1))
             histories = NodeHistories(recent, outputs)
+        self.round_histories = histories
         verdict = verify(tree, scores, histories, self.params, self.generator)
         self.view.last_hidden = verdict.path_rows(hidden)
         return verdict
@@ -142,7 +144,9 @@ class DecodingSequence:
         accepted = torch.cat([tree.tokens[verdict.path[1:]], torch.tensor([verdict.bonus], device=HOST)])
         new, stop_reason = truncate_at_stop(accepted, self.eos, self.max_new_tokens - self.produced)
         if self.logprobs is not None and scores is not None:
-            self.logprobs.record(scores.logits_of(verdict.path[: new.numel()]), new)
+            rows = verdict.path[: new.numel()]
+            histories = self.round_histories.select(rows) if self.round_histories is not None else None
+            self.logprobs.record(scores.logits_of(rows), new, self.params, histories)
         self.tokens[self.length : self.length + new.numel()] = new
         self.length += new.numel()
         self.produced += new.numel()

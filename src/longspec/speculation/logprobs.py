@@ -3,10 +3,13 @@
 A token committed in a round was predicted by a node of the verified tree (the
 accepted path's nodes predict the next path token; the last one predicts the bonus),
 so its log-probability is read from that node's logits: the target's own distribution
-at that point, the same numbers plain decoding sees. They are the model's raw
-log-probabilities (log-softmax of the logits, before the request's processors), as
-OpenAI's API and vLLM's default report them. Asking for them makes the round compute
-the full output layer for the tree (the certified head does not give them).
+at that point, the same numbers plain decoding sees. Two distributions, as vLLM's
+`logprobs_mode` offers them: "raw" (the default, as OpenAI's API reports: log-softmax
+of the model's logits) and "processed" (of the distribution the token is drawn from:
+after the bias, penalties, temperature and truncation, removed tokens at -inf; for a
+greedy request, after the bias and penalties). Asking for them makes the round
+compute the full output layer for the committed tokens' rows (the certified head
+decides without it).
 """
 
 from __future__ import annotations
@@ -15,7 +18,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from longspec.speculation.processors import NodeHistories, SamplingParams, processed_logits
+
 MAX_TOP = 20  # OpenAI's limit on top_logprobs
+MODES = ("raw", "processed")
 
 
 @dataclass(frozen=True)
@@ -30,17 +36,28 @@ class LogprobRecorder:
     """Collects the log-probabilities of a sequence's tokens as its rounds commit."""
 
     top: int = 0
+    mode: str = "raw"
     entries: list[TokenLogprob] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.top, bool) or not isinstance(self.top, int) or not 0 <= self.top <= MAX_TOP:
             raise ValueError(f"top logprobs must be an int in [0, {MAX_TOP}], got {self.top!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(MODES)}, got {self.mode!r}")
 
-    def record(self, logits: torch.Tensor, tokens: torch.Tensor) -> None:
-        """`logits` [k, V]: the rows that predicted `tokens` [k]."""
+    @property
+    def processed(self) -> bool:
+        return self.mode == "processed"
+
+    def record(self, logits: torch.Tensor, tokens: torch.Tensor, params: SamplingParams | None = None,
+               histories: NodeHistories | None = None) -> None:
+        """`logits` [k, V]: the rows that predicted `tokens` [k]; in "processed" mode,
+        `params` and those rows' `histories` give the processed distribution."""
         if not tokens.numel():
             return
         compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        if self.processed:
+            logits = processed_logits(logits, histories, params)
         logprobs = torch.log_softmax(logits.to(compute), dim=-1)
         chosen = logprobs.gather(1, tokens.to(logprobs.device).view(-1, 1)).view(-1).tolist()
         if self.top:

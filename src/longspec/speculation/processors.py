@@ -281,6 +281,10 @@ class NodeHistories:
         return NodeHistories(None if self.recent is None else self.recent[start:stop],
                              None if self.outputs is None else self.outputs[start:stop])
 
+    def select(self, rows: torch.Tensor) -> "NodeHistories":
+        return NodeHistories(None if self.recent is None else self.recent[rows.to(self.recent.device)],
+                             None if self.outputs is None else self.outputs[rows.to(self.outputs.device)])
+
 
 def _split(histories) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(recent, outputs) of what a caller passed: NodeHistories, or a recent-history tensor."""
