@@ -18,6 +18,7 @@ from longspec.runtime.loading import LoadedTarget, load_target
 from longspec.speculation.batch_engine import BatchEngine, BatchOptions, RequestHandle
 from longspec.speculation.drafters.base import Drafter
 from longspec.speculation.engine import EngineOptions, SpeculativeEngine
+from longspec.speculation.grammar import GrammarState, GrammarVocabulary, OutputConstraint
 from longspec.speculation.logprobs import MODES as LOGPROBS_MODES
 from longspec.speculation.logprobs import LogprobRecorder, TokenLogprob
 from longspec.speculation.methods import DEFAULT_METHOD, make_drafter
@@ -132,6 +133,7 @@ class PreparedRequest:
     generator: torch.Generator
     stats: GenerationStats
     logprobs: LogprobRecorder | None = None  # collects log-probabilities, when asked
+    grammar: GrammarState | None = None  # the grammar the output follows, when asked
 
 
 def _rounds_of(handle: RequestHandle) -> Iterator[torch.Tensor]:
@@ -215,6 +217,21 @@ class LongSpecModel:
         # server encodes new prompts while other requests' tokens are decoded.
         self._tokenizer_lock = threading.Lock()
         self._encoder, self._encoding_lock = self.tokenizer, self._tokenizer_lock  # `separate_encoding`
+        self._grammar_vocabulary: GrammarVocabulary | None = None  # built on the first constrained request
+        self._grammar_lock = threading.Lock()
+
+    def grammar_vocabulary(self) -> GrammarVocabulary:
+        """The vocabulary as the grammar matcher reads it (seconds to build for a large
+        vocabulary: once, on first use; a server builds it at startup)."""
+        with self._grammar_lock:
+            if self._grammar_vocabulary is None:
+                if self.tokenizer is None:
+                    raise ValueError(f"{self.target.source} has no tokenizer files; structured output needs the "
+                                     "tokenizer to know what text each token spells")
+                with self._encoding_lock:
+                    self._grammar_vocabulary = GrammarVocabulary(self._encoder, self.config.vocab_size,
+                                                                 self.config.eos_token_ids)
+            return self._grammar_vocabulary
 
     def set_chat_template(self, template: str) -> None:
         """Use this Jinja chat template (vLLM's `--chat-template`), for a model whose
@@ -341,21 +358,26 @@ class LongSpecModel:
         ignore_eos: bool = False,
         logprobs: int | None = None,
         logprobs_mode: str = "raw",
+        constraint: OutputConstraint | None = None,
     ) -> TokenStream:
         """As `generate`, token by token. logprobs: the log-probability of every
         generated token and of the `logprobs` most likely ones at that point (0: the
         token's alone; None: none), of the model's distribution ("raw") or of the one
-        the token is drawn from ("processed": after bias, penalties, temperature, truncation)."""
+        the token is drawn from ("processed": after bias, penalties, temperature, truncation).
+        constraint: a grammar the output follows (`OutputConstraint`: a JSON schema, any
+        JSON object, a regex, a Lark or GBNF grammar, a choice), exactly as constrained
+        plain decoding would."""
         request = self.prepare(
             prompt, max_new_tokens=max_new_tokens, method=method, method_options=method_options,
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, eta=eta, penalty=penalty,
             penalty_window=penalty_window, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
             logit_bias=logit_bias, seed=seed, stop=stop, chat=chat, ignore_eos=ignore_eos, logprobs=logprobs,
-            logprobs_mode=logprobs_mode,
+            logprobs_mode=logprobs_mode, constraint=constraint,
         )
         rounds = self.engine.generate(
             request.ids, params=request.params, max_new_tokens=max_new_tokens, drafter=request.drafter,
             eos_token_ids=request.eos, generator=request.generator, stats=request.stats, logprobs=request.logprobs,
+            grammar=request.grammar,
         )
         return TokenStream(self._chunks(rounds, request.stops, request.stats, request.logprobs), request.stats)
 
@@ -421,7 +443,7 @@ class LongSpecModel:
         returned stream's `pump` as the engine steps."""
         handle = engine.submit(request.ids, params=request.params, max_new_tokens=request.max_new_tokens,
                                drafter=request.drafter, eos_token_ids=request.eos, generator=request.generator,
-                               stats=request.stats, logprobs=request.logprobs)
+                               stats=request.stats, logprobs=request.logprobs, grammar=request.grammar)
         return RowStream(handle, self._chunks(_rounds_of(handle), request.stops, request.stats, request.logprobs))
 
     def prepare(self, prompt, *, max_new_tokens: int = 256, method: str | Drafter = DEFAULT_METHOD,
@@ -430,12 +452,13 @@ class LongSpecModel:
                 penalty: float = 1.0, penalty_window: int = 1024, presence_penalty: float = 0.0,
                 frequency_penalty: float = 0.0, logit_bias: dict[int, float] | None = None, seed: int | None = None,
                 stop: str | Sequence[str] = (), chat: bool = False, ignore_eos: bool = False,
-                logprobs: int | None = None, logprobs_mode: str = "raw") -> PreparedRequest:
+                logprobs: int | None = None, logprobs_mode: str = "raw",
+                constraint: OutputConstraint | None = None) -> PreparedRequest:
         """Validate a request (the keywords of `stream`) without generating."""
         params = SamplingParams(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, eta=eta,
             penalty=penalty, penalty_window=penalty_window, presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty, logit_bias=logit_bias or (),
+            frequency_penalty=frequency_penalty, logit_bias=logit_bias or (), constrained=constraint is not None,
         )
         beyond = [token for token, _ in params.logit_bias if token >= self.config.vocab_size]
         if beyond:
@@ -449,8 +472,13 @@ class LongSpecModel:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}")
         if method_options is not None and not isinstance(method_options, dict):
             raise TypeError(f"method_options must be a dict of drafter options, got {type(method_options).__name__}")
+        if constraint is not None and not isinstance(constraint, OutputConstraint):
+            raise TypeError(f"constraint must be an OutputConstraint, got {type(constraint).__name__}")
+        if constraint is not None and ignore_eos:
+            raise ValueError("ignore_eos cannot go with a constraint: a finished grammar allows only EOS")
         ids = self.encode(prompt, chat=chat)
         self.engine.check_request(ids.numel(), max_new_tokens)
+        grammar = None if constraint is None else self.grammar_vocabulary().matcher(constraint)
         if isinstance(method, str):
             drafter, name = make_drafter(method, **(method_options or {})), method
         else:
@@ -461,7 +489,7 @@ class LongSpecModel:
         generator = torch.Generator(device=self.device).manual_seed(seed)
         eos = () if ignore_eos else self.config.eos_token_ids
         return PreparedRequest(ids, max_new_tokens, params, drafter, eos, stops, generator, GenerationStats(method=name),
-                               recorder)
+                               recorder, grammar)
 
     def generate(self, prompt, **kwargs) -> GenerationResult:
         stream = self.stream(prompt, **kwargs)

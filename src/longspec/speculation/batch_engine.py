@@ -36,6 +36,7 @@ from longspec.speculation.decode_round import checked_proposal, decode_round, pr
 from longspec.speculation.drafters.base import DraftContext, Drafter, TargetView
 from longspec.speculation.engine import EngineOptions, learns_while_verifying
 from longspec.speculation.joint_budget import ReachHistory, cut_to_depth, joint_depths, tree_levels
+from longspec.speculation.grammar import GrammarState
 from longspec.speculation.logprobs import LogprobRecorder
 from longspec.speculation.metrics import GenerationStats
 from longspec.speculation.processors import SamplingParams
@@ -211,12 +212,13 @@ class BatchEngine:
         generator: torch.Generator | None = None,
         stats: GenerationStats | None = None,
         logprobs: LogprobRecorder | None = None,
+        grammar: GrammarState | None = None,
     ) -> RequestHandle:
         """Queue a request; it joins at the next `step` with a free row. Everything
         that can be refused is refused here, before any prefill."""
         row = _Row.create(self.model, prompt_ids, params=params, max_new_tokens=max_new_tokens, drafter=drafter,
                           eos_token_ids=eos_token_ids, generator=generator, stats=stats,
-                          tree_budget=self.options.max_tree_nodes, logprobs=logprobs)
+                          tree_budget=self.options.max_tree_nodes, logprobs=logprobs, grammar=grammar)
         prompt, budget = row.prompt, row.tree_budget
         needed = prompt.numel() + max_new_tokens + budget + 1
         if needed > self.batch.row_capacity:

@@ -43,6 +43,10 @@ class CopiedTree(Tree):
         return copied
 
 
+    def restricted(self, keep: torch.Tensor) -> "CopiedTree":
+        return CopiedTree.of(super().restricted(keep), self.copied_runs[keep])
+
+
 def copied_runs(tree: Tree) -> torch.Tensor | None:
     """The tree's copied runs, or None when its drafter does not copy."""
     return tree.copied_runs if isinstance(tree, CopiedTree) else None

@@ -27,6 +27,7 @@ import torch
 from longspec.runtime.device import HOST
 from longspec.runtime.model import Decoder
 from longspec.speculation.drafters.base import DraftContext, Drafter, TargetView, check_drafter
+from longspec.speculation.grammar import GrammarState
 from longspec.speculation.logprobs import LogprobRecorder
 from longspec.speculation.metrics import GenerationStats
 from longspec.speculation.plain_rounds import PlainRounds
@@ -72,14 +73,22 @@ class DecodingSequence:
     learns_while_verifying: bool = False  # its drafter's `learn` runs during the forward
     logprobs: LogprobRecorder | None = None  # collects the tokens' log-probabilities, when asked
     round_histories: NodeHistories | None = None  # the processors' histories of this round's tree nodes
+    grammar: GrammarState | None = None  # the grammar the output follows, matched to the committed tokens
+    round_constraint: tuple[Tree, torch.Tensor] | None = None  # this round's pruned tree and its nodes' masks
 
     @classmethod
     def create(cls, model: Decoder, prompt_ids, *, params: SamplingParams, max_new_tokens: int,
                drafter: Drafter | None, eos_token_ids: Sequence[int], generator: torch.Generator | None,
                stats: GenerationStats | None, tree_budget: int,
-               logprobs: LogprobRecorder | None = None) -> "DecodingSequence":
+               logprobs: LogprobRecorder | None = None, grammar: GrammarState | None = None) -> "DecodingSequence":
         """A checked request: everything that can be refused is refused here, before prefill."""
         prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=HOST).reshape(-1)
+        if params.constrained != (grammar is not None):
+            raise ValueError("a grammar comes with SamplingParams(constrained=True), and constrained params with a "
+                             "grammar")
+        if grammar is not None and not set(grammar.eos_token_ids) <= set(eos_token_ids):
+            raise ValueError(f"a grammar's output ends at EOS {list(grammar.eos_token_ids)}: generation must stop "
+                             "there (eos_token_ids must include them; ignore_eos cannot go with a grammar)")
         check_request(model, prompt.numel(), max_new_tokens)
         check_drafter(drafter)
         if drafter is not None:
@@ -90,7 +99,8 @@ class DecodingSequence:
         tokens[: prompt.numel()] = prompt
         eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=HOST)
         return cls(prompt, params, max_new_tokens, drafter, eos, generator, stats,
-                   tree_budget if drafter is not None else 0, tokens, prompt.numel(), logprobs=logprobs)
+                   tree_budget if drafter is not None else 0, tokens, prompt.numel(), logprobs=logprobs,
+                   grammar=grammar)
 
     @property
     def prefill_ids(self) -> torch.Tensor:
@@ -121,18 +131,32 @@ class DecodingSequence:
 
     def propose(self, context: DraftContext) -> Tree:
         if self.plain.now():
-            return Tree.chain(int(self.tokens[self.length - 1]), [])
-        return checked_proposal(self.drafter, context, self.view.config.vocab_size)
+            tree = Tree.chain(int(self.tokens[self.length - 1]), [])
+        else:
+            tree = checked_proposal(self.drafter, context, self.view.config.vocab_size)
+        if self.grammar is not None:  # the drafts the grammar forbids go before the forward
+            tree, allowed, pruned = self.grammar.constrain(tree)
+            self.round_constraint = (tree, allowed)
+            self.stats.pruned_tokens += pruned
+        return tree
+
+    def allowed_tokens(self, tree: Tree) -> torch.Tensor:
+        """[n, V] bool: the tokens the grammar allows at each node of the verified tree."""
+        if self.round_constraint is not None and self.round_constraint[0] is tree:
+            return self.round_constraint[1]
+        return self.grammar.constrain(tree, prune=False)[1]  # a batch reshaped the proposal
 
     def verify(self, tree: Tree, scores: NodeScores, hidden: torch.Tensor) -> Verdict:
         histories = None
-        if self.params.uses_history or self.params.counts_outputs:
-            recent = outputs = None
+        if self.params.uses_history or self.params.counts_outputs or self.params.constrained:
+            recent = outputs = allowed = None
             if self.params.uses_history:
                 recent = node_histories(self.tokens[: self.length], tree, self.params.penalty_window)
             if self.params.counts_outputs:  # every generated token so far, then the node's path
                 outputs = node_histories(self.tokens[self.prompt.numel() : self.length], tree, max(self.produced, 1))
-            histories = NodeHistories(recent, outputs)
+            if self.params.constrained:
+                allowed = self.allowed_tokens(tree)
+            histories = NodeHistories(recent, outputs, allowed)
         self.round_histories = histories
         verdict = verify(tree, scores, histories, self.params, self.generator)
         self.view.last_hidden = verdict.path_rows(hidden)
@@ -147,6 +171,8 @@ class DecodingSequence:
             rows = verdict.path[: new.numel()]
             histories = self.round_histories.select(rows) if self.round_histories is not None else None
             self.logprobs.record(scores.logits_of(rows), new, self.params, histories)
+        if self.grammar is not None:
+            self.grammar.advance(new)
         self.tokens[self.length : self.length + new.numel()] = new
         self.length += new.numel()
         self.produced += new.numel()

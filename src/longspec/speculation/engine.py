@@ -17,6 +17,7 @@ from longspec.runtime.model import Decoder
 from longspec.speculation.decode_round import DecodingSequence
 from longspec.speculation.decode_round import check_request, decode_round, prefill_piece
 from longspec.speculation.drafters.base import DraftContext, Drafter, TargetView
+from longspec.speculation.grammar import GrammarState
 from longspec.speculation.logprobs import LogprobRecorder
 from longspec.speculation.metrics import GenerationStats
 from longspec.speculation.processors import SamplingParams
@@ -72,6 +73,7 @@ class SpeculativeEngine:
         generator: torch.Generator | None = None,
         stats: GenerationStats | None = None,
         logprobs: LogprobRecorder | None = None,
+        grammar: GrammarState | None = None,
     ) -> Iterator[torch.Tensor]:
         """Yield the tokens committed each round (1-D int64), until EOS (included),
         ``max_new_tokens`` or the caller stops iterating. Fills ``stats`` in place.
@@ -81,7 +83,7 @@ class SpeculativeEngine:
         sequence = DecodingSequence.create(
             self.model, prompt_ids, params=params, max_new_tokens=max_new_tokens, drafter=drafter,
             eos_token_ids=eos_token_ids, generator=generator, stats=stats, tree_budget=self.options.max_tree_nodes,
-            logprobs=logprobs,
+            logprobs=logprobs, grammar=grammar,
         )
         stats = sequence.stats
         capacity = sequence.prompt.numel() + max_new_tokens + sequence.tree_budget + 1

@@ -191,16 +191,7 @@ def joint_depths(trees: Sequence[Tree], reach: Sequence[Sequence[float]], second
 
 
 def cut_to_depth(tree: Tree, depth: int) -> Tree:
-    """The tree's nodes at depth <= `depth` (parents precede children, so the kept
-    nodes keep their order and their parents)."""
+    """The tree's nodes at depth <= `depth`."""
     if depth >= tree.max_depth:
         return tree
-    keep = torch.nonzero(tree.depths <= depth).flatten()
-    new_index = torch.full((tree.size,), -1, dtype=torch.long, device=tree.parents.device)
-    new_index[keep] = torch.arange(keep.numel(), device=keep.device)
-    parents = tree.parents[keep]
-    parents = torch.where(parents >= 0, new_index[parents.clamp(min=0)], parents)
-    draft_probs = None if tree.draft_probs is None else tree.draft_probs[keep]
-    cut = Tree(tree.tokens[keep], parents, tree.depths[keep], draft_probs=draft_probs,
-               children_sampled=tree.children_sampled)
-    return CopiedTree.of(cut, tree.copied_runs[keep]) if isinstance(tree, CopiedTree) else cut
+    return tree.restricted(torch.nonzero(tree.depths <= depth).flatten())

@@ -35,6 +35,7 @@ class GenerationStats:
     draft_rounds: int = 0  # rounds whose tree had at least one speculative node
     draft_tokens: int = 0  # speculative nodes proposed, over all rounds
     accepted_tokens: int = 0  # speculative nodes accepted (bonus tokens excluded)
+    pruned_tokens: int = 0  # speculative nodes a grammar forbade, removed before verification
     stop_reason: str = ""
     kv_cache_bytes: int = 0  # the target KV cache allocated for this sequence
     distinct: list[float] = field(default_factory=list)  # Distinct-1..4 of the output, set when generation ends

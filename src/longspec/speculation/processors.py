@@ -63,6 +63,8 @@ class SamplingParams:
     presence_penalty, frequency_penalty: in [-2, 2], subtracted from the logit of every
         token already generated, once and once per occurrence (OpenAI's definition).
     logit_bias: token id -> bias in [-100, 100], added to that token's logit.
+    constrained: a grammar allows some tokens at each row (`NodeHistories.allowed`,
+        speculation/grammar.py); the others are removed before any decision.
     """
 
     temperature: float = 0.0
@@ -75,6 +77,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias) pairs; a dict is accepted
+    constrained: bool = False
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -112,6 +115,8 @@ class SamplingParams:
                     and _is_real(pair[1]) and -100.0 <= pair[1] <= 100.0):
                 raise ValueError(f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {pair!r}")
         object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in pairs)))
+        if not isinstance(self.constrained, bool):
+            raise ValueError(f"constrained must be a bool, got {self.constrained!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -129,9 +134,9 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether processors change logits before the warpers (bias and penalties): a
-        decision then reads the adjusted logits, not the head's argmax."""
-        return self.uses_history or self.counts_outputs or bool(self.logit_bias)
+        """Whether processors change logits before the warpers (bias, penalties, a
+        grammar's mask): a decision then reads the adjusted logits, not the head's argmax."""
+        return self.uses_history or self.counts_outputs or bool(self.logit_bias) or self.constrained
 
 
 def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
@@ -272,25 +277,26 @@ def _eta(scores: torch.Tensor, epsilon: float) -> torch.Tensor:
 class NodeHistories:
     """What the history-reading processors see at each row (tree node): `recent`
     [N, W] the repetition penalty's window, `outputs` [N, G] the tokens generated so
-    far and the node's path (presence and frequency); -1 padding in both."""
+    far and the node's path (presence and frequency), -1 padding in both; `allowed`
+    [N, V] bool, the tokens a grammar allows after the node's path."""
 
     recent: torch.Tensor | None = None
     outputs: torch.Tensor | None = None
+    allowed: torch.Tensor | None = None
 
     def rows(self, start: int, stop: int) -> "NodeHistories":
-        return NodeHistories(None if self.recent is None else self.recent[start:stop],
-                             None if self.outputs is None else self.outputs[start:stop])
+        return NodeHistories(*(None if t is None else t[start:stop] for t in (self.recent, self.outputs, self.allowed)))
 
     def select(self, rows: torch.Tensor) -> "NodeHistories":
-        return NodeHistories(None if self.recent is None else self.recent[rows.to(self.recent.device)],
-                             None if self.outputs is None else self.outputs[rows.to(self.outputs.device)])
+        return NodeHistories(*(None if t is None else t[rows.to(t.device)]
+                               for t in (self.recent, self.outputs, self.allowed)))
 
 
-def _split(histories) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(recent, outputs) of what a caller passed: NodeHistories, or a recent-history tensor."""
+def _split(histories) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(recent, outputs, allowed) of what a caller passed: NodeHistories, or a recent-history tensor."""
     if isinstance(histories, NodeHistories):
-        return histories.recent, histories.outputs
-    return histories, None
+        return histories.recent, histories.outputs, histories.allowed
+    return histories, None, None
 
 
 def apply_counts(scores: torch.Tensor, outputs: torch.Tensor, presence: float, frequency: float) -> torch.Tensor:
@@ -306,11 +312,15 @@ def apply_counts(scores: torch.Tensor, outputs: torch.Tensor, presence: float, f
 def _penalized(
     logits: torch.Tensor, histories, params: SamplingParams
 ) -> torch.Tensor:
-    """The bias, the repetition penalty and the presence and frequency penalties."""
+    """The bias, the repetition penalty, the presence and frequency penalties, and a
+    grammar's mask."""
     _check_logits(logits)
     if not params.adjusts_logits:
         return logits.to(_compute_dtype(logits), copy=True)
-    recent, outputs = _split(histories)
+    recent, outputs, allowed = _split(histories)
+    if params.constrained and (allowed is None or allowed.shape != logits.shape):
+        raise ValueError(f"a constrained request needs each row's allowed tokens [{logits.shape[0]}, "
+                         f"{logits.shape[1]}], got {None if allowed is None else tuple(allowed.shape)}")
     if params.uses_history:
         if recent is None:
             raise ValueError(f"penalty={params.penalty} needs per-row histories, got None")
@@ -331,6 +341,8 @@ def _penalized(
         scores = penalize(scores, _last_tokens(recent, params.penalty_window), params.penalty)
     if params.counts_outputs:
         scores = apply_counts(scores, outputs, params.presence_penalty, params.frequency_penalty)
+    if params.constrained:
+        scores.masked_fill_(~allowed.to(scores.device), float("-inf"))
     return scores
 
 

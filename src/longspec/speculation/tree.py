@@ -252,6 +252,17 @@ class Tree:
     def children(self, node: int) -> torch.Tensor:
         return torch.nonzero(self.parents == node).flatten()
 
+    def restricted(self, keep: torch.Tensor) -> "Tree":
+        """The nodes at the ascending indices `keep` (the root and every kept node's
+        parent among them): parents precede children, so they keep their order."""
+        new_index = torch.full((self.size,), -1, dtype=torch.long, device=self.parents.device)
+        new_index[keep] = torch.arange(keep.numel(), device=keep.device)
+        parents = self.parents[keep]
+        parents = torch.where(parents >= 0, new_index[parents.clamp(min=0)], parents)
+        draft_probs = None if self.draft_probs is None else self.draft_probs[keep]
+        return Tree(self.tokens[keep], parents, self.depths[keep], draft_probs=draft_probs,
+                    children_sampled=self.children_sampled)
+
 
 def _first(flags: torch.Tensor) -> int | None:
     """Index of the first True in a 1-D bool tensor, or None."""

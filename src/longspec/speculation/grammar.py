@@ -1,0 +1,220 @@
+"""Structured output under speculation: a grammar every generated token must follow
+(a JSON schema, any JSON object, a regex, a Lark or GBNF grammar, a choice of strings),
+matched by llguidance.
+
+Why llguidance: on Gemma 3's 262k-token vocabulary its mask costs tens of microseconds
+a token (docs/lab-notes/structured-output.md), well under 1% of a decode step, as does
+xgrammar's; llguidance is one dependency-free wheel and reads every format users send
+(OpenAI's JSON schemas, llama.cpp's GBNF, Lark, regexes).
+
+Each round, one sequence's matcher (at its committed tokens) walks the proposed tree
+depth first: at every node whose path the grammar allows it fills that node's mask,
+and it descends only into children whose token the mask allows. Drafts the grammar
+forbids are pruned before the target sees them (counted in `GenerationStats`); the
+masks reach verification as a processor (`NodeHistories.allowed`), so each node's
+decision is the constrained distribution's, and the committed tokens advance the
+matcher. The output is exactly constrained plain decoding's.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from longspec.runtime.device import HOST
+from longspec.speculation.tree import Tree
+
+KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
+
+
+def _llguidance():
+    try:
+        import llguidance
+        import llguidance.torch  # noqa: F401  (the bitmask helpers)
+    except ImportError:
+        raise ImportError("structured output needs llguidance: pip install 'longspec[structured]'") from None
+    return llguidance
+
+
+@dataclass(frozen=True)
+class OutputConstraint:
+    """What the output must be. kind: "json_schema" (spec: the schema, a dict or JSON
+    text), "json_object" (any JSON object), "regex", "grammar" (Lark or GBNF text), or
+    "choice" (spec: the list of allowed strings)."""
+
+    kind: str
+    spec: object = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown constraint kind {self.kind!r}; use one of {', '.join(KINDS)}")
+        if self.kind == "json_object":
+            return
+        if self.kind == "choice":
+            if (not isinstance(self.spec, (list, tuple)) or not self.spec
+                    or not all(isinstance(c, str) and c for c in self.spec)):
+                raise ValueError(f"a choice constraint takes a non-empty list of non-empty strings, got {self.spec!r}")
+        elif self.kind == "json_schema":
+            if not isinstance(self.spec, (dict, str, bool)):
+                raise ValueError(f"a JSON schema is an object (or its JSON text), got {type(self.spec).__name__}")
+        elif not isinstance(self.spec, str) or not self.spec:
+            raise ValueError(f"a {self.kind} constraint takes non-empty text, got {self.spec!r}")
+
+    def grammar(self) -> str:
+        """The llguidance grammar; a spec that does not compile raises ValueError naming why."""
+        llguidance = _llguidance()
+        if self.kind == "json_object":
+            fmt, text = "json_schema", '{"type": "object"}'
+        elif self.kind == "json_schema":
+            fmt, text = "json_schema", self.spec if isinstance(self.spec, str) else json.dumps(self.spec)
+        elif self.kind == "choice":
+            fmt, text = "choice", json.dumps(list(self.spec))
+        else:
+            fmt, text = ("regex", self.spec) if self.kind == "regex" else ("grammar", self.spec)
+        try:
+            grammar = llguidance.grammar_from(fmt, text)
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"the {self.kind.replace('_', ' ')} does not compile: {error}") from None
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+        if failed:
+            reason = _first_line(messages[0]) if messages else "(no reason given)"
+            raise ValueError(f"the {self.kind.replace('_', ' ')} does not compile: {reason}")
+        return grammar
+
+
+def _first_line(message: str) -> str:
+    return message.strip().splitlines()[0] if message.strip() else "(no reason given)"
+
+
+class GrammarVocabulary:
+    """The model's tokens as llguidance reads them (their bytes, the EOS tokens), built
+    once per model: seconds for a 262k-token vocabulary."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        if not eos_token_ids:
+            raise ValueError("structured output needs the model's EOS token (its config names none): a finished "
+                             "grammar ends the output with it")
+        llguidance = _llguidance()
+        import llguidance.hf
+
+        self.vocab_size, self.eos_token_ids = vocab_size, tuple(eos_token_ids)
+        try:  # fast tokenizers of the usual kinds: exact token bytes
+            self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+        except ValueError:  # others (a word-level vocabulary, say): each token's text alone
+            self.tokenizer = llguidance.LLTokenizer(
+                llguidance.TokenizerWrapper(_DecodedTokens(tokenizer, vocab_size, eos_token_ids)), n_vocab=vocab_size)
+
+    def matcher(self, constraint: OutputConstraint) -> GrammarState:
+        return GrammarState(self, constraint)
+
+
+class _DecodedTokens:
+    """llguidance's tokenizer protocol from a tokenizer's per-token decoding."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        size = min(len(tokenizer), vocab_size)
+        self.eos_token_id = eos_token_ids[0]
+        self.bos_token_id = tokenizer.bos_token_id
+        self.special_token_ids = sorted(set(tokenizer.all_special_ids) | set(eos_token_ids))
+        special = set(self.special_token_ids)
+        self.tokens = [b"" if i in special or i >= size else tokenizer.decode([i]).encode() for i in range(vocab_size)]
+        self._tokenizer = tokenizer
+
+    def __call__(self, text) -> list[int]:
+        text = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+
+class GrammarState:
+    """One sequence's grammar, matched up to its committed tokens."""
+
+    def __init__(self, vocabulary: GrammarVocabulary, constraint: OutputConstraint) -> None:
+        llguidance = _llguidance()
+        self.vocab_size = vocabulary.vocab_size
+        self.eos_token_ids = vocabulary.eos_token_ids
+        self._eos = frozenset(vocabulary.eos_token_ids)
+        self._matcher = llguidance.LLMatcher(vocabulary.tokenizer, constraint.grammar(), log_level=0)
+        if self._matcher.is_error():
+            raise ValueError(f"the {constraint.kind.replace('_', ' ')} does not compile: "
+                             f"{_first_line(self._matcher.get_error())}")
+        self._fill = llguidance.torch.fill_next_token_bitmask
+        self._allocate = llguidance.torch.allocate_token_bitmask
+
+    def constrain(self, tree: Tree, prune: bool = True) -> tuple[Tree, torch.Tensor, int]:
+        """(the tree without the drafts the grammar forbids, its nodes' allowed tokens
+        [n, V] bool, how many nodes were pruned). A node whose parent's path the grammar
+        allows but whose token it forbids stays as a leaf in a tree of sampled children
+        (its rejection updates the residual the next sibling is tested against); in other
+        trees it goes. Nodes below a forbidden one always go. Without `prune`, the tree
+        stays whole (a forbidden node's parent's mask rejects it)."""
+        n = tree.size
+        bitmask = self._allocate(n, self.vocab_size)
+        reachable = [False] * n
+        reachable[0] = True
+        children: list[list[int]] = [[] for _ in range(n)]
+        for node, parent in enumerate(tree.parents.tolist()[1:], start=1):
+            children[parent].append(node)
+        tokens = tree.tokens.tolist()
+        # Depth first from the committed state: enter a node by consuming its token, fill
+        # its mask, queue the children it allows, roll the matcher back on leaving.
+        stack: list[tuple[int, bool]] = [(0, True)]
+        while stack:
+            node, entering = stack.pop()
+            if not entering:
+                self._matcher.rollback(1)
+                continue
+            if node:
+                self._consume(tokens[node])
+                stack.append((node, False))
+            self._fill(self._matcher, bitmask, node)
+            for child in reversed(children[node]):
+                if _allows(bitmask, node, tokens[child]):
+                    reachable[child] = True
+                    # A round ends at EOS: nothing below it is committed, and the matcher
+                    # never consumes it (a rollback over it does not restore a finished state).
+                    if tokens[child] not in self._eos:
+                        stack.append((child, True))
+        allowed = _unpack(bitmask, self.vocab_size)
+        kept = torch.tensor(reachable, device=HOST)
+        if tree.children_sampled:
+            parent_reached = torch.tensor([True] + [reachable[p] for p in tree.parents.tolist()[1:]], device=HOST)
+            kept = parent_reached
+        pruned = n - int(kept.sum())
+        if pruned and prune:
+            keep = torch.nonzero(kept).flatten()
+            return tree.restricted(keep), allowed[keep], pruned
+        return tree, allowed, 0
+
+    def advance(self, tokens: torch.Tensor) -> None:
+        """The committed tokens (each one the grammar allowed, as verification chose it)."""
+        for token in tokens.tolist():
+            if token in self._eos:
+                return  # the output ends here
+            self._consume(token)
+
+    def _consume(self, token: int) -> None:
+        if not self._matcher.consume_token(token):
+            raise RuntimeError(f"the grammar refused token {token}, which its mask allowed: "
+                               f"{_first_line(self._matcher.get_error())}")
+
+
+
+def _allows(bitmask: torch.Tensor, row: int, token: int) -> bool:
+    return bool((int(bitmask[row, token >> 5]) >> (token & 31)) & 1)
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def _unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[n, ceil(V/32)] int32 bitmasks as [n, V] bool; a row that allows nothing (a node
+    past the grammar's end, whose draws are discarded) allows everything, so that its
+    distribution stays defined."""
+    allowed = ((bitmask.unsqueeze(-1) >> _BITS) & 1).bool().flatten(1)[:, :vocab_size]
+    empty = ~allowed.any(dim=1)
+    if empty.any():
+        allowed[empty] = True
+    return allowed
