@@ -7,6 +7,7 @@ A tiny checkpoint with a character tokenizer keeps all of it to seconds."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import time
 
 import httpx
@@ -170,7 +171,7 @@ BAD_REQUESTS = [
 @pytest.mark.parametrize("name,content_type,body,status,fragment", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
 def test_malformed_requests_get_the_right_status_and_the_server_keeps_serving(server, name, content_type, body, status,
                                                                                  fragment):
-    data = body if isinstance(body, bytes) else __import__("json").dumps(body).encode()
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
     response = httpx.post(server.url + "/v1/completions", content=data, headers={"content-type": content_type},
                           timeout=DEADLINE_S)
     assert response.status_code == status, response.text
@@ -477,3 +478,57 @@ def test_processed_logprobs_mode_reports_the_drawn_distribution(model):
         processed.stop()
     with pytest.raises(ValueError, match="logprobs_mode"):
         ServeOptions(model_name=NAME, logprobs_mode="logits")
+
+
+EOS_TEXT = "~"  # the character tokenizer spells EOS (id 95) as text
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "n": {"type": "integer"}},
+          "required": ["city", "n"], "additionalProperties": False}
+
+
+def test_structured_output_through_the_client(tmp_path):
+    from longspec.speculation.grammar import OutputConstraint
+
+    directory = save_checkpoint(tmp_path / "eos-model", chat_template=TEMPLATE, eos_token_id=95)
+    model = LongSpecModel(load_target(directory, dtype=torch.float32), EngineOptions(progress=False))
+    running = Server(model, ServeOptions(model_name=NAME, method="pld"))
+    try:
+        client = running.client()
+        schema_format = {"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA, "strict": True}}
+        reference = offline(model, model.encode(PROMPT), max_new_tokens=60, temperature=0.0,
+                            constraint=OutputConstraint("json_schema", SCHEMA))
+        result = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=60, temperature=0,
+                                           extra_body={"response_format": schema_format})
+        assert result.choices[0].text == reference.text
+        if result.choices[0].finish_reason == "stop":
+            assert set(json.loads(reference.text.removesuffix(EOS_TEXT))) == {"city", "n"}
+        messages = [{"role": "user", "content": "a city?"}]
+        chat_reference = offline(model, model.encode_chat(messages), max_new_tokens=40, temperature=0.9, seed=2,
+                                 constraint=OutputConstraint("regex", "[a-z]{2,6} [0-9]+"))
+        streamed = client.chat.completions.create(model=NAME, messages=messages, max_tokens=40, temperature=0.9,
+                                                  seed=2, stream=True,
+                                                  extra_body={"structured_outputs": {"regex": "[a-z]{2,6} [0-9]+"}})
+        assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == chat_reference.text
+        choice = client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0,
+                                                extra_body={"structured_outputs": {"choice": ["north", "south"]}})
+        assert choice.choices[0].message.content.removesuffix(EOS_TEXT) in ("north", "south")
+        json_mode = client.chat.completions.create(model=NAME, messages=messages, max_tokens=200, temperature=0,
+                                                   response_format={"type": "json_object"})
+        if json_mode.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(json_mode.choices[0].message.content.removesuffix(EOS_TEXT)), dict)
+        for body, fragment in [
+            ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
+             "response_format: the json schema does not compile"),
+            ({"structured_outputs": {"regex": "(ab"}}, "structured_outputs: the regex does not compile"),
+            ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one of"),
+            ({"structured_outputs": {"grammar": "start: ("}}, "the grammar does not compile"),
+            ({"response_format": {"type": "json_schema"}}, "give json_schema exactly"),
+            ({"response_format": {"type": "yaml"}}, "response_format"),
+            ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos cannot go"),
+            ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "not both"),
+        ]:
+            response = httpx.post(running.url + "/v1/completions", timeout=DEADLINE_S,
+                                  json={"model": NAME, "prompt": PROMPT, "max_tokens": 3, **body})
+            assert response.status_code == 400 and fragment in response.json()["error"]["message"], response.text
+        assert client.completions.create(model=NAME, prompt=PROMPT, max_tokens=3).usage.completion_tokens >= 1
+    finally:
+        running.stop()

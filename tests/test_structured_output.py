@@ -228,3 +228,23 @@ def test_constrained_params_and_a_grammar_come_together(vocabulary):
     with pytest.raises(ValueError, match="must stop there"):
         list(engine.generate(random_ids(5)[0], params=SamplingParams(constrained=True), max_new_tokens=3,
                              grammar=vocabulary.matcher(CONSTRAINTS["regex"])))
+
+
+@pytest.mark.parametrize("name", ["json_schema", "regex"])
+def test_the_certified_head_decides_constrained_greedy_rounds(vocabulary, name):
+    """Where the grammar allows the certified argmax it is the constrained one; the
+    other nodes take the full head's masked argmax: the full head's tokens either way."""
+    from tiny_models import tiny_decoder
+
+    prompt = random_ids(8, seed=2)[0].repeat(3)
+    outputs = []
+    for certified in (True, False):
+        model = tiny_decoder("llama", dtype=torch.bfloat16, head_dim=32)
+        assert model.certified_head is not None
+        if not certified:
+            model._certified_head = None
+        for drafter in (None, real_drafters(model)["pld"]()):
+            outputs.append(constrained_run(model, prompt, vocabulary, CONSTRAINTS[name], SamplingParams(), drafter))
+        if certified:
+            assert model.certified_head.stats.rows > 0
+    assert all(torch.equal(out, outputs[0]) for out in outputs)

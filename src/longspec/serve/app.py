@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import secrets
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -117,6 +118,10 @@ def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
         make_drafter(method, **configured)  # a wrong path or option fails at startup, not in a request
     model.separate_encoding()  # prompts are tokenized beside the generation thread's detokenizing
     _ = model.model.certified_head  # built now (seconds for a large vocabulary), not in the first request
+    if model.tokenizer is not None and model.config.eos_token_ids:
+        # Seconds for a large vocabulary: built beside startup; a structured request waits for it.
+        threading.Thread(target=_build_grammar_vocabulary, args=(model,), daemon=True,
+                         name="longspec-grammar-vocabulary").start()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -275,16 +280,25 @@ def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
             drafter_options = {**options.method_options.get(method, {}),
                                **check_request_options(method, body.method_options, limits)}
             seeds = [None if body.seed is None else body.seed + i for i in range(body.n)]
+            constraint = body.constraint
+            if constraint is not None:
+                try:
+                    constraint.grammar()  # compiled once here, so that its error names the field
+                except ValueError as error:
+                    field = "structured_outputs" if body.structured_outputs is not None else "response_format"
+                    raise RequestError(400, f"{field}: {error}", param=field) from None
             return [model.prepare(
                 ids, max_new_tokens=max_new, method=method,
                 method_options=drafter_options, temperature=body.temperature,
                 top_p=body.top_p if body.top_p < 1.0 else None, top_k=body.top_k, min_p=body.min_p,
                 presence_penalty=float(body.presence_penalty), frequency_penalty=float(body.frequency_penalty),
                 logit_bias=body.token_bias, seed=seed, stop=body.stops, ignore_eos=body.ignore_eos,
-                logprobs=body.logprob_alternatives, logprobs_mode=options.logprobs_mode,
+                logprobs=body.logprob_alternatives, logprobs_mode=options.logprobs_mode, constraint=constraint,
             ) for seed in seeds]
         except OptionError as error:
             raise RequestError(400, str(error), param="method_options") from None
+        except ImportError as error:  # an optional part this server was installed without
+            raise RequestError(400, f"this server cannot do that: {error}") from None
         except (ValueError, TypeError) as error:
             raise RequestError(400, str(error)) from None
         except OSError as error:  # the server's own drafter files: the operator's to fix, not the client's to read
@@ -429,6 +443,13 @@ def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
                 raise RequestError(500, f"generation failed: {payload}", kind="server_error")
 
     return app
+
+
+def _build_grammar_vocabulary(model: LongSpecModel) -> None:
+    try:
+        model.grammar_vocabulary()
+    except (ImportError, ValueError) as error:  # structured requests will get the same reason
+        logger.warning("structured output is unavailable: %s", error)
 
 
 def _finish_reason(stop_reason: str) -> str:

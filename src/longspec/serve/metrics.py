@@ -37,6 +37,9 @@ class ServerMetrics:
         self.draft_tokens = Counter("longspec:spec_decode_num_draft_tokens", "Speculative tokens proposed", registry=r)
         self.accepted_tokens = Counter("longspec:spec_decode_num_accepted_tokens", "Speculative tokens accepted",
                                        registry=r)
+        self.pruned_tokens = Counter("longspec:structured_output_pruned_draft_tokens",
+                                     "Speculative tokens a request's grammar forbade, pruned before verification",
+                                     registry=r)
         self.accepted_per_position = Counter("longspec:spec_decode_num_accepted_tokens_per_pos",
                                              "Accepted speculative tokens by depth in the tree", ["position"],
                                              registry=r)
@@ -54,6 +57,7 @@ class ServerMetrics:
         self.drafts.inc(stats.draft_rounds)
         self.draft_tokens.inc(stats.draft_tokens)
         self.accepted_tokens.inc(stats.accepted_tokens)
+        self.pruned_tokens.inc(stats.pruned_tokens)
         for position, accepted in enumerate(stats.accepted_by_depth):
             self.accepted_per_position.labels(position=str(position)).inc(accepted)
 

@@ -1,12 +1,13 @@
 """The OpenAI-compatible request bodies the server accepts, validated by pydantic.
 
 Fields OpenAI defines but this server does not implement are accepted only at their
-neutral value (no `response_format`, no `echo`, ...) and
-refused otherwise with a message saying so; unknown fields are refused. Chat content
-may be a list of text parts, and the `developer` role is the system role. Extra fields:
-`top_k`, `min_p`, vLLM's `ignore_eos`, and the speculation per request: `method` (a
-registered method name) and `method_options` (that drafter's bounded options,
-`request_options.py`).
+neutral value (no `echo`, no `suffix`, ...) and refused otherwise with a message
+saying so; unknown fields are refused. Chat content may be a list of text parts, and
+the `developer` role is the system role. Extra fields: `top_k`, `min_p`, vLLM's
+`ignore_eos` and `structured_outputs` (json, regex, grammar, choice), and the
+speculation per request: `method` (a registered method name) and `method_options`
+(that drafter's bounded options, `request_options.py`). `response_format` (OpenAI's
+JSON mode and JSON schemas) is taken by completions too, as vLLM takes it.
 """
 
 from __future__ import annotations
@@ -15,12 +16,66 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
 
+from longspec.speculation.grammar import OutputConstraint
 from longspec.speculation.logprobs import MAX_TOP
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: StrictBool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | StrictBool = Field(default_factory=dict, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('give json_schema exactly with type "json_schema"')
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of a JSON schema, a regex, a grammar
+    (Lark or GBNF), a choice of strings, or any JSON object."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = Field(default=None, max_length=1024)
+    json_object: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        given = [name for name in ("json_", "regex", "grammar", "choice", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, regex, grammar, choice, json_object")
+        return self
+
+    def constraint(self) -> OutputConstraint:
+        if self.json_ is not None:
+            return OutputConstraint("json_schema", self.json_)
+        if self.regex is not None:
+            return OutputConstraint("regex", self.regex)
+        if self.grammar is not None:
+            return OutputConstraint("grammar", self.grammar)
+        if self.choice is not None:
+            return OutputConstraint("choice", self.choice)
+        return OutputConstraint("json_object")
 
 
 class GenerationFields(BaseModel):
@@ -46,6 +101,8 @@ class GenerationFields(BaseModel):
     top_k: StrictInt | None = Field(default=None, ge=0, le=2**31 - 1)
     ignore_eos: StrictBool = False  # vLLM's extension: generate past EOS up to max_tokens
     min_p: StrictFloat | None = Field(default=None, ge=0.0, le=1.0)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's
     method: str | None = None
     method_options: dict[str, Any] | None = None
 
@@ -64,6 +121,11 @@ class GenerationFields(BaseModel):
         refused = {
             "stream_options": (self.stream_options is not None and not self.stream,
                                "stream_options is only allowed with stream: true"),
+            "structured_outputs": (self.structured_outputs is not None and self.response_format is not None
+                                   and self.response_format.type != "text",
+                                   "give response_format or structured_outputs, not both"),
+            "ignore_eos": (self.ignore_eos and self.constraint is not None,
+                           "ignore_eos cannot go with structured output (a finished grammar allows only EOS)"),
         }
         for field, (bad, message) in refused.items():
             if bad:
@@ -79,6 +141,17 @@ class GenerationFields(BaseModel):
             if not -100 <= value <= 100:
                 raise ValueError(f"biases lie in [-100, 100], got {value} for token {key}")
         return bias
+
+    @property
+    def constraint(self) -> OutputConstraint | None:
+        """The structured output asked for (not yet compiled), or None."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs.constraint()
+        if self.response_format is None or self.response_format.type == "text":
+            return None
+        if self.response_format.type == "json_object":
+            return OutputConstraint("json_object")
+        return OutputConstraint("json_schema", self.response_format.json_schema.schema_)
 
     @property
     def token_bias(self) -> dict[int, float]:

@@ -128,8 +128,9 @@ def node_history(histories, node: int):
 
 
 def needs_argmax_only(params: SamplingParams) -> bool:
-    """Whether verification under `params` reads each node's argmax and nothing else."""
-    return params.is_greedy and not params.adjusts_logits
+    """Whether verification under `params` reads each node's argmax and nothing else (a
+    grammar's mask then recomputes only the nodes whose argmax it forbids)."""
+    return params.is_greedy and not (params.uses_history or params.counts_outputs or params.logit_bias)
 
 
 def certified_head_serves(params: SamplingParams, tree: Tree) -> bool:
@@ -142,6 +143,8 @@ def certified_head_serves(params: SamplingParams, tree: Tree) -> bool:
 def verify_greedy(tree: Tree, scores: NodeScores, histories, params) -> Verdict:
     if needs_argmax_only(params):
         targets = scores.argmax().to(HOST)  # the round's one copy back
+        if params.constrained:
+            targets = _allowed_targets(targets, scores, histories, params)
     else:
         targets = greedy_tokens(scores.logits, histories, params).to(HOST)
     if tree.size == 1:
@@ -153,6 +156,20 @@ def verify_greedy(tree: Tree, scores: NodeScores, histories, params) -> Verdict:
     score = torch.where(accepted, tree.depths, torch.full_like(tree.depths, -1))
     deepest = int(torch.argmax(score))  # first (lowest index) among the deepest
     return Verdict(tree.path_to(deepest), int(targets[deepest]))
+
+
+def _allowed_targets(targets: torch.Tensor, scores: NodeScores, histories: NodeHistories,
+                     params: SamplingParams) -> torch.Tensor:
+    """Each node's argmax under its grammar mask. Where the mask allows the plain argmax
+    (the first largest logit) it is the masked one too; the other nodes' logits are
+    computed and masked."""
+    rows = torch.arange(targets.numel(), device=HOST)
+    forbidden = torch.nonzero(~histories.allowed.to(HOST)[rows, targets]).flatten()
+    if not forbidden.numel():
+        return targets
+    targets = targets.clone()
+    targets[forbidden] = greedy_tokens(scores.logits_of(forbidden), histories.select(forbidden), params).to(HOST)
+    return targets
 
 
 def verify_deterministic_candidates(tree: Tree, scores: NodeScores, histories, params, generator) -> Verdict:
