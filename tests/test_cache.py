@@ -388,6 +388,20 @@ def test_tree_kernel_fallback_is_taken_and_logged(monkeypatch, caplog):
     assert "does not compute in torch.float64" in caplog.text
 
 
+def test_the_tree_kernel_serves_only_a_forwards_own_tokens_over_an_unmasked_prefix(monkeypatch):
+    """A draft's cross-attention passes a tail of the target's keys whose count differs
+    from the queries': that goes to SDPA (the Triton kernel needs T tree keys for T
+    queries; on an H200 the LongSpec draft failed there before this check)."""
+    from longspec.runtime import attention
+
+    monkeypatch.setattr(attention, "tree_kernel_fits", lambda q, mask: True)
+    q = torch.zeros((1, 4, 5, 8))
+    assert attention.tree_kernel_serves(q, None, torch.zeros((1, 2, 5, 8)))
+    assert not attention.tree_kernel_serves(q, None, torch.zeros((1, 2, 7, 8)))  # a cross-attention tail
+    assert not attention.tree_kernel_serves(q, torch.ones((5, 3), dtype=torch.bool), torch.zeros((1, 2, 5, 8)))
+    assert not attention.tree_kernel_serves(q, None, None)
+
+
 # ----------------------------------------------------------------------------- (e)
 def relabelled(labels: list[int], slots: list[int], length: int, kept_count: int) -> None:
     """The ring's labels after a commit, the plain way: every pending slot freed, then

@@ -22,8 +22,10 @@ scaled-dot-product kernels, which pick flash / memory-efficient / math per devic
 cuDNN's is left out, see `scaled_dot_product`).
 
 Shapes: q [B, Hq, T, D]; k_prefix/v_prefix [B, Hkv, P, D] (P may be 0);
-prefix_mask [T, P] or None (all visible); k_new/v_new [B, Hkv, T, D] or None
-(no new part: the caller already wrote them into the prefix); new_mask [T, T].
+prefix_mask [T, P] or None (all visible); k_new/v_new [B, Hkv, N, D] or None
+(no new part: the caller already wrote them into the prefix); new_mask [T, N]. N = T
+for a forward's own tokens (new_mask is then a causal or tree mask); a LongSpec
+draft's cross-attention passes the target's newest keys as the new part (N != T).
 Masks are bool tensors (True = visible) or `Mask` objects wrapping one; a mask
 may also be [B, T, S], one per batch row (rows of different lengths and trees).
 Hq must be a multiple of Hkv (grouped-query attention); K/V are never repeated.
@@ -122,7 +124,7 @@ def reference_attention(q, k_prefix, v_prefix, prefix_mask, k_new, v_new, new_ma
 def fused_attention(q, k_prefix, v_prefix, prefix_mask, k_new, v_new, new_mask, scale):
     """The device's fast path (see the module's doc)."""
     if q.device.type != "cpu":
-        if k_new is not None and prefix_mask is None and tree_kernel_fits(q, new_mask):
+        if tree_kernel_serves(q, prefix_mask, k_new):
             return tree_kernel_attention(q, k_prefix, v_prefix, new_mask, k_new, v_new, scale)
         return sdpa_attention(q, k_prefix, v_prefix, prefix_mask, k_new, v_new, new_mask, scale)
     if native_attention_fits(q, k_prefix if k_new is None else k_new):
@@ -204,6 +206,14 @@ def sdpa_attention(q, k_prefix, v_prefix, prefix_mask, k_new, v_new, new_mask, s
         return out_new.to(q.dtype)
     out_prefix, lse_prefix = _grouped_attention_with_lse(q, k_prefix, v_prefix, as_mask(prefix_mask), scale)
     return merge_partial_attention(out_prefix, lse_prefix, out_new, lse_new).to(q.dtype)
+
+
+def tree_kernel_serves(q, prefix_mask, k_new) -> bool:
+    """Whether a call is the Triton kernel's case: the forward's own T tokens as the
+    new part (a draft's cross-attention passes a tail of the target's keys instead,
+    whose count differs) over an unmasked prefix, and the kernel available."""
+    return (k_new is not None and k_new.shape[2] == q.shape[2] and prefix_mask is None
+            and tree_kernel_fits(q, None))
 
 
 def tree_kernel_fits(q, new_mask) -> bool:

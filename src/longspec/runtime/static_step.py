@@ -210,6 +210,12 @@ def _layer(layer, x, rope, keys, values, slots, visible):
     q, k, v = layer.project(x, rope, plain=True)
     keys.index_copy_(2, slots, k)
     values.index_copy_(2, slots, v)
-    attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=c.attention_scale,
-                                          enable_gqa=c.num_heads != c.num_kv_heads)
+    # Each K/V head's query heads stacked along the query axis, as the eager path
+    # does: with `enable_gqa` and a mask, SDPA may take its math path, which copies
+    # K/V once per query head (the whole cache, every layer, every step).
+    B, Hq, S, D = q.shape
+    group = Hq // keys.shape[1]
+    stacked = q.reshape(B, keys.shape[1], group * S, D)
+    attn = F.scaled_dot_product_attention(stacked, keys, values, attn_mask=visible.repeat(group, 1),
+                                          scale=c.attention_scale).reshape(B, Hq, S, D)
     return layer.finish(x, attn, plain=True)
