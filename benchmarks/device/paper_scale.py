@@ -108,14 +108,32 @@ def shape_configs() -> dict:
 
 
 def build(config, dtype: torch.dtype, device: torch.device, seed: int = 0):
-    """(our decoder, the `transformers` model) on the same random weights, built on the device."""
+    """(our decoder, the `transformers` model) on random weights of `config`'s shapes,
+    built on the device; ours with decisive greedy tokens (`decisive_next_tokens`)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     with torch.device(device):
         peer = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     ours = decoder_from_state_dict(config, peer.state_dict(), dtype).place(device)
+    decisive_next_tokens(ours, seed)
     return ours, peer
+
+
+def decisive_next_tokens(model, seed: int) -> None:
+    """Give our copy of the weights a greedy continuation without near-ties: the
+    embedding scaled to dominate the residual stream (the layers' outputs are a few
+    units; the scaled rows are hundreds), and the head's row of token perm[i] set to
+    the embedding of i, so the next token is perm[current] by a wide margin (a tied
+    head repeats the current token). With plain random weights, bf16 logits over a
+    128k vocabulary tie often, a 9-token forward breaks a tie unlike a 1-token one,
+    and a reference continuation stops being the target's after a few tokens (on an
+    H200 the oracle's tau was 1.02). A step's cost does not depend on the values."""
+    embed = model.embed_weight.data
+    if model.lm_head_weight is not None:
+        permutation = torch.randperm(embed.shape[0], generator=torch.Generator().manual_seed(seed)).to(embed.device)
+        model.lm_head_weight.data = embed[torch.argsort(permutation)].clone()
+    model.embed_weight.data = embed * 1e4
 
 
 def step_bytes(model, context: int) -> int:
