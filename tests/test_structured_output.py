@@ -64,6 +64,22 @@ def test_bad_constraints_are_refused_with_the_reason(constraint, message):
         constraint()
 
 
+def test_json_whitespace_is_bounded_unless_the_schema_sets_its_own(vocabulary):
+    """Between JSON tokens: one space, or a newline and at most 20 spaces or tabs (a
+    greedy small model otherwise fills its token limit with whitespace)."""
+    def allows_after(constraint, text: str, next_text: str) -> bool:
+        state = vocabulary.matcher(constraint)
+        state.advance(torch.tensor([token(c) for c in text]))
+        _, allowed, _ = state.constrain(Tree.chain(token(text[-1]), []))
+        return bool(allowed[0, token(next_text)])
+
+    bounded = OutputConstraint("json_object")  # (the character tokenizer has no newline)
+    assert allows_after(bounded, "{", " ") and not allows_after(bounded, "{ ", " ")
+    free = OutputConstraint("json_schema", {"type": "object", "x-guidance": {"whitespace_flexible": True}})
+    assert allows_after(free, "{ " * 1 + " " * 30, " ")
+    assert "not JSON" in pytest.raises(ValueError, OutputConstraint("json_schema", "{bad").grammar).value.args[0]
+
+
 def test_a_vocabulary_needs_an_eos_token():
     with pytest.raises(ValueError, match="EOS token"):
         GrammarVocabulary(TOKENIZER, VOCAB_SIZE, ())

@@ -5,7 +5,8 @@ __version__ = "0.1.0"
 from longspec.api import GenerationResult, LongSpecModel, TokenStream, load  # noqa: E402
 from longspec.speculation.batch_engine import BatchOptions  # noqa: E402
 from longspec.speculation.drafters.base import DraftContext, Drafter  # noqa: E402
+from longspec.speculation.grammar import OutputConstraint  # noqa: E402
 from longspec.speculation.tree import Tree  # noqa: E402
 
 __all__ = ["load", "LongSpecModel", "GenerationResult", "TokenStream", "BatchOptions", "Drafter", "DraftContext", "Tree",
-           "__version__"]
+           "OutputConstraint", "__version__"]

@@ -67,9 +67,9 @@ class OutputConstraint:
         """The llguidance grammar; a spec that does not compile raises ValueError naming why."""
         llguidance = _llguidance()
         if self.kind == "json_object":
-            fmt, text = "json_schema", '{"type": "object"}'
+            fmt, text = "json_schema", json.dumps(_bounded_whitespace({"type": "object"}))
         elif self.kind == "json_schema":
-            fmt, text = "json_schema", self.spec if isinstance(self.spec, str) else json.dumps(self.spec)
+            fmt, text = "json_schema", json.dumps(_bounded_whitespace(self._schema()))
         elif self.kind == "choice":
             fmt, text = "choice", json.dumps(list(self.spec))
         else:
@@ -83,6 +83,29 @@ class OutputConstraint:
             reason = _first_line(messages[0]) if messages else "(no reason given)"
             raise ValueError(f"the {self.kind.replace('_', ' ')} does not compile: {reason}")
         return grammar
+
+
+    def _schema(self):
+        if not isinstance(self.spec, str):
+            return self.spec
+        try:
+            return json.loads(self.spec)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"the json schema is not JSON: {error}") from None
+
+
+# Whitespace between JSON tokens: nothing, one space, or a newline and up to 20 spaces or
+# tabs of indentation (llama.cpp's server allows the same). Unbounded, a greedy small
+# model can fill the token limit with whitespace inside a valid document.
+JSON_WHITESPACE = r"(?: |\n[ \t]{0,20})?"
+
+
+def _bounded_whitespace(schema):
+    """The schema with JSON_WHITESPACE between tokens, unless it sets llguidance's own
+    "x-guidance" options (a boolean schema stays as it is)."""
+    if not isinstance(schema, dict) or "x-guidance" in schema:
+        return schema
+    return {**schema, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
 
 
 def _first_line(message: str) -> str:
