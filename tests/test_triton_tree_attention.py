@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from longspec.runtime.attention import reference_attention  # noqa: E402
-from longspec.runtime.triton_tree_attention import tree_attention  # noqa: E402
+from longspec.runtime.triton_tree_attention import tree_attention, tree_attention_split  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = 24
@@ -87,6 +87,21 @@ def test_kernel_equals_reference_on_ragged_shapes(index):
     want_out, want_lse = reference(q, k_prefix, v_prefix, lengths, k_tree, v_tree, masks, scale)
     assert torch.allclose(out.cpu().double(), want_out, rtol=1e-5, atol=1e-5), (out.cpu().double() - want_out).abs().max()
     assert torch.equal(torch.isinf(lse.cpu()), torch.isinf(want_lse))  # queries that see nothing: -inf
+    finite = torch.isfinite(want_lse)
+    assert torch.allclose(lse.cpu().double()[finite], want_lse[finite], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("splits", [1, 3, None])
+@pytest.mark.parametrize("index", range(0, SHAPES, 3))
+def test_split_kernel_equals_reference_on_ragged_shapes(index, splits):
+    """The prefix cut into chunks (some empty for a short row) and merged by log-sum-exp."""
+    q, k_prefix, v_prefix, lengths, k_tree, v_tree, masks, shared, scale = case(index)
+    on = [t.to(DEVICE) for t in (q, k_prefix, v_prefix, lengths, k_tree, v_tree)]
+    mask = (masks[0] if shared else masks).to(DEVICE)
+    out, lse = tree_attention_split(*on[:4], on[4], on[5], mask, scale, splits=splits)
+    want_out, want_lse = reference(q, k_prefix, v_prefix, lengths, k_tree, v_tree, masks, scale)
+    assert torch.allclose(out.cpu().double(), want_out, rtol=1e-5, atol=1e-5), (out.cpu().double() - want_out).abs().max()
+    assert torch.equal(torch.isinf(lse.cpu()), torch.isinf(want_lse))
     finite = torch.isfinite(want_lse)
     assert torch.allclose(lse.cpu().double()[finite], want_lse[finite], rtol=1e-5, atol=1e-5)
 

@@ -31,13 +31,15 @@ rest go on:
 6. the other shapes (Qwen2.5-7B, Gemma 3 270M / 1B / 4B): AR eager against the floor
    and the verification cost of 64 tokens.
 
-Writes results.jsonl, results.md (rewritten after every section) under --out.
+Writes results.jsonl, results.md (rewritten after every section) and profile-compiled.txt (the
+operators of a few compiled decode steps) under --out.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -273,8 +275,14 @@ def tree_attention_costs(config, device: torch.device, dtype: torch.dtype, conte
             return sdpa_attention(q, k_prefix, v_prefix, None, k_tree, v_tree, mask, scale)
 
         variants = {"sdpa_full_mask": full, "sdpa_prefix_tree_merged": merged}
-        if tree_kernel_fits(q, mask):
+        # Triton runs compiled on a GPU, or through its interpreter (TRITON_INTERPRET=1, the CPU test)
+        if (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1") and tree_kernel_fits(q, mask):
+            from longspec.runtime.triton_tree_attention import tree_attention_split
+
+            lengths = torch.full((1,), context, dtype=torch.int32, device=device)
             variants["triton_tree_kernel"] = lambda: tree_kernel_attention(q, k_prefix, v_prefix, mask, k_tree, v_tree, scale)
+            variants["triton_split_kernel"] = lambda: tree_attention_split(
+                q, k_prefix, v_prefix, lengths, k_tree, v_tree, mask, scale)[0]
         reference = full().float()
         row = {}
         for name, run in variants.items():
@@ -429,7 +437,7 @@ def peer_rates(peer, contexts: list[int], new_tokens: int, compiled: bool) -> di
 
 
 def compiled_rates(model, contexts: list[int], new_tokens: int, ks: list[int], backend, bandwidth_gbs: float,
-                   repeats: int, verify_context: int, alphas: list[float], length: int) -> dict:
+                   repeats: int, verify_context: int, alphas: list[float], length: int, profile: Path | None) -> dict:
     """Our compiled static steps: compile time, AR per context against the floor, the
     verification cost at `verify_context`, the oracle chain; tokens against eager's."""
     buckets = tuple(sorted({1, length + 1, max(ks)}))
@@ -441,6 +449,8 @@ def compiled_rates(model, contexts: list[int], new_tokens: int, ks: list[int], b
         model.static_steps.warm_up(max(EngineOptions().prefill_chunk, EngineOptions().max_tree_nodes + 1))
         result = {"buckets": buckets, "compile_s": time.perf_counter() - started}
         result["ar"] = ar_rates(model, contexts, new_tokens, bandwidth_gbs)
+        if profile is not None:
+            write_profile(model, contexts[0], profile)
         cost = measure_forward_cost(model, context=verify_context, ks=ks, repeats=repeats)
         result["verification_s"] = dict(zip(cost.ks, cost.seconds))
         result["oracle"] = oracle_rates(model, verify_context, new_tokens, alphas, length, [1],
@@ -450,6 +460,27 @@ def compiled_rates(model, contexts: list[int], new_tokens: int, ks: list[int], b
     finally:
         model.compile_steps(False)
     return result
+
+
+def write_profile(model, context: int, path: Path, steps: int = 8) -> None:
+    """Where `steps` decode steps at `context` spend their time, by operator (device time
+    first where there is a device), as a table in `path`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prompt = random_prompt(model.config, context)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if model.device.type == "cuda" else [])
+    prof = profile(activities=activities)
+    engine = SpeculativeEngine(model, EngineOptions(progress=False))
+    for i, _ in enumerate(engine.generate(prompt, max_new_tokens=steps + 1)):
+        if i == 0:  # after prefill and the first token
+            synchronize(model.device)
+            prof.start()
+    synchronize(model.device)
+    prof.stop()
+    averages = prof.key_averages()
+    key = "self_device_time_total" if model.device.type == "cuda" else "self_cpu_time_total"
+    table = averages.table(sort_by=key, row_limit=30, max_name_column_width=70)
+    path.write_text(f"{steps} decode steps at {context} tokens\n{table}")
 
 
 # ------------------------------------------------------------------------- driver
@@ -514,13 +545,14 @@ def markdown(results: dict) -> str:
                   f"matrix product {c['matmul_tflops']:.0f} TFLOP/s.", ""]
     if not failed("tree attention"):
         lines += ["Attention of a 64-node tree over the prefix (one layer, the main shape's heads), ms:", "",
-                  "| context | Triton tree kernel | SDPA, full mask | SDPA prefix + tree merged | full mask / Triton |",
-                  "|---|---|---|---|---|"]
+                  "| context | Triton tree kernel | Triton, split prefix | SDPA, full mask | SDPA prefix + tree merged "
+                  "| full mask / Triton (split) |", "|---|---|---|---|---|---|"]
         for context, row in results["tree attention"].items():
-            triton = row.get("triton_tree_kernel_ms")
-            lines.append(f"| {context} | {cell(triton, '{:.3f}')} | {row['sdpa_full_mask_ms']:.3f} | "
-                         f"{row['sdpa_prefix_tree_merged_ms']:.3f} | "
-                         f"{cell(triton and row['sdpa_full_mask_ms'] / triton)} |")
+            triton, split = row.get("triton_tree_kernel_ms"), row.get("triton_split_kernel_ms")
+            lines.append(f"| {context} | {cell(triton, '{:.3f}')} | {cell(split, '{:.3f}')} | "
+                         f"{row['sdpa_full_mask_ms']:.3f} | {row['sdpa_prefix_tree_merged_ms']:.3f} | "
+                         f"{cell(triton and row['sdpa_full_mask_ms'] / triton)} "
+                         f"({cell(split and row['sdpa_full_mask_ms'] / split)}) |")
         lines.append("")
     for label, name in (("eager", "verification"), ):
         if not failed(name):
@@ -644,7 +676,8 @@ def main(argv: list[str] | None = None) -> int:
                                                      args.oracle_length, args.batch_sizes, reference), needs_s=30)
     backend = None if args.compile_backend == "none" else args.compile_backend
     run.section("compiled", lambda: compiled_rates(model, contexts, args.new_tokens, ks, backend, bandwidth,
-                                                   args.repeats, verify_context, args.alphas, args.oracle_length),
+                                                   args.repeats, verify_context, args.alphas, args.oracle_length,
+                                                   args.out / "profile-compiled.txt"),
                 needs_s=150 if device.type == "cuda" else 0)
     run.section("transformers compiled", lambda: peer_rates(peer, contexts, args.new_tokens, compiled=True),
                 needs_s=120 if device.type == "cuda" else 0)

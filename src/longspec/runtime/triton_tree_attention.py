@@ -128,14 +128,7 @@ def tree_attention(
     log-sum-exp [B, Hq, T] in float32 (-inf where a query sees no key)."""
     B, Hq, T, D = q.shape
     Hkv = k_prefix.shape[1]
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"tree_attention computes in {SUPPORTED_DTYPES}, got {q.dtype}")
-    if Hq % Hkv:
-        raise ValueError(f"{Hq} query heads do not group over {Hkv} K/V heads")
-    if k_tree.shape[2] != T or tree_mask.shape[-2:] != (T, T):
-        raise ValueError(f"a tree of {T} queries needs {T} tree keys and a [{T}, {T}] mask")
-    if prefix_lengths.shape != (B,) or (B and int(prefix_lengths.max()) > k_prefix.shape[2]):
-        raise ValueError(f"prefix_lengths must be [{B}] and at most {k_prefix.shape[2]} (the prefix's keys)")
+    _check(q, k_prefix, prefix_lengths, k_tree, tree_mask)
     mask = tree_mask.to(torch.int8)
     mask_strides = (0, *mask.stride()) if mask.dim() == 2 else mask.stride()
     group = Hq // Hkv
@@ -150,3 +143,147 @@ def tree_attention(
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(D)),
     )
     return out, lse
+
+
+def _check(q, k_prefix, prefix_lengths, k_tree, tree_mask) -> None:
+    B, Hq, T, D = q.shape
+    Hkv = k_prefix.shape[1]
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"tree_attention computes in {SUPPORTED_DTYPES}, got {q.dtype}")
+    if Hq % Hkv:
+        raise ValueError(f"{Hq} query heads do not group over {Hkv} K/V heads")
+    if k_tree.shape[2] != T or tree_mask.shape[-2:] != (T, T):
+        raise ValueError(f"a tree of {T} queries needs {T} tree keys and a [{T}, {T}] mask")
+    if prefix_lengths.shape != (B,) or (B and int(prefix_lengths.max()) > k_prefix.shape[2]):
+        raise ValueError(f"prefix_lengths must be [{B}] and at most {k_prefix.shape[2]} (the prefix's keys)")
+
+
+# ---------------------------------------------------------------- split over the prefix
+# The kernel above gives each (K/V head, block of stacked rows) one program that walks
+# the whole prefix: for a 64-node tree of an 8B model's heads, 128 programs, too few to
+# keep a GPU's memory busy over a long prefix
+# (docs/lab-notes/gpu.md#the-papers-scale-on-an-h200-issue-gpu-at-the-papers-scale).
+# Flash-decoding's answer: cut the prefix into chunks, one program per (head, row block,
+# chunk) writing its partial output and log-sum-exp, the tree keys as one more chunk,
+# then merge the chunks by log-sum-exp. Not yet the backend's choice: it waits for a
+# GPU measurement against the kernel above and SDPA (benchmarks/device/paper_scale.py).
+
+SPLIT_BLOCK_N = 64
+
+
+@triton.jit
+def _tree_attention_split_kernel(
+    Q, KP, VP, KT, VT, MASK, LENGTHS, OUT, LSE,
+    sqb, sqh, sqt, sqd,
+    skpb, skph, skps, skpd,
+    svpb, svph, svps, svpd,
+    sktb, skth, skts, sktd,
+    svtb, svth, svts, svtd,
+    smb, smq, smk,
+    sos, sob, soh, sot, sod,
+    sls, slb, slh, slt,
+    num_kv_heads, group, T, D, scale, chunk, splits,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_bkv = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    split = tl.program_id(2)  # < splits: a chunk of the prefix; == splits: the tree's keys
+    b = pid_bkv // num_kv_heads
+    kv = pid_bkv % num_kv_heads
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_valid = rows < group * T
+    head = kv * group + rows // T
+    node = rows % T
+    dims = tl.arange(0, BLOCK_D)
+    dim_valid = dims < D
+    offs_n = tl.arange(0, BLOCK_N)
+
+    q = tl.load(Q + b * sqb + head[:, None] * sqh + node[:, None] * sqt + dims[None, :] * sqd,
+                mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    if split < splits:
+        length = tl.load(LENGTHS + b)
+        end = tl.minimum(length, (split + 1) * chunk)
+        for start in range(split * chunk, end, BLOCK_N):
+            keys = start + offs_n
+            key_valid = keys < end
+            k = tl.load(KP + b * skpb + kv * skph + keys[None, :] * skps + dims[:, None] * skpd,
+                        mask=key_valid[None, :] & dim_valid[:, None], other=0.0)
+            scores = tl.dot(q, k, input_precision="ieee") * scale
+            scores = tl.where(key_valid[None, :], scores, float("-inf"))
+            v = tl.load(VP + b * svpb + kv * svph + keys[:, None] * svps + dims[None, :] * svpd,
+                        mask=key_valid[:, None] & dim_valid[None, :], other=0.0)
+            acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, scores, v)
+    else:
+        for start in range(0, T, BLOCK_N):
+            keys = start + offs_n
+            key_valid = keys < T
+            k = tl.load(KT + b * sktb + kv * skth + keys[None, :] * skts + dims[:, None] * sktd,
+                        mask=key_valid[None, :] & dim_valid[:, None], other=0.0)
+            both = row_valid[:, None] & key_valid[None, :]
+            allowed = tl.load(MASK + b * smb + node[:, None] * smq + keys[None, :] * smk, mask=both, other=0)
+            visible = both & (allowed != 0)
+            scores = tl.dot(q, k, input_precision="ieee") * scale
+            scores = tl.where(visible, scores, float("-inf"))
+            v = tl.load(VT + b * svtb + kv * svth + keys[:, None] * svts + dims[None, :] * svtd,
+                        mask=key_valid[:, None] & dim_valid[None, :], other=0.0)
+            acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, scores, v)
+
+    seen = l_i > 0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+    tl.store(OUT + split * sos + b * sob + head[:, None] * soh + node[:, None] * sot + dims[None, :] * sod,
+             out, mask=row_valid[:, None] & dim_valid[None, :])
+    tl.store(LSE + split * sls + b * slb + head * slh + node * slt, lse, mask=row_valid)
+
+
+def split_count(programs_per_split: int, longest_prefix: int, device: torch.device, min_chunk: int = 256) -> int:
+    """Prefix chunks that give the device about two programs per multiprocessor, each
+    chunk at least `min_chunk` keys."""
+    processors = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    wanted = triton.cdiv(2 * processors, max(programs_per_split, 1))
+    return max(1, min(wanted, triton.cdiv(longest_prefix, min_chunk)))
+
+
+def tree_attention_split(
+    q: torch.Tensor,
+    k_prefix: torch.Tensor,
+    v_prefix: torch.Tensor,
+    prefix_lengths: torch.Tensor,
+    k_tree: torch.Tensor,
+    v_tree: torch.Tensor,
+    tree_mask: torch.Tensor,
+    scale: float,
+    splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`tree_attention` with the prefix cut into `splits` chunks (None: enough to fill
+    the device), each chunk and the tree one program column, merged by log-sum-exp."""
+    B, Hq, T, D = q.shape
+    Hkv = k_prefix.shape[1]
+    _check(q, k_prefix, prefix_lengths, k_tree, tree_mask)
+    group = Hq // Hkv
+    block_m = 64 if D <= 128 else 32
+    row_blocks = triton.cdiv(group * T, block_m)
+    longest = int(prefix_lengths.max()) if B else 0
+    if splits is None:
+        splits = split_count(B * Hkv * row_blocks, longest, q.device)
+    chunk = max(1, triton.cdiv(longest, splits))
+    mask = tree_mask.to(torch.int8)
+    mask_strides = (0, *mask.stride()) if mask.dim() == 2 else mask.stride()
+    parts = torch.empty((splits + 1, B, Hq, T, D), dtype=torch.float32, device=q.device)
+    lses = torch.empty((splits + 1, B, Hq, T), dtype=torch.float32, device=q.device)
+    grid = (B * Hkv, row_blocks, splits + 1)
+    _tree_attention_split_kernel[grid](
+        q, k_prefix, v_prefix, k_tree, v_tree, mask, prefix_lengths.to(torch.int32), parts, lses,
+        *q.stride(), *k_prefix.stride(), *v_prefix.stride(), *k_tree.stride(), *v_tree.stride(),
+        *mask_strides, *parts.stride(), *lses.stride(),
+        Hkv, group, T, D, scale, chunk, splits,
+        BLOCK_M=block_m, BLOCK_N=SPLIT_BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(D)),
+    )
+    lse = torch.logsumexp(lses, dim=0)
+    weights = torch.exp(lses - torch.where(torch.isfinite(lse), lse, 0.0))  # 0 for a part that saw nothing
+    out = (weights.unsqueeze(-1) * parts).sum(dim=0)
+    return out.to(q.dtype), lse
