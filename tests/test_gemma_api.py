@@ -81,3 +81,14 @@ def test_json_schema_output_is_valid_and_the_same_for_every_method_in_bf16(bf16_
     assert ar.stats.stop_reason == "eos"
     for method, result in results.items():
         assert result.token_ids == ar.token_ids, method
+
+
+def test_the_cli_follows_a_choice(capsys):
+    """`longspec generate --choice`: the output is one of the strings, and ends there."""
+    from longspec.cli.main import main
+
+    assert main(["generate", "Is the sky blue? Answer:", "--choice", " yes", "--choice", " no", "--json",
+                 "--method", "pld", "--max-new-tokens", "8"]) == 0
+    import json
+
+    assert json.loads(capsys.readouterr().out)["text"] in (" yes", " no")

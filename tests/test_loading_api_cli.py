@@ -112,6 +112,9 @@ def test_gguf_of_unsupported_architecture_is_refused(tmp_path):
         (["generate", "hi", "--method", "tokenswift", "--option", "sinks=-1"], "sinks must be"),
         (["generate", "hi", "--method", "tokenswift", "--option", "bogus=1"], "method 'tokenswift' has no option bogus; its options are: heads, budget"),
         (["generate", "hi", "--method", "ar", "--option", "k=3"], "method 'ar' has no option k; its options are: none"),
+        (["generate", "hi", "--regex", "(ab"], "the regex does not compile"),
+        (["generate", "hi", "--json-object", "--ignore-eos"], "--ignore-eos cannot go with a structured output"),
+        (["generate", "hi", "--json-schema", "/no/such/schema.json"], "JSON schema file not found"),
     ],
 )
 def test_cli_rejects_bad_input_before_work(argv, message, capsys):

@@ -41,6 +41,14 @@ def _generate_parser(sub) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    structured = p.add_mutually_exclusive_group()
+    structured.add_argument("--json-schema", type=Path, metavar="FILE", help="the output is JSON valid against this "
+                                                                            "JSON schema file")
+    structured.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    structured.add_argument("--regex", metavar="PATTERN", help="the output matches this regular expression")
+    structured.add_argument("--grammar", type=Path, metavar="FILE", help="the output follows this Lark or GBNF grammar")
+    structured.add_argument("--choice", action="append", metavar="TEXT", help="the output is one of these strings "
+                                                                              "(repeatable)")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default, fastest on CPU) | float32 | float64")
     add_device_argument(p)
     add_compile_argument(p)
@@ -84,6 +92,11 @@ def _cmd_generate(args) -> int:
                    presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                    logit_bias=logit_bias)
     make_drafter(args.method, **options)
+    constraint = _output_constraint(args)
+    if constraint is not None:
+        if args.ignore_eos:
+            raise ValueError("--ignore-eos cannot go with a structured output option: a finished grammar allows only EOS")
+        constraint.grammar()  # compiles, or names why not
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.seed is not None and not 0 <= args.seed <= MAX_SEED:
@@ -96,7 +109,7 @@ def _cmd_generate(args) -> int:
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, eta=args.eta,
         penalty=args.penalty, penalty_window=args.penalty_window, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, logit_bias=logit_bias, seed=args.seed, stop=args.stop,
-        chat=args.chat, ignore_eos=args.ignore_eos,
+        chat=args.chat, ignore_eos=args.ignore_eos, constraint=constraint,
     )
     for chunk in stream:
         if not args.json:
@@ -117,6 +130,27 @@ def _cmd_generate(args) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _output_constraint(args):
+    """The structured-output option given, as an `OutputConstraint` (None: none given)."""
+    from longspec.speculation.grammar import OutputConstraint
+
+    if args.json_schema is not None:
+        text = read_prompt_file(args.json_schema, "--json-schema", "JSON schema")
+        try:
+            return OutputConstraint("json_schema", json.loads(text))
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--json-schema {args.json_schema}: not JSON ({error})") from None
+    if args.json_object:
+        return OutputConstraint("json_object")
+    if args.regex is not None:
+        return OutputConstraint("regex", args.regex)
+    if args.grammar is not None:
+        return OutputConstraint("grammar", read_prompt_file(args.grammar, "--grammar", "grammar"))
+    if args.choice:
+        return OutputConstraint("choice", args.choice)
+    return None
 
 
 def _info_parser(sub) -> None:
