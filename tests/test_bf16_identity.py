@@ -79,3 +79,30 @@ def test_bf16_batch_rows_equal_their_single_runs(family):
     engine.run()
     for prompt, n, handle in zip(prompts, max_new, handles):
         assert torch.equal(handle.tokens, single_run(model, prompt, params=params, max_new_tokens=n))
+
+
+def test_prefill_through_the_bulk_products_keeps_speculation_and_batches_exact(monkeypatch):
+    """Where prefill's products take oneDNN's copy (AMX CPUs; forced here on any CPU), AR
+    and speculation prefill alike, and a batch row prefills in its single run's pieces."""
+    from longspec.runtime import linear
+
+    monkeypatch.setattr(linear, "bulk_products_pay", lambda: True)
+    model, extra = bf16_model("llama")
+    if not any(p.bulk is not None for p in model.layers[0].packed.values()):
+        pytest.skip("oneDNN declines bf16 here")
+    params = SamplingParams(**extra)
+    engine = SpeculativeEngine(model, EngineOptions(prefill_chunk=16, max_tree_nodes=16, progress=False))
+    prompt = random_ids(40, seed=9)[0]
+    reference = Run(engine, prompt, params=params, max_new_tokens=200)
+    run = Run(engine, prompt, params=params, max_new_tokens=200,
+              drafter=OracleGarbageDrafter(reference.tokens, prompt.numel(), seed=2))
+    assert torch.equal(run.tokens, reference.tokens) and run.stats.tau > 1.2
+    assert_same_caches(reference.cache, run.cache)
+    batch = BatchEngine(model, EngineOptions(prefill_chunk=16, max_tree_nodes=16, progress=False),
+                        BatchOptions(max_rows=2, row_capacity=320, prefill_tokens_per_step=16))
+    prompts = [random_ids(20 + 13 * i, seed=i)[0] for i in range(3)]
+    handles = [batch.submit(p, params=params, max_new_tokens=50, drafter=PromptLookupDrafter(num_tokens=4))
+               for p in prompts]
+    batch.run()
+    for prompt, handle in zip(prompts, handles):  # single runs prefilled in the same 16-token pieces
+        assert torch.equal(handle.tokens, Run(engine, prompt, params=params, max_new_tokens=50).tokens)

@@ -161,6 +161,44 @@ def test_packed_linear_sends_every_row_count_to_the_tiled_kernel(monkeypatch):
         assert torch.equal(out[0], LINEAR_OPS.bf16_packed_linear(x[0], packed.tiles, 64, None))
 
 
+@needs_linear
+def test_prefill_products_take_the_bulk_copy_only_where_asked():
+    """A weight keeps oneDNN's copy for prefill only when asked (the decoder's layers ask
+    where `bulk_products_pay`); a bulk product is the exact product to bf16 rounding, and
+    a product that is not bulk stays on the tiled kernel."""
+    import torch.nn.functional as F
+
+    from longspec.runtime.linear import _onednn_prepack
+
+    weight = torch.randn(64, 32).bfloat16()
+    assert prepack(weight).bulk is None  # the default: heads and drafts keep none
+    packed = prepack(weight, bulk=True)
+    if _onednn_prepack(weight) is None:
+        pytest.skip("oneDNN declines bf16 here")
+    x = torch.randn(1, 300, 32).bfloat16()
+    bulk = packed_linear(x, weight, packed, bulk=True)
+    exact = F.linear(x.double(), weight.double())
+    assert ((bulk.double() - exact).abs() <= bf16_ulp(exact) + float32_sum_error(x, weight, None)).all()
+    assert torch.equal(packed_linear(x, weight, packed), LINEAR_OPS.bf16_packed_linear(x[0], packed.tiles, 64, None)[None])
+
+
+def test_bulk_products_need_amx_and_rows_that_do_not_depend_on_their_neighbours(monkeypatch):
+    from longspec.runtime import linear
+
+    monkeypatch.setattr(linear, "_cpu_flags", lambda: {"avx2", "fma"})
+    linear.bulk_products_pay.cache_clear()
+    try:
+        assert not linear.bulk_products_pay()
+        if LINEAR_OPS is not None and linear._onednn_prepack(torch.randn(8, 8).bfloat16()) is not None:
+            monkeypatch.setattr(linear, "_cpu_flags", lambda: {"amx_bf16", "amx_tile"})
+            monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
+                                lambda x, *rest: torch.full((x.shape[0], 96), float(x.shape[0])).bfloat16())
+            linear.bulk_products_pay.cache_clear()
+            assert not linear.bulk_products_pay()  # a row's bits changed with the rows beside it
+    finally:
+        linear.bulk_products_pay.cache_clear()
+
+
 def test_without_a_native_product_products_go_to_onednn(monkeypatch):
     monkeypatch.setattr("longspec.runtime.linear.bf16_linear_ops", lambda: None)
     weight = torch.randn(64, 32).bfloat16()

@@ -16,11 +16,20 @@ forward asks of it.
   (docs/lab-notes/native-kernels.md#decode-at-the-bandwidth-floor-native-cpu-kernels-issue-runtime-speed).
 - Anything none handles (other dtypes, other devices, builds without them) keeps the
   plain `F.linear`.
+
+Prefill (`bulk=True`, hundreds of rows a product): on CPUs with AMX, oneDNN's product runs
+on the tile instructions the native kernel does not use, several times faster at
+prefill's row counts; there each weight also keeps oneDNN's blocked copy for prefill. It
+is used only where a probe finds each row's result the same however many rows share the
+product, so a batch row prefilled in other pieces than its single run gets the same bits
+(docs/lab-notes/native-kernels.md#prefill-through-onednn-on-amx-cpus-issue-the-openai-api).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -32,23 +41,33 @@ from longspec.runtime.native import bf16_linear_ops
 class PackedWeight:
     onednn: torch.Tensor | None  # oneDNN's blocked copy, where the native kernel cannot run
     tiles: torch.Tensor | None = None  # the native kernel's packed copy
+    bulk: torch.Tensor | None = None  # oneDNN's blocked copy for prefill, beside the tiles (AMX CPUs)
 
 
-def prepack(weight: torch.Tensor, *, native_kernels: bool = True) -> PackedWeight | None:
-    """The prepared forms of a [out, in] bf16 CPU weight, or None where none applies."""
+def prepack(weight: torch.Tensor, *, native_kernels: bool = True, bulk: bool | None = False) -> PackedWeight | None:
+    """The prepared forms of a [out, in] bf16 CPU weight, or None where none applies.
+    bulk: also keep oneDNN's copy for prefill's products (None: where `bulk_products_pay`;
+    the decoder's layers ask, the heads, which prefill does not compute, do not)."""
     if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
         return None
     ops = bf16_linear_ops() if native_kernels and weight.is_contiguous() else None
     if ops is not None:
-        return PackedWeight(onednn=None, tiles=ops.bf16_pack_weight(weight.detach()))
+        wanted = bulk_products_pay() if bulk is None else bulk
+        return PackedWeight(onednn=None, tiles=ops.bf16_pack_weight(weight.detach()),
+                            bulk=_onednn_prepack(weight) if wanted else None)
     onednn = _onednn_prepack(weight)
     return None if onednn is None else PackedWeight(onednn=onednn)
 
 
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None, bias=None) -> torch.Tensor:
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None, bias=None,
+                  bulk: bool = False) -> torch.Tensor:
+    """x @ weight.T (+ bias) through the prepared forms; `bulk` (a prefill's product) takes
+    oneDNN's copy where the weight has one."""
     # The prepared forms have no backward: a product that needs gradients stays on F.linear.
     if packed is None or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         return F.linear(x, weight, bias)
+    if bulk and packed.bulk is not None:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed.bulk, bias, "none", [], "")
     if packed.tiles is not None:
         flat = x.reshape(-1, x.shape[-1]).contiguous()
         out = bf16_linear_ops().bf16_packed_linear(flat, packed.tiles, weight.shape[0], bias)
@@ -70,3 +89,34 @@ def _onednn_prepack(weight: torch.Tensor) -> torch.Tensor | None:
     except (RuntimeError, AttributeError):
         return None
     return packed
+
+
+@functools.cache
+def bulk_products_pay() -> bool:
+    """Whether prefill's products go through oneDNN on this CPU: it has AMX (read from
+    the kernel's CPU flags, so every process on a machine decides alike), and oneDNN's
+    rows come out the same bits whatever number of rows shares a product (probed)."""
+    if bf16_linear_ops() is None or not _cpu_flags() >= {"amx_bf16", "amx_tile"}:
+        return False
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 640, generator=generator).to(torch.bfloat16)
+    packed = _onednn_prepack(weight)
+    if packed is None:
+        return False
+    x = torch.randn(300, 640, generator=generator).to(torch.bfloat16)
+
+    def rows(part):
+        return torch.ops.mkldnn._linear_pointwise(part.contiguous(), packed, None, "none", [], "")
+
+    whole = rows(x)
+    return all(torch.equal(rows(x[begin:end]), whole[begin:end])
+               for begin, end in ((0, 1), (7, 12), (3, 40), (40, 73), (100, 256), (256, 300)))
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return set(line.partition(":")[2].split())

@@ -107,26 +107,26 @@ class DecoderLayer(nn.Module):
     def prepare(self, native_kernels: bool = True) -> None:
         """Load-time derived weights: prepacked matrices and norm scales."""
         for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
-            self.packed[name] = prepack(getattr(self, name), native_kernels=native_kernels)
+            self.packed[name] = prepack(getattr(self, name), native_kernels=native_kernels, bulk=None)
         for norm in (self.input_norm, self.pre_mlp_norm, self.post_attn_norm, self.post_mlp_norm, self.qk_norm):
             if norm is not None:
                 norm.prepare(native_kernels)
 
-    def _linear(self, x, name: str, bias=None, plain: bool = False):
+    def _linear(self, x, name: str, bias=None, plain: bool = False, bulk: bool = False):
         weight = getattr(self, name)
-        return F.linear(x, weight, bias) if plain else packed_linear(x, weight, self.packed.get(name), bias)
+        return F.linear(x, weight, bias) if plain else packed_linear(x, weight, self.packed.get(name), bias, bulk)
 
     @staticmethod
     def _norm(norm: RMSNorm, x, plain: bool):
         return norm.plain(x) if plain else norm(x)
 
-    def project(self, x, rope, plain: bool = False, packing: "Packing | None" = None):
+    def project(self, x, rope, plain: bool = False, packing: "Packing | None" = None, bulk: bool = False):
         """q [B, Hq, T, D] with RoPE, and this forward's k (with RoPE) and v [B, Hkv, T, D].
         plain: PyTorch operations only (what a compiler traces), not the native kernels.
         packing: x holds only the real tokens of a padded batch ([N, H]); the padding
-        gets zero q, k and v."""
+        gets zero q, k and v. bulk: a prefill's products (`runtime.linear`)."""
         c = self.config
-        qkv = self._linear(self._norm(self.input_norm, x, plain), "qkv_weight", self.qkv_bias, plain)
+        qkv = self._linear(self._norm(self.input_norm, x, plain), "qkv_weight", self.qkv_bias, plain, bulk)
         if packing is not None:
             qkv = packing.unpack(qkv)
         B, T, _ = qkv.shape
@@ -138,7 +138,7 @@ class DecoderLayer(nn.Module):
         v = qkv[..., self.qk_dim :].view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
         return q, k, v
 
-    def finish(self, x, attn, plain: bool = False, packing: "Packing | None" = None):
+    def finish(self, x, attn, plain: bool = False, packing: "Packing | None" = None, bulk: bool = False):
         """The residual stream after this layer, from its attention output [B, Hq, T, D]
         (with `packing`, x and the result hold the real tokens only)."""
         c = self.config
@@ -146,20 +146,21 @@ class DecoderLayer(nn.Module):
         out = attn.transpose(1, 2).reshape(B, T, -1)
         if packing is not None:
             out = packing.pack(out)
-        out = self._linear(out, "o_weight", plain=plain)
+        out = self._linear(out, "o_weight", plain=plain, bulk=bulk)
         if self.post_attn_norm is not None:
             out = self._norm(self.post_attn_norm, out, plain)
         x = x + out
-        gate, up = self._linear(self._norm(self.pre_mlp_norm, x, plain), "gate_up_weight", plain=plain).chunk(2, dim=-1)
+        gate, up = self._linear(self._norm(self.pre_mlp_norm, x, plain), "gate_up_weight", plain=plain,
+                                bulk=bulk).chunk(2, dim=-1)
         act = F.gelu(gate, approximate="tanh") if c.activation == "gelu_tanh" else F.silu(gate)
-        out = self._linear(act * up, "down_weight", plain=plain)
+        out = self._linear(act * up, "down_weight", plain=plain, bulk=bulk)
         if self.post_mlp_norm is not None:
             out = self._norm(self.post_mlp_norm, out, plain)
         return x + out
 
     def forward(self, x, rope, plan: "ForwardPlan", cache: KVCache, attention: AttentionBackend):
         c = self.config
-        q, k, v = self.project(x, rope, packing=plan.packing)
+        q, k, v = self.project(x, rope, packing=plan.packing, bulk=plan.bulk)
         cache.store(self.index, k, v)
         if plan.ordered is not None:
             # Every key this forward reads, committed and pending, in position order.
@@ -182,7 +183,7 @@ class DecoderLayer(nn.Module):
         else:
             k_pre, v_pre = cache.prefix(self.index)
             attn = attention(q, k_pre, v_pre, None, k, v, plan.new_mask, c.attention_scale)
-        return self.finish(x, attn, packing=plan.packing)
+        return self.finish(x, attn, packing=plan.packing, bulk=plan.bulk)
 
 
 @dataclass(frozen=True)
@@ -224,6 +225,7 @@ class ForwardPlan:
     # The native kernel's keys in position order, per kind of layer (sliding: True), where
     # it serves this forward: a token's attention is then the same bits in any forward.
     ordered: dict[bool, OrderedKeys] | None = None
+    bulk: bool = False  # a prefill: products through the bulk path (`runtime.linear`)
 
 
 class Decoder(nn.Module):
@@ -295,6 +297,7 @@ class Decoder(nn.Module):
         logits_rows: torch.Tensor | slice | None = None,
         with_logits: bool = True,
         real_tokens: torch.Tensor | None = None,
+        prefill: bool = False,
     ) -> ForwardOutput:
         """Run T new tokens [B, T] after the cache's committed prefix.
 
@@ -306,6 +309,9 @@ class Decoder(nn.Module):
         with_logits: False returns only those rows' hidden states (see `greedy_tokens`).
         real_tokens: [B, T] bool, False at a batch's padding: per-token work skips it
             (`Packing`) and its hidden states come back as zeros.
+        prefill: a prompt piece (committed as it is, never verified): the products may
+            take the bulk path of `runtime.linear`, whose rows are not the bits a decode
+            step or a tree computes for the same token.
         The new tokens are left *pending* in the cache: call cache.commit(...).
         """
         B, T = input_ids.shape
@@ -325,6 +331,8 @@ class Decoder(nn.Module):
         if real_tokens is not None and not bool(real_tokens.all()):
             index = torch.nonzero(real_tokens.reshape(-1)).flatten().to(device)
             plan = replace(plan, packing=Packing(index, B, T))
+        if prefill:
+            plan = replace(plan, bulk=True)
         rope = {s: self._rope(plan.positions, s) for s in set(self.config.layer_is_sliding)}
         x = self.embed(input_ids if plan.packing is None else plan.packing.pack(input_ids))
         for layer in self.layers:

@@ -297,7 +297,7 @@ def prefill_piece(model: Decoder, cache, ids: torch.Tensor, begin: int, end: int
     piece = ids[begin:end]
     kept = slice(max(0, keep_from - begin), None) if end > keep_from else slice(0, 0)
     out = model(piece.unsqueeze(0), cache, positions=cache.next_positions(piece.numel()), logits_rows=kept,
-                with_logits=False)
+                with_logits=False, prefill=True)
     cache.commit()
     return out.hidden[0] if out.hidden.shape[1] else None
 
