@@ -92,3 +92,18 @@ def test_the_cli_follows_a_choice(capsys):
     import json
 
     assert json.loads(capsys.readouterr().out)["text"] in (" yes", " no")
+
+
+@pytest.mark.parametrize("setting", [dict(temperature=0.0), dict(temperature=0.8, top_p=0.95, seed=11)],
+                         ids=["greedy", "seeded"])
+def test_openai_processors_give_every_method_the_same_tokens_in_bf16(bf16_model, setting):
+    """Presence and frequency penalties and a logit bias on the real model in bf16: `ar`,
+    prompt lookup, `auto` and the shipped LongSpec draft return the same tokens."""
+    prompt = PROMPT * 3
+    bias = {int(bf16_model.tokenizer("return").input_ids[-1]): -5.0}
+    results = {method: bf16_model.generate(prompt, max_new_tokens=48, method=method, presence_penalty=0.6,
+                                           frequency_penalty=0.4, logit_bias=bias, **setting).token_ids
+               for method in ("ar", "pld", "auto", "longspec")}
+    assert len(results["ar"]) == 48
+    for method, tokens in results.items():
+        assert tokens == results["ar"], method
