@@ -106,3 +106,12 @@ def test_prefill_through_the_bulk_products_keeps_speculation_and_batches_exact(m
     batch.run()
     for prompt, handle in zip(prompts, handles):  # single runs prefilled in the same 16-token pieces
         assert torch.equal(handle.tokens, Run(engine, prompt, params=params, max_new_tokens=50).tokens)
+
+
+def test_a_model_too_large_for_another_copy_keeps_prefill_on_the_native_kernel(monkeypatch):
+    from longspec.runtime import linear
+
+    monkeypatch.setattr(linear, "bulk_products_pay", lambda: True)
+    monkeypatch.setattr("longspec.runtime.model.os.sysconf", lambda name: 1)  # a machine of one byte
+    model, _ = bf16_model("llama")
+    assert all(p.bulk is None for layer in model.layers for p in layer.packed.values() if p is not None)

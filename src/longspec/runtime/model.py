@@ -7,6 +7,7 @@ projections are fused into one matrix each at load time (fewer, larger matmuls).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -104,10 +105,11 @@ class DecoderLayer(nn.Module):
         self.qk_dim = q_dim + kv_dim
         self.packed: dict[str, PackedWeight | None] = {}
 
-    def prepare(self, native_kernels: bool = True) -> None:
-        """Load-time derived weights: prepacked matrices and norm scales."""
+    def prepare(self, native_kernels: bool = True, bulk: bool | None = None) -> None:
+        """Load-time derived weights: prepacked matrices and norm scales. bulk: keep
+        prefill's copies (`runtime.linear`; None: where they pay)."""
         for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
-            self.packed[name] = prepack(getattr(self, name), native_kernels=native_kernels, bulk=None)
+            self.packed[name] = prepack(getattr(self, name), native_kernels=native_kernels, bulk=bulk)
         for norm in (self.input_norm, self.pre_mlp_norm, self.post_attn_norm, self.post_mlp_norm, self.qk_norm):
             if norm is not None:
                 norm.prepare(native_kernels)
@@ -426,8 +428,9 @@ class Decoder(nn.Module):
             # The embedding and the F.linear / oneDNN paths read these; the products stream the packed copies below.
             large = [p for p in self.parameters() if p.numel() * p.element_size() >= HUGE_PAGE_BYTES]
             self.on_huge_pages = move_to_huge_pages(large)
+        bulk = None if prefill_copies_fit(self) else False
         for layer in self.layers:
-            layer.prepare(native_kernels)
+            layer.prepare(native_kernels, bulk)
         self.final_norm.prepare(native_kernels)
         self.native_kernels = native_kernels
         self._packed_head = prepack(self.head_weight, native_kernels=native_kernels)
@@ -520,6 +523,18 @@ class Decoder(nn.Module):
         if positions.dim() == 2:
             return cos.unsqueeze(1), signed_sin.unsqueeze(1)  # broadcast over heads
         return cos, signed_sin
+
+
+def prefill_copies_fit(model: "Decoder") -> bool:
+    """Whether one more copy of the layers' weights (prefill's, `runtime.linear`) takes
+    under a tenth of this machine's memory; a larger model keeps prefill on the native
+    kernel rather than grow by a third."""
+    layers = sum(p.numel() * p.element_size() for layer in model.layers for p in layer.parameters())
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return False
+    return layers < memory / 10
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

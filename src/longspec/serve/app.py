@@ -283,7 +283,7 @@ def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
             constraint = body.constraint
             if constraint is not None:
                 try:
-                    constraint.grammar()  # compiled once here, so that its error names the field
+                    constraint.grammar()  # compiled before any work, so that its error names the field
                 except ValueError as error:
                     field = "structured_outputs" if body.structured_outputs is not None else "response_format"
                     raise RequestError(400, f"{field}: {error}", param=field) from None
