@@ -21,6 +21,9 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <immintrin.h>
@@ -173,6 +176,155 @@ void tile_scalar(const Operands& o, int64_t row, int64_t rows, int64_t block) {
     }
 }
 
+// AMX (tile instructions, int8): the same integer sums as the paths above, through
+// int8 tile products. An int16 code x splits exactly into x = 256 xh + xl (xh signed,
+// xl unsigned, 8 bits each), so sum_k q_k x_k = 256 sum_k q_k xh_k + sum_k q_k xl_k, both
+// in int32 (64 products of a group stay far from its range). Activations are the A
+// tiles (rows of x, 64 codes of a group), the weights the B tile: per group a block's
+// 16 output rows x 64 codes in the tile's quad layout, interleaved from two pair rows
+// of the packed head by one permute. The float steps after the sums are the paths'
+// own, in the same order, so the screen is the same bits on every path.
+constexpr int64_t kAmxRows = 16;   // rows of x per tile
+constexpr int64_t kAmxGroup = 64;  // a group is one tile product (64 int8 codes a row)
+constexpr int64_t kAmxMinRows = 5;  // fewer rows: the vector paths are faster (the lab note, below)
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+bool amx_supported() {
+  static const bool ready = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!avx512_supported() || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool tiles = (d >> 24) & 1u, int8 = (d >> 25) & 1u;
+    // Linux hands out the tile registers' state on request (ARCH_REQ_XCOMP_PERM, XTILEDATA).
+    return tiles && int8 && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  }();
+  return ready;
+}
+
+#define LONGSPEC_AMX __attribute__((target("avx512f,avx512bw,avx512vl,amx-tile,amx-int8")))
+
+// A block's B tile for group g: 16 quad rows of 64 bytes, output lane n of quad row r
+// holding the codes (4r .. 4r + 3) of the group for output row n, interleaved from the
+// packed pair rows (2r) and (2r + 1) by one permute.
+LONGSPEC_AMX void amx_weights(const Operands& o, int64_t block, int64_t g, __m512i index, int8_t* out) {
+  const int64_t pairs = o.K / 2, group_pairs = kAmxGroup / 2;
+  const int8_t* pair_rows = o.q + (block * pairs + g * group_pairs) * 2 * kLanes;
+  for (int quad = 0; quad < 16; ++quad) {
+    const __m512i first = _mm512_castsi256_si512(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair_rows + 2 * quad * 2 * kLanes)));
+    const __m512i second = _mm512_castsi256_si512(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair_rows + (2 * quad + 1) * 2 * kLanes)));
+    _mm512_store_si512(out + quad * 64, _mm512_permutex2var_epi16(first, index, second));
+  }
+}
+
+// Add one group's sums (high and low halves, [16 rows][16 lanes] int32) of a block to its
+// totals, rows [row, row + R), as the vector paths do.
+LONGSPEC_AMX inline void amx_fold(const Operands& o, const int32_t* high, const int32_t* low, int64_t block, int64_t g,
+                                  int64_t row, int64_t R, __m512* total) {
+  const __m512 scale = _mm512_loadu_ps(o.scales + (block * o.groups + g) * kLanes);
+  for (int64_t r = 0; r < R; ++r) {
+    const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(high + r * 16), 8),
+                                         _mm512_load_si512(low + r * 16));
+    const __m512 factor = _mm512_mul_ps(scale, _mm512_set1_ps(o.alpha[(row + r) * o.groups + g]));
+    total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), factor, total[r]);
+  }
+}
+
+LONGSPEC_AMX void amx_store(const Operands& o, int64_t block, int64_t row, int64_t R, const __m512* total) {
+  const int64_t n0 = block * kLanes;
+  const int64_t left = o.N - n0 < kLanes ? o.N - n0 : kLanes;
+  const __mmask16 mask = left == kLanes ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+  for (int64_t r = 0; r < R; ++r) _mm512_mask_storeu_ps(o.s + (row + r) * o.N + n0, mask, total[r]);
+}
+
+// Rows [row, row + R) (R <= 16; xh, xl padded to 16 rows past row) against blocks
+// [first, last), two blocks at a time: the activation tiles of a group serve both, and
+// building one block's weight tile overlaps the other's products. Tiles: 0, 1 the
+// activations (high, low); 2, 3 the two blocks' weights; 4-7 their sums.
+LONGSPEC_AMX void amx_rows(const Operands& o, const int8_t* xh, const uint8_t* xl, int64_t row, int64_t R,
+                           int64_t first, int64_t last) {
+  alignas(64) int8_t weights[2][16 * 64];
+  alignas(64) int32_t sums[4][kAmxRows * 16];
+  alignas(64) static const uint16_t interleave[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                      8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i index = _mm512_load_si512(interleave);
+  for (int64_t block = first; block < last; block += 2) {
+    const int64_t pair = block + 1 < last ? 2 : 1;  // blocks in this step
+    __m512 total[2][kAmxRows];
+    for (int64_t r = 0; r < R; ++r) total[0][r] = total[1][r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < o.groups; ++g) {
+      _tile_loadd(0, xh + row * o.K + g * kAmxGroup, o.K);
+      _tile_loadd(1, xl + row * o.K + g * kAmxGroup, o.K);
+      for (int64_t b = 0; b < pair; ++b) amx_weights(o, block + b, g, index, weights[b]);
+      _tile_zero(4);
+      _tile_zero(5);
+      _tile_loadd(2, weights[0], 64);
+      _tile_dpbssd(4, 0, 2);
+      _tile_dpbusd(5, 1, 2);
+      if (pair == 2) {
+        _tile_zero(6);
+        _tile_zero(7);
+        _tile_loadd(3, weights[1], 64);
+        _tile_dpbssd(6, 0, 3);
+        _tile_dpbusd(7, 1, 3);
+      }
+      _tile_stored(4, sums[0], 64);
+      _tile_stored(5, sums[1], 64);
+      amx_fold(o, sums[0], sums[1], block, g, row, R, total[0]);
+      if (pair == 2) {
+        _tile_stored(6, sums[2], 64);
+        _tile_stored(7, sums[3], 64);
+        amx_fold(o, sums[2], sums[3], block + 1, g, row, R, total[1]);
+      }
+    }
+    for (int64_t b = 0; b < pair; ++b) amx_store(o, block + b, row, R, total[b]);
+  }
+}
+
+LONGSPEC_AMX void amx_configure() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.bytes_per_row[t] = 64;
+  }
+  // GCC does not see that ldtilecfg reads the configuration and drops the stores above
+  // (every tile then has 0 rows: the first tile instruction faults); this keeps them.
+  __asm__ __volatile__("" : : "r"(&config) : "memory");
+  _tile_loadconfig(&config);
+}
+
+LONGSPEC_AMX void amx_release() { _tile_release(); }
+
+void screen_amx(const Operands& o, int64_t M) {
+  // x split once, padded with zero rows to whole tiles: xh = x >> 8 (arithmetic), xl = x & 255.
+  const int64_t padded = (M + kAmxRows - 1) / kAmxRows * kAmxRows;
+  std::vector<int8_t> xh(padded * o.K, 0);
+  std::vector<uint8_t> xl(padded * o.K, 0);
+  for (int64_t i = 0; i < M * o.K; ++i) {
+    xh[i] = static_cast<int8_t>(o.x[i] >> 8);
+    xl[i] = static_cast<uint8_t>(o.x[i] & 0xFF);
+  }
+  const int64_t blocks = (o.N + kLanes - 1) / kLanes;
+  constexpr int64_t kBlocksPerTask = 64;
+  at::parallel_for(0, (blocks + kBlocksPerTask - 1) / kBlocksPerTask, 1, [&](int64_t begin, int64_t end) {
+    amx_configure();  // per thread: the tile configuration is a thread's state
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t first = task * kBlocksPerTask;
+      const int64_t last = first + kBlocksPerTask < blocks ? first + kBlocksPerTask : blocks;
+      for (int64_t row = 0; row < M; row += kAmxRows)  // a task's weights stay in cache for every row tile
+        amx_rows(o, xh.data(), xl.data(), row, M - row < kAmxRows ? M - row : kAmxRows, first, last);
+    }
+    amx_release();
+  });
+}
+
 struct Tiles {
   Tile wide, single;
   int blocks;
@@ -186,7 +338,7 @@ Tiles vnni_tiles() { return {tile512_vnni<R, B>, tile512_vnni<R, 1>, B, R}; }
 template <int R, int B>
 Tiles avx2_tiles() { return {tile256<R, B>, tile256<R, 1>, B, R}; }
 
-enum class Isa { kVnni, kAvx512, kAvx2, kScalar };
+enum class Isa { kVnni, kAvx512, kAvx2, kScalar, kAmx };
 
 Isa best_isa() {
   if (avx512_vnni_supported()) return Isa::kVnni;
@@ -214,6 +366,10 @@ Tiles tiles_for(Isa isa, int64_t rows) {
 }
 
 void screen_rows(const Operands& o, int64_t M, Isa isa) {
+  if (isa == Isa::kAmx) {
+    screen_amx(o, M);
+    return;
+  }
   const int64_t blocks = (o.N + kLanes - 1) / kLanes;
   if (isa == Isa::kScalar) {
     at::parallel_for(0, blocks, 64, [&](int64_t begin, int64_t end) {
@@ -262,14 +418,20 @@ at::Tensor screen_on(Isa isa, const at::Tensor& x, const at::Tensor& alpha, cons
 at::Tensor screen(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& packed, const at::Tensor& scales,
                   int64_t n, int64_t group) {
   static const Isa isa = best_isa();
-  return screen_on(isa, x, alpha, packed, scales, n, group);
+  // One row reads the codes at the memory's rate on any path; from a few rows on, the
+  // integer products bound the vector paths, and AMX's tiles do them at a fraction of
+  // their cost (docs/lab-notes/certified-head.md#amx-for-the-screens-rows).
+  const bool tiles = x.size(0) >= kAmxMinRows && group == kAmxGroup && amx_supported();
+  return screen_on(tiles ? Isa::kAmx : isa, x, alpha, packed, scales, n, group);
 }
 
 // The same on a named instruction set (tests: every path this CPU can run).
 at::Tensor screen_with(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& packed, const at::Tensor& scales,
                        int64_t n, int64_t group, int64_t isa) {
   const Isa named = static_cast<Isa>(isa);
-  TORCH_CHECK(isa >= 0 && isa <= 3, "isa: 0 VNNI, 1 AVX-512, 2 AVX2, 3 scalar");
+  TORCH_CHECK(isa >= 0 && isa <= 4, "isa: 0 VNNI, 1 AVX-512, 2 AVX2, 3 scalar, 4 AMX");
+  TORCH_CHECK(named != Isa::kAmx || amx_supported(), "this CPU has no AMX int8 tiles");
+  TORCH_CHECK(named != Isa::kAmx || group == kAmxGroup, "the AMX path takes groups of 64 codes");
   TORCH_CHECK(named != Isa::kVnni || avx512_vnni_supported(), "this CPU has no AVX-512 VNNI");
   TORCH_CHECK(named != Isa::kAvx512 || avx512_supported(), "this CPU has no AVX-512");
   TORCH_CHECK(named != Isa::kAvx2 || avx2_fma_supported(), "this CPU has no AVX2 with FMA");
@@ -282,6 +444,7 @@ std::vector<int64_t> screen_isas() {
   if (avx512_supported()) isas.push_back(1);
   if (avx2_fma_supported()) isas.push_back(2);
   isas.push_back(3);
+  if (amx_supported()) isas.push_back(4);
   return isas;
 }
 
