@@ -21,8 +21,8 @@ Prefill (`bulk=True`, hundreds of rows a product): on CPUs with AMX, oneDNN's pr
 on the tile instructions the native kernel does not use, several times faster at
 prefill's row counts; there each layer weight also keeps oneDNN's blocked copy for prefill
 (where the copies fit: `Decoder.prepare`). It is used only where a probe finds each row's
-result the same however many rows share the
-product, so a batch row prefilled in other pieces than its single run gets the same bits
+result the same however many rows share the product, so a batch row prefilled in other
+pieces than its single run gets the same bits
 (docs/lab-notes/native-kernels.md#prefill-through-onednn-on-amx-cpus-issue-the-openai-api).
 """
 

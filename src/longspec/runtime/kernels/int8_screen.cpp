@@ -22,8 +22,17 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <cpuid.h>
+
+// The AMX path needs Linux (which hands out the tile state on request) and a compiler
+// that knows the tile instructions; elsewhere it is left out and the vector paths serve.
+#if defined(__linux__) && ((defined(__clang__) && __clang_major__ >= 12) || \
+                           (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#define LONGSPEC_HAS_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
+#else
+#define LONGSPEC_HAS_AMX 0
+#endif
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <immintrin.h>
@@ -188,15 +197,8 @@ constexpr int64_t kAmxRows = 16;   // rows of x per tile
 constexpr int64_t kAmxGroup = 64;  // a group is one tile product (64 int8 codes a row)
 constexpr int64_t kAmxMinRows = 5;  // fewer rows: the vector paths are faster (the lab note, below)
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
-
 bool amx_supported() {
+#if LONGSPEC_HAS_AMX
   static const bool ready = [] {
     unsigned a = 0, b = 0, c = 0, d = 0;
     if (!avx512_supported() || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
@@ -205,7 +207,19 @@ bool amx_supported() {
     return tiles && int8 && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
   }();
   return ready;
+#else
+  return false;
+#endif
 }
+
+#if LONGSPEC_HAS_AMX
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
 
 #define LONGSPEC_AMX __attribute__((target("avx512f,avx512bw,avx512vl,amx-tile,amx-int8")))
 
@@ -324,6 +338,9 @@ void screen_amx(const Operands& o, int64_t M) {
     amx_release();
   });
 }
+#else
+void screen_amx(const Operands&, int64_t) { TORCH_CHECK(false, "this build has no AMX path"); }
+#endif
 
 struct Tiles {
   Tile wide, single;
