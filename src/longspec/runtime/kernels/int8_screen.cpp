@@ -473,6 +473,34 @@ std::vector<int64_t> screen_isas() {
 // error constants) and e, w, c per output row. Computed in double. A row with more than `cap` candidates, or a non-finite screen, gets none and
 // count -1 (the caller then takes the full head for it). Returns (indices [total],
 // offsets [M + 1] into them, counts [M]).
+// Append to `out`, ascending, every i in [begin, end) with !(row[i] < threshold): the rows
+// at or above it, and NaN. Sixteen at a time where AVX-512 has them (almost every block
+// holds none), else one at a time: the same rows in the same order either way.
+LONGSPEC_AVX512 void scan_at_or_above_avx512(const float* row, int64_t begin, int64_t end, float threshold,
+                                             std::vector<int64_t>& out) {
+  const __m512 limit = _mm512_set1_ps(threshold);
+  int64_t i = begin;
+  for (; i + kLanes <= end; i += kLanes) {
+    __mmask16 hits = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + i), limit, _CMP_NLT_UQ);
+    while (hits) {
+      out.push_back(i + __builtin_ctz(hits));
+      hits &= hits - 1;
+    }
+  }
+  for (; i < end; ++i)
+    if (!(row[i] < threshold)) out.push_back(i);
+}
+
+void scan_at_or_above(const float* row, int64_t begin, int64_t end, float threshold, std::vector<int64_t>& out) {
+  static const bool wide = avx512_supported();
+  if (wide) {
+    scan_at_or_above_avx512(row, begin, end, threshold, out);
+    return;
+  }
+  for (int64_t i = begin; i < end; ++i)
+    if (!(row[i] < threshold)) out.push_back(i);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> candidates(
     const at::Tensor& s, const at::Tensor& e, const at::Tensor& w, const at::Tensor& c, const at::Tensor& coefficients,
     const at::Tensor& margins, const at::Tensor& maxima, double u, double tiny, int64_t cap) {
@@ -527,8 +555,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> candidates(
       at::parallel_for(0, spans, 1, [&](int64_t lo, int64_t hi) {
         for (int64_t part = lo; part < hi; ++part) {
           const int64_t last = (part + 1) * span_grain < N ? (part + 1) * span_grain : N;
-          for (int64_t i = part * span_grain; i < last; ++i)
-            if (!(row[i] < threshold)) parts[part].push_back(i);
+          scan_at_or_above(row, part * span_grain, last, threshold, parts[part]);
         }
       });
       std::vector<int64_t> near;
