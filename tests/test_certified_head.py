@@ -51,6 +51,24 @@ def test_random_rows_get_the_plain_argmax(vocab, hidden_size):
     assert head.stats.rows == 37 and head.stats.fallbacks == 0
 
 
+@pytest.mark.parametrize("share", [0.5, 0.01, 0.0003])
+def test_the_argmax_among_allowed_tokens_is_the_masked_plain_argmax(share):
+    """A grammar's mask: the forbidden rows' screen is out, and the certified argmax is the
+    plain head's masked argmax, including masks that forbid each row's own argmax and
+    masks that keep a handful of tokens."""
+    g = torch.Generator().manual_seed(int(share * 1e4))
+    weight = (torch.randn(5003, 640, generator=g) * 0.05).bfloat16()
+    hidden = (torch.randn(24, 640, generator=g) * 3).bfloat16()
+    allowed = torch.rand(24, 5003, generator=g) < share
+    allowed[torch.arange(24), torch.randint(0, 5003, (24,), generator=g)] = True  # every row allows something
+    free = plain_argmax(weight, hidden)
+    allowed[:12, :][torch.arange(12), free[:12]] = False  # half the rows: their own argmax forbidden
+    logits = full_logits_of(weight)(hidden).float().masked_fill(~allowed, float("-inf"))
+    head = CertifiedHead(weight)
+    assert torch.equal(head.argmax(hidden, full_logits_of(weight), allowed=allowed), logits.argmax(dim=-1))
+    assert head.stats.fallbacks == 0
+
+
 def test_every_instruction_set_screens_the_same_bits():
     """Integer sums are exact and each group joins the float32 total in the same order on
     VNNI, AVX-512, AVX2 and the portable loop: one screen, whatever the CPU."""

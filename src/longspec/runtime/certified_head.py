@@ -229,18 +229,31 @@ class CertifiedHead:
         packed = ops.bf16_pack_weight(self.weight[rows].contiguous())
         return ops.bf16_packed_linear(hidden.contiguous(), packed, rows.numel(), None)
 
-    def argmax(self, hidden: torch.Tensor, full_logits) -> torch.Tensor:
+    def argmax(self, hidden: torch.Tensor, full_logits, allowed: torch.Tensor | None = None) -> torch.Tensor:
         """The plain head's argmax for every row of `hidden` [N, H] (bf16): int64 [N].
-        `full_logits(rows)` gives the plain head's logits of some rows (the fallback)."""
-        found = self.select(hidden)
+        `full_logits(rows)` gives the plain head's logits of some rows (the fallback).
+        allowed [N, V] bool: the argmax among each row's allowed tokens (a grammar's mask,
+        every row allowing some): the forbidden rows' screen is -inf, so the bound
+        certifies the largest allowed logit."""
+        screen = self.screen(hidden)
+        if allowed is not None:
+            screen = Screen(self, screen.scores.masked_fill(~allowed, float("-inf")), screen.coefficients,
+                            screen.finite)
+        found = screen.select()
         tokens = torch.empty(hidden.shape[0], dtype=torch.long)
         certified = [r for r, c in enumerate(found) if c is not None]
         refused = [r for r, c in enumerate(found) if c is None]
         if certified:
             # Every row's candidates at once: a row's extra candidates (another row's) lie
-            # strictly below its largest logit, so they change nothing.
+            # strictly below its largest (allowed) logit, so they change nothing.
             union = torch.unique(torch.cat([found[r].rows for r in certified]))  # ascending
-            tokens[certified] = union[row_argmax(self.exact_logits(hidden[certified], union))]
+            exact = self.exact_logits(hidden[certified], union)
+            if allowed is not None:
+                exact = exact.masked_fill(~allowed[certified][:, union], float("-inf"))
+            tokens[certified] = union[row_argmax(exact)]
         if refused:
-            tokens[refused] = row_argmax(full_logits(hidden[refused]))
+            logits = full_logits(hidden[refused])
+            if allowed is not None:
+                logits = logits.masked_fill(~allowed[refused].to(logits.device), float("-inf"))
+            tokens[refused] = row_argmax(logits).to(tokens.device)
         return tokens

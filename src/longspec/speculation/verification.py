@@ -55,6 +55,15 @@ class NodeScores:
             return self._model.logits(self._hidden[rows.to(self._hidden.device)])
         return self._logits[rows.to(self._logits.device)]
 
+    def allowed_argmax(self, rows: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor | None:
+        """[len(rows)] int64: the first index of the largest plain logit among each row's
+        `allowed` tokens ([len(rows), V] bool), through the certified head's screen; None
+        where there is none (the caller masks the full logits)."""
+        head = self._model.certified_head if self._model is not None and self._logits is None else None
+        if head is None:
+            return None
+        return head.argmax(self._hidden[rows.to(self._hidden.device)], self._model.logits, allowed=allowed)
+
     def argmax(self) -> torch.Tensor:
         """[n] int64: the first index of each node's largest plain logit."""
         if self._argmax is None:
@@ -161,14 +170,20 @@ def verify_greedy(tree: Tree, scores: NodeScores, histories, params) -> Verdict:
 def _allowed_targets(targets: torch.Tensor, scores: NodeScores, histories: NodeHistories,
                      params: SamplingParams) -> torch.Tensor:
     """Each node's argmax under its grammar mask. Where the mask allows the plain argmax
-    (the first largest logit) it is the masked one too; the other nodes' logits are
-    computed and masked."""
+    (the first largest logit) it is the masked one too; for the other nodes the certified
+    head's screen, with the forbidden rows out, finds the largest allowed logit (else the
+    full logits are computed and masked)."""
+    allowed = histories.allowed.to(HOST)
     rows = torch.arange(targets.numel(), device=HOST)
-    forbidden = torch.nonzero(~histories.allowed.to(HOST)[rows, targets]).flatten()
+    forbidden = torch.nonzero(~allowed[rows, targets]).flatten()
     if not forbidden.numel():
         return targets
     targets = targets.clone()
-    targets[forbidden] = greedy_tokens(scores.logits_of(forbidden), histories.select(forbidden), params).to(HOST)
+    screened = scores.allowed_argmax(forbidden, allowed[forbidden])
+    if screened is not None:
+        targets[forbidden] = screened.to(HOST)
+    else:
+        targets[forbidden] = greedy_tokens(scores.logits_of(forbidden), histories.select(forbidden), params).to(HOST)
     return targets
 
 
