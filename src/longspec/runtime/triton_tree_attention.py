@@ -46,6 +46,72 @@ def _online_softmax_step(acc, m_i, l_i, scores, values):
 
 
 @triton.jit
+def _queries(Q, b, kv, pid_m, sqb, sqh, sqt, sqd, group, T, D,
+             BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program's block of stacked rows r = g * T + t (query head kv * group + g, tree
+    node t): the queries [BLOCK_M, BLOCK_D] and the indices the other steps need."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_valid = rows < group * T
+    head = kv * group + rows // T
+    node = rows % T
+    dims = tl.arange(0, BLOCK_D)
+    dim_valid = dims < D
+    q = tl.load(Q + b * sqb + head[:, None] * sqh + node[:, None] * sqt + dims[None, :] * sqd,
+                mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+    return q, head, node, row_valid, dims, dim_valid
+
+
+@triton.jit
+def _prefix_keys(acc, m_i, l_i, q, K, V, sks, skd, svs, svd, begin, end, dims, dim_valid, scale,
+                 BLOCK_N: tl.constexpr):
+    """Fold the prefix keys [begin, end) of one row and K/V head (K, V: their base) into
+    the running state; the prefix is all visible."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in range(begin, end, BLOCK_N):
+        keys = start + offs_n
+        key_valid = keys < end
+        k = tl.load(K + keys[None, :] * sks + dims[:, None] * skd,
+                    mask=key_valid[None, :] & dim_valid[:, None], other=0.0)
+        scores = tl.dot(q, k, input_precision="ieee") * scale
+        scores = tl.where(key_valid[None, :], scores, float("-inf"))
+        v = tl.load(V + keys[:, None] * svs + dims[None, :] * svd,
+                    mask=key_valid[:, None] & dim_valid[None, :], other=0.0)
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, scores, v)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _tree_keys(acc, m_i, l_i, q, K, V, MASK, sks, skd, svs, svd, smq, smk, T, node, row_valid, dims, dim_valid,
+               scale, BLOCK_N: tl.constexpr):
+    """Fold the tree's T keys of one row and K/V head into the running state, each visible
+    where the query is real AND the key is real AND the row's mask (MASK: its base) says so."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in range(0, T, BLOCK_N):
+        keys = start + offs_n
+        key_valid = keys < T
+        k = tl.load(K + keys[None, :] * sks + dims[:, None] * skd,
+                    mask=key_valid[None, :] & dim_valid[:, None], other=0.0)
+        both = row_valid[:, None] & key_valid[None, :]
+        allowed = tl.load(MASK + node[:, None] * smq + keys[None, :] * smk, mask=both, other=0)
+        visible = both & (allowed != 0)
+        scores = tl.dot(q, k, input_precision="ieee") * scale
+        scores = tl.where(visible, scores, float("-inf"))
+        v = tl.load(V + keys[:, None] * svs + dims[None, :] * svd,
+                    mask=key_valid[:, None] & dim_valid[None, :], other=0.0)
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, scores, v)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _normalized(acc, m_i, l_i):
+    """(output, log-sum-exp) of the state: 0 and -inf for a query that saw no key."""
+    seen = l_i > 0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+    return out, lse
+
+
+@triton.jit
 def _tree_attention_kernel(
     Q, KP, VP, KT, VT, MASK, LENGTHS, OUT, LSE,
     sqb, sqh, sqt, sqd,
@@ -60,53 +126,18 @@ def _tree_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_bkv = tl.program_id(0)
-    pid_m = tl.program_id(1)
     b = pid_bkv // num_kv_heads
     kv = pid_bkv % num_kv_heads
-    # Stacked rows r = g * T + t: query head kv * group + g, tree node t.
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_valid = rows < group * T
-    head = kv * group + rows // T
-    node = rows % T
-    dims = tl.arange(0, BLOCK_D)
-    dim_valid = dims < D
-    offs_n = tl.arange(0, BLOCK_N)
-
-    q = tl.load(Q + b * sqb + head[:, None] * sqh + node[:, None] * sqt + dims[None, :] * sqd,
-                mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+    q, head, node, row_valid, dims, dim_valid = _queries(Q, b, kv, tl.program_id(1), sqb, sqh, sqt, sqd, group, T, D,
+                                                         BLOCK_M, BLOCK_D)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-
-    length = tl.load(LENGTHS + b)
-    for start in range(0, length, BLOCK_N):
-        keys = start + offs_n
-        key_valid = keys < length
-        k = tl.load(KP + b * skpb + kv * skph + keys[None, :] * skps + dims[:, None] * skpd,
-                    mask=key_valid[None, :] & dim_valid[:, None], other=0.0)
-        scores = tl.dot(q, k, input_precision="ieee") * scale
-        scores = tl.where(key_valid[None, :], scores, float("-inf"))
-        v = tl.load(VP + b * svpb + kv * svph + keys[:, None] * svps + dims[None, :] * svpd,
-                    mask=key_valid[:, None] & dim_valid[None, :], other=0.0)
-        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, scores, v)
-
-    for start in range(0, T, BLOCK_N):
-        keys = start + offs_n
-        key_valid = keys < T
-        k = tl.load(KT + b * sktb + kv * skth + keys[None, :] * skts + dims[:, None] * sktd,
-                    mask=key_valid[None, :] & dim_valid[:, None], other=0.0)
-        both = row_valid[:, None] & key_valid[None, :]
-        allowed = tl.load(MASK + b * smb + node[:, None] * smq + keys[None, :] * smk, mask=both, other=0)
-        visible = both & (allowed != 0)
-        scores = tl.dot(q, k, input_precision="ieee") * scale
-        scores = tl.where(visible, scores, float("-inf"))
-        v = tl.load(VT + b * svtb + kv * svth + keys[:, None] * svts + dims[None, :] * svtd,
-                    mask=key_valid[:, None] & dim_valid[None, :], other=0.0)
-        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, scores, v)
-
-    seen = l_i > 0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+    acc, m_i, l_i = _prefix_keys(acc, m_i, l_i, q, KP + b * skpb + kv * skph, VP + b * svpb + kv * svph,
+                                 skps, skpd, svps, svpd, 0, tl.load(LENGTHS + b), dims, dim_valid, scale, BLOCK_N)
+    acc, m_i, l_i = _tree_keys(acc, m_i, l_i, q, KT + b * sktb + kv * skth, VT + b * svtb + kv * svth, MASK + b * smb,
+                               skts, sktd, svts, svtd, smq, smk, T, node, row_valid, dims, dim_valid, scale, BLOCK_N)
+    out, lse = _normalized(acc, m_i, l_i)
     tl.store(OUT + b * sob + head[:, None] * soh + node[:, None] * sot + dims[None, :] * sod,
              out.to(OUT.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
     tl.store(LSE + b * slb + head * slh + node * slt, lse, mask=row_valid)
@@ -186,55 +217,23 @@ def _tree_attention_split_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_bkv = tl.program_id(0)
-    pid_m = tl.program_id(1)
     split = tl.program_id(2)  # < splits: a chunk of the prefix; == splits: the tree's keys
     b = pid_bkv // num_kv_heads
     kv = pid_bkv % num_kv_heads
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_valid = rows < group * T
-    head = kv * group + rows // T
-    node = rows % T
-    dims = tl.arange(0, BLOCK_D)
-    dim_valid = dims < D
-    offs_n = tl.arange(0, BLOCK_N)
-
-    q = tl.load(Q + b * sqb + head[:, None] * sqh + node[:, None] * sqt + dims[None, :] * sqd,
-                mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+    q, head, node, row_valid, dims, dim_valid = _queries(Q, b, kv, tl.program_id(1), sqb, sqh, sqt, sqd, group, T, D,
+                                                         BLOCK_M, BLOCK_D)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-
     if split < splits:
-        length = tl.load(LENGTHS + b)
-        end = tl.minimum(length, (split + 1) * chunk)
-        for start in range(split * chunk, end, BLOCK_N):
-            keys = start + offs_n
-            key_valid = keys < end
-            k = tl.load(KP + b * skpb + kv * skph + keys[None, :] * skps + dims[:, None] * skpd,
-                        mask=key_valid[None, :] & dim_valid[:, None], other=0.0)
-            scores = tl.dot(q, k, input_precision="ieee") * scale
-            scores = tl.where(key_valid[None, :], scores, float("-inf"))
-            v = tl.load(VP + b * svpb + kv * svph + keys[:, None] * svps + dims[None, :] * svpd,
-                        mask=key_valid[:, None] & dim_valid[None, :], other=0.0)
-            acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, scores, v)
+        end = tl.minimum(tl.load(LENGTHS + b), (split + 1) * chunk)
+        acc, m_i, l_i = _prefix_keys(acc, m_i, l_i, q, KP + b * skpb + kv * skph, VP + b * svpb + kv * svph,
+                                     skps, skpd, svps, svpd, split * chunk, end, dims, dim_valid, scale, BLOCK_N)
     else:
-        for start in range(0, T, BLOCK_N):
-            keys = start + offs_n
-            key_valid = keys < T
-            k = tl.load(KT + b * sktb + kv * skth + keys[None, :] * skts + dims[:, None] * sktd,
-                        mask=key_valid[None, :] & dim_valid[:, None], other=0.0)
-            both = row_valid[:, None] & key_valid[None, :]
-            allowed = tl.load(MASK + b * smb + node[:, None] * smq + keys[None, :] * smk, mask=both, other=0)
-            visible = both & (allowed != 0)
-            scores = tl.dot(q, k, input_precision="ieee") * scale
-            scores = tl.where(visible, scores, float("-inf"))
-            v = tl.load(VT + b * svtb + kv * svth + keys[:, None] * svts + dims[None, :] * svtd,
-                        mask=key_valid[:, None] & dim_valid[None, :], other=0.0)
-            acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, scores, v)
-
-    seen = l_i > 0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+        acc, m_i, l_i = _tree_keys(acc, m_i, l_i, q, KT + b * sktb + kv * skth, VT + b * svtb + kv * svth,
+                                   MASK + b * smb, skts, sktd, svts, svtd, smq, smk, T, node, row_valid, dims,
+                                   dim_valid, scale, BLOCK_N)
+    out, lse = _normalized(acc, m_i, l_i)
     tl.store(OUT + split * sos + b * sob + head[:, None] * soh + node[:, None] * sot + dims[None, :] * sod,
              out, mask=row_valid[:, None] & dim_valid[None, :])
     tl.store(LSE + split * sls + b * slb + head * slh + node * slt, lse, mask=row_valid)
