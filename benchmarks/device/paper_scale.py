@@ -51,12 +51,13 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_check.py beside this script
 
+from gpu_check import batch_throughput  # noqa: E402
 from longspec.runtime.attention import sdpa_attention, tree_kernel_attention  # noqa: E402
 from longspec.runtime.device import HOST, device_name, resolve_device, synchronize  # noqa: E402
 from longspec.runtime.loading import decoder_from_state_dict  # noqa: E402
 from longspec.runtime.static_step import CompileOptions  # noqa: E402
-from longspec.speculation.batch_engine import BatchEngine, BatchOptions  # noqa: E402
 from longspec.speculation.cost_model import binary_tree_parents, commit_random_keys, measure_forward_cost  # noqa: E402
 from longspec.speculation.drafters.base import DraftContext, Drafter  # noqa: E402
 from longspec.speculation.drafters.longspec.config import DraftConfig  # noqa: E402
@@ -377,7 +378,7 @@ def oracle_rates(model, context: int, new_tokens: int, alphas: list[float], leng
                 tokens, stats = generate(model, prompt, new_tokens, make_drafter(0))
                 return stats.decode_tokens_per_s, stats.tau, float(tokens == reference)
             drafters = [make_drafter(row) for row in range(rows)]
-            return batch_rate(model, prompt, new_tokens, drafters), float("nan"), float("nan")
+            return batch_throughput(model, prompt, new_tokens, rows, drafters), float("nan"), float("nan")
 
         ar, _, _ = rate(lambda row: None)
         entry = {"ar_tokens_per_s": ar}
@@ -390,23 +391,6 @@ def oracle_rates(model, context: int, new_tokens: int, alphas: list[float], leng
                                                    "tau": tau, "tokens_equal_ar": equal}
         result[rows] = entry
     return result
-
-
-def batch_rate(model, prompt: torch.Tensor, new_tokens: int, drafters: list) -> float:
-    """Generated tokens/s of len(drafters) rows decoded together (prefill excluded)."""
-    options = EngineOptions(progress=False)
-    rows = len(drafters)
-    engine = BatchEngine(model, options, BatchOptions(max_rows=rows, row_capacity=prompt.numel() + new_tokens
-                                                      + options.max_tree_nodes + 1,
-                                                      prefill_tokens_per_step=prompt.numel()))
-    handles = [engine.submit(prompt, max_new_tokens=new_tokens, drafter=d) for d in drafters]
-    while any(h.stats.new_tokens == 0 for h in handles):
-        engine.step()
-    synchronize(model.device)
-    done, start = sum(h.stats.new_tokens for h in handles), time.perf_counter()
-    engine.run()
-    synchronize(model.device)
-    return (sum(h.stats.new_tokens for h in handles) - done) / (time.perf_counter() - start)
 
 
 def peer_rates(peer, contexts: list[int], new_tokens: int, compiled: bool) -> dict:
