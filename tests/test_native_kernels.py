@@ -33,12 +33,16 @@ needs_library = pytest.mark.skipif(native.native_ops() is None, reason="native k
 LINEAR_OPS = native.bf16_linear_ops()
 needs_linear = pytest.mark.skipif(LINEAR_OPS is None, reason="no native bf16 product on this CPU (reason logged)")
 AVX2 = native.native_ops() is not None and native.native_ops().bf16_linear_avx2_supported()
+AMX_BF16 = native.native_ops() is not None and native.native_ops().bf16_linear_path() == "amx"
 
 
 def products():
-    """The product this CPU runs, and the AVX2 path where it is not that one (a CPU with
-    AVX-512 BF16 takes it only here): each must pass every product test."""
+    """The product this CPU runs, and the vector paths where they are not that one (a CPU
+    with AMX takes AVX-512 BF16 only here, one with AVX-512 BF16 takes AVX2 only here): each
+    must pass every product test."""
     ops = [pytest.param("bf16_packed_linear", marks=needs_linear, id="native")]
+    if AMX_BF16:
+        ops.append(pytest.param("bf16_packed_linear_avx512", id="avx512"))
     if AVX2 and AVX512_BF16:
         ops.append(pytest.param("bf16_packed_linear_avx2", id="avx2"))
     return ops

@@ -7,6 +7,10 @@ forward asks of it.
   few rows (a batch of decode steps, a verified chain) run faster than oneDNN's blocked
   product, hundreds (prefill) level with it
   (docs/lab-notes/native-kernels.md#a-tiled-bf16-product-over-packed-weights-replaces-onednn-issue-batching-runtime-speed).
+- On CPUs with AMX: the same packed copy through the bf16 tile instructions, level with
+  the vector path at one row and several times faster at a verified tree's rows (4-64)
+  (docs/lab-notes/native-kernels.md#amx-bf16-tiles-for-every-product). `LONGSPEC_AMX=0` keeps
+  the AVX-512 path.
 - On CPUs with AVX2 and FMA but not AVX-512 BF16: the same kernel and packed copy through
   float32 FMAs. There oneDNN's bf16 product has no native instructions: a 4-16 row
   product costs several times a one-row one, which every verified tree pays

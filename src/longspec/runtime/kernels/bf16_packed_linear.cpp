@@ -15,10 +15,14 @@
 // to float32 once per call. There PyTorch's bf16 product has no native instructions (and
 // oneDNN declines to prepack the weights): each row costs about a one-row product, which
 // makes every verified tree expensive (docs/lab-notes/native-kernels.md#avx2-cpus-the-native-bf16-product-through-float32-fmas-issues-adaptive-speculation-every-drafter).
+// CPUs with AMX run the same packed weight through bf16 tile products: as fast as the vector
+// path at one row (both stream the weight) and several times faster from 4-8 rows on, where
+// the vector path's multiply-adds bind (docs/lab-notes/native-kernels.md#amx-bf16-tiles-for-every-product).
 // Only the kernels are compiled for their instruction sets; the rest of the library is
 // baseline x86-64, so the `*_supported()` queries can be asked on any CPU.
-// On either path every output is one float32 sum over k in the same order whatever the
-// tile, so a row gets the same bits alone or in a batch.
+// On every path each output is one float32 sum over k in the same order whatever the
+// tile, so a row gets the same bits alone or in a batch. The paths round differently from
+// each other, so a process takes one path for every product.
 //
 // Packed layout: [ceil(N / 16), ceil(K / 2), 16, 2]. Block j, pair p holds, in lane i, the
 // weight pair (w[16 j + i, 2 p], w[16 j + i, 2 p + 1]), zero past N or K: one 64-byte load
@@ -35,6 +39,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <string>
 
 #include "cpu_features.h"
 
@@ -209,15 +214,150 @@ Tiles avx2_tiles_for(int64_t rows) {
   }
 }
 
+// ---------------------------------------------------------------- AMX (tile instructions, bf16)
+// The packed layout is already the B operand of a bf16 tile product: 16 pairs of a block
+// (32 values of k) are 16 rows of 64 bytes, lane n of pair row p holding
+// (w[n, 2p], w[n, 2p + 1]). x's rows are the A tile, the sums stay in float32 tiles over
+// all of K, then take the bias and one rounding to bf16 as the vector paths do. A row's sums
+// depend on its own x and the k order alone, so a row gets the same bits alone or in a
+// batch; they are not the AVX-512 path's bits (the tile unit adds in its own order), so a
+// process uses one path for every product.
+#if LONGSPEC_HAS_AMX
+#define LONGSPEC_AMX_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
+
+constexpr int64_t kAmxRows = 16;   // rows of x per tile
+constexpr int64_t kAmxPairs = 16;  // weight pairs per tile product (32 values of k)
+constexpr int kAmxBlocks = 4;      // column blocks at once: sum tiles 0-3
+
+// Tiles 0-3: the sums of four column blocks (rows x 16 float32); 4: x's rows for one step
+// of K; 5: a block's weights for that step; 6 and 7: the same two for a shorter last step.
+LONGSPEC_AMX_BF16 void amx_configure(int64_t rows, int64_t tail_pairs) {
+  TileConfig config;
+  for (int t = 0; t < 4; ++t) {
+    config.rows[t] = static_cast<uint8_t>(rows);
+    config.bytes_per_row[t] = 64;
+  }
+  config.rows[4] = static_cast<uint8_t>(rows);
+  config.bytes_per_row[4] = 64;
+  config.rows[5] = kAmxPairs;
+  config.bytes_per_row[5] = 64;
+  if (tail_pairs) {
+    config.rows[6] = static_cast<uint8_t>(rows);
+    config.bytes_per_row[6] = static_cast<uint16_t>(4 * tail_pairs);
+    config.rows[7] = static_cast<uint8_t>(tail_pairs);
+    config.bytes_per_row[7] = 64;
+  }
+  load_tile_config(config);
+}
+
+// One step of K (x's rows in tile X) for the group's blocks: block b's weights into tile W,
+// their product added to sum tile b.
+#define LONGSPEC_AMX_STEP(X, W, OFFSET)                                  \
+  do {                                                                             \
+    _tile_loadd(W, w + (OFFSET), 64);                                              \
+    _tile_dpbf16ps(0, X, W);                                                       \
+    if (B > 1) {                                                                   \
+      _tile_loadd(W, w + block_stride + (OFFSET), 64);                             \
+      _tile_dpbf16ps(1, X, W);                                                     \
+    }                                                                              \
+    if (B > 2) {                                                                   \
+      _tile_loadd(W, w + 2 * block_stride + (OFFSET), 64);                         \
+      _tile_dpbf16ps(2, X, W);                                                     \
+    }                                                                              \
+    if (B > 3) {                                                                   \
+      _tile_loadd(W, w + 3 * block_stride + (OFFSET), 64);                         \
+      _tile_dpbf16ps(3, X, W);                                                     \
+    }                                                                              \
+  } while (0)
+
+// Rows [0, rows) of x (K padded to even) times column blocks [block, block + B), with the
+// tiles configured for these rows.
+template <int B>
+LONGSPEC_AMX_BF16 void amx_tile(const uint16_t* x, int64_t x_stride, int64_t rows, const uint16_t* packed, int64_t pairs,
+                                const uint16_t* bias, uint16_t* y, int64_t N, int64_t block) {
+  const int64_t block_stride = pairs * 2 * kColumns;
+  const uint16_t* w = packed + block * block_stride;
+  _tile_zero(0);
+  if (B > 1) _tile_zero(1);
+  if (B > 2) _tile_zero(2);
+  if (B > 3) _tile_zero(3);
+  const int64_t steps = pairs / kAmxPairs, tail = pairs % kAmxPairs;
+  const int64_t x_bytes = x_stride * static_cast<int64_t>(sizeof(uint16_t));
+  constexpr int64_t kStep = kAmxPairs * 2 * kColumns;  // a block's weights for one step, in bf16 values
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(4, x + s * 2 * kAmxPairs, x_bytes);
+    LONGSPEC_AMX_STEP(4, 5, s * kStep);
+  }
+  if (tail) {
+    _tile_loadd(6, x + steps * 2 * kAmxPairs, x_bytes);
+    LONGSPEC_AMX_STEP(6, 7, steps * kStep);
+  }
+  alignas(64) float sums[kAmxBlocks][kAmxRows * kColumns];
+  _tile_stored(0, sums[0], 64);
+  if (B > 1) _tile_stored(1, sums[1], 64);
+  if (B > 2) _tile_stored(2, sums[2], 64);
+  if (B > 3) _tile_stored(3, sums[3], 64);
+  for (int b = 0; b < B; ++b) {
+    const int64_t n0 = (block + b) * kColumns;
+    const int64_t left = N - n0 < kColumns ? N - n0 : kColumns;
+    const __mmask16 mask = left == kColumns ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    __m512 add = _mm512_setzero_ps();
+    if (bias) add = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + n0)), 16));
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(sums[b] + r * kColumns), add));
+      _mm256_mask_storeu_epi16(y + r * N + n0, mask, out);
+    }
+  }
+}
+#undef LONGSPEC_AMX_STEP
+
+LONGSPEC_AMX_BF16 void amx_release() { _tile_release(); }
+
+// Each task takes groups of four column blocks and walks every row tile for them, so a
+// group's weights are read from memory once and from cache for the later row tiles.
+void amx_product(const uint16_t* x, int64_t stride, int64_t M, const uint16_t* packed, int64_t blocks, int64_t pairs,
+                 const uint16_t* bias, uint16_t* y, int64_t N) {
+  const int64_t groups = (blocks + kAmxBlocks - 1) / kAmxBlocks, tail = pairs % kAmxPairs;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    int64_t configured = 0;  // the rows the tiles are configured for (the configuration is a thread's state)
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t first = g * kAmxBlocks, count = blocks - first < kAmxBlocks ? blocks - first : kAmxBlocks;
+      for (int64_t row = 0; row < M; row += kAmxRows) {
+        const int64_t rows = M - row < kAmxRows ? M - row : kAmxRows;
+        if (rows != configured) {
+          amx_configure(rows, tail);
+          configured = rows;
+        }
+        const uint16_t* xt = x + row * stride;
+        uint16_t* yt = y + row * N;
+        switch (count) {
+          case 4: amx_tile<4>(xt, stride, rows, packed, pairs, bias, yt, N, first); break;
+          case 3: amx_tile<3>(xt, stride, rows, packed, pairs, bias, yt, N, first); break;
+          case 2: amx_tile<2>(xt, stride, rows, packed, pairs, bias, yt, N, first); break;
+          default: amx_tile<1>(xt, stride, rows, packed, pairs, bias, yt, N, first); break;
+        }
+      }
+    }
+    if (configured) amx_release();
+  });
+}
+#else
+void amx_product(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t, const uint16_t*, uint16_t*, int64_t) {
+  TORCH_CHECK(false, "this build has no AMX path");
+}
+#endif
+
 // The instruction set a product runs on: its row tile and its tiles.
 struct Isa {
   int64_t row_tile;
   Tiles (*tiles_for)(int64_t rows);
   bool float_x;  // x widened to float32 before the tiles (the AVX2 path)
+  bool amx;      // the tile instructions instead (`amx_product`)
 };
 
-constexpr Isa kAvx512Bf16{kRowTile, tiles_for, false};
-constexpr Isa kAvx2Fma{kAvx2RowTile, avx2_tiles_for, true};
+constexpr Isa kAvx512Bf16{kRowTile, tiles_for, false, false};
+constexpr Isa kAvx2Fma{kAvx2RowTile, avx2_tiles_for, true, false};
+constexpr Isa kAmxBf16{16, nullptr, false, true};
 
 bool linear_supported() { return avx512_bf16_supported() || avx2_fma_supported(); }
 
@@ -260,6 +400,10 @@ at::Tensor linear_on(const Isa& on, const at::Tensor& x, const at::Tensor& packe
   const int64_t x_bytes = xe.element_size();
   const auto* ws = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   auto* ys = reinterpret_cast<uint16_t*>(y.data_ptr());
+  if (on.amx) {
+    amx_product(static_cast<const uint16_t*>(xe.data_ptr()), stride, M, ws, blocks, pairs, bias_bits, ys, N);
+    return y;
+  }
   // Row tiles of up to 8 (AVX2: 6) rows; each task walks its column groups for every row
   // tile, so a group's weight (a few blocks x K values) is read from memory once and from
   // cache after. The last, shorter tile takes as many blocks at once as suit its rows
@@ -294,17 +438,41 @@ at::Tensor linear_on(const Isa& on, const at::Tensor& x, const at::Tensor& packe
   return y;
 }
 
-// The product on the best instruction set of this CPU.
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const std::optional<at::Tensor>& bias) {
-  static const bool avx512 = avx512_bf16_supported();
-  TORCH_CHECK(avx512 || avx2_fma_supported(), "bf16_packed_linear needs AVX-512 BF16 or AVX2 with FMA");
-  return linear_on(avx512 ? kAvx512Bf16 : kAvx2Fma, x, packed, N, bias);
+// The product on the best instruction set of this CPU: AMX's bf16 tiles, else AVX-512 BF16,
+// else AVX2 with FMA. The choice is made once per process, so every product of a process
+// rounds alike.
+const Isa& best_isa() {
+  static const Isa& best = amx_bf16_supported() && avx512_bf16_supported() ? kAmxBf16
+                           : avx512_bf16_supported()                        ? kAvx512Bf16
+                                                                            : kAvx2Fma;
+  return best;
 }
 
-// The AVX2 path on any CPU that has it (tests: CPUs with AVX-512 BF16 never take it otherwise).
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(linear_supported(), "bf16_packed_linear needs AVX-512 BF16 or AVX2 with FMA");
+  return linear_on(best_isa(), x, packed, N, bias);
+}
+
+// Named paths on any CPU that has them (tests and A/B measurements).
 at::Tensor linear_avx2(const at::Tensor& x, const at::Tensor& packed, int64_t N, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(avx2_fma_supported(), "bf16_packed_linear_avx2 needs AVX2 with FMA");
   return linear_on(kAvx2Fma, x, packed, N, bias);
+}
+
+at::Tensor linear_avx512(const at::Tensor& x, const at::Tensor& packed, int64_t N, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(avx512_bf16_supported(), "bf16_packed_linear_avx512 needs AVX-512 BF16");
+  return linear_on(kAvx512Bf16, x, packed, N, bias);
+}
+
+at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& packed, int64_t N, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(amx_bf16_supported() && avx512_bf16_supported(), "bf16_packed_linear_amx needs AMX with bf16 tiles");
+  return linear_on(kAmxBf16, x, packed, N, bias);
+}
+
+// Which path `bf16_packed_linear` takes here: "amx", "avx512_bf16" or "avx2".
+std::string linear_path() {
+  const Isa& best = best_isa();
+  return best.amx ? "amx" : best.float_x ? "avx2" : "avx512_bf16";
 }
 
 }  // namespace
@@ -319,4 +487,10 @@ TORCH_LIBRARY_FRAGMENT(longspec_native, m) {
   m.impl("bf16_packed_linear", c10::DispatchKey::CPU, TORCH_FN(linear));
   m.def("bf16_packed_linear_avx2(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.impl("bf16_packed_linear_avx2", c10::DispatchKey::CPU, TORCH_FN(linear_avx2));
+  m.def("bf16_linear_amx_supported() -> bool", []() { return amx_bf16_supported() && avx512_bf16_supported(); });
+  m.def("bf16_linear_path() -> str", &linear_path);
+  m.def("bf16_packed_linear_avx512(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
+  m.impl("bf16_packed_linear_avx512", c10::DispatchKey::CPU, TORCH_FN(linear_avx512));
+  m.def("bf16_packed_linear_amx(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
+  m.impl("bf16_packed_linear_amx", c10::DispatchKey::CPU, TORCH_FN(linear_amx));
 }

@@ -21,18 +21,6 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <cpuid.h>
-
-// The AMX path needs Linux (which hands out the tile state on request) and a compiler
-// that knows the tile instructions; elsewhere it is left out and the vector paths serve.
-#if defined(__linux__) && ((defined(__clang__) && __clang_major__ >= 12) || \
-                           (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
-#define LONGSPEC_HAS_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-#else
-#define LONGSPEC_HAS_AMX 0
-#endif
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <immintrin.h>
@@ -197,30 +185,9 @@ constexpr int64_t kAmxRows = 16;   // rows of x per tile
 constexpr int64_t kAmxGroup = 64;  // a group is one tile product (64 int8 codes a row)
 constexpr int64_t kAmxMinRows = 5;  // fewer rows: the vector paths are faster (the lab note, below)
 
-bool amx_supported() {
-#if LONGSPEC_HAS_AMX
-  static const bool ready = [] {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!avx512_supported() || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    const bool tiles = (d >> 24) & 1u, int8 = (d >> 25) & 1u;
-    // Linux hands out the tile registers' state on request (ARCH_REQ_XCOMP_PERM, XTILEDATA).
-    return tiles && int8 && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  }();
-  return ready;
-#else
-  return false;
-#endif
-}
+bool amx_supported() { return amx_int8_supported(); }
 
 #if LONGSPEC_HAS_AMX
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
-
 #define LONGSPEC_AMX __attribute__((target("avx512f,avx512bw,avx512vl,amx-tile,amx-int8")))
 
 // A block's B tile for group g: 16 quad rows of 64 bytes, output lane n of quad row r
@@ -308,10 +275,7 @@ LONGSPEC_AMX void amx_configure() {
     config.rows[t] = 16;
     config.bytes_per_row[t] = 64;
   }
-  // GCC does not see that ldtilecfg reads the configuration and drops the stores above
-  // (every tile then has 0 rows: the first tile instruction faults); this keeps them.
-  __asm__ __volatile__("" : : "r"(&config) : "memory");
-  _tile_loadconfig(&config);
+  load_tile_config(config);
 }
 
 LONGSPEC_AMX void amx_release() { _tile_release(); }
