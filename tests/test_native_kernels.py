@@ -469,3 +469,27 @@ def test_draft_norms_on_the_native_kernel_round_as_the_pytorch_path():
     assert (fast != plain).float().mean() < 0.01  # the same bits but for rare ties in the last place
     x.requires_grad_(True)
     assert norm(x).grad_fn is not None  # the training path
+
+
+@needs_linear
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_the_native_layer_tail_is_the_python_paths_bits(family, rows):
+    """`DecoderLayer.finish` in one native call runs the very operations of the Python path."""
+    from tiny_models import tiny_decoder
+
+    decoder = tiny_decoder(family, dtype=torch.bfloat16).prepare(native_kernels=True)
+    generator = torch.Generator().manual_seed(rows)
+    for layer in decoder.layers:
+        assert layer.native_tail is not None
+        x = torch.randn(1, rows, decoder.config.hidden_size, generator=generator).bfloat16()
+        attn = torch.randn(1, decoder.config.num_heads, rows, decoder.config.head_dim, generator=generator).bfloat16()
+        with torch.inference_mode():
+            fused = layer.finish(x, attn)
+            tail, layer.native_tail = layer.native_tail, None
+            try:
+                python = layer.finish(x, attn)
+            finally:
+                layer.native_tail = tail
+        assert fused.shape == python.shape == (1, rows, decoder.config.hidden_size)
+        assert torch.equal(fused, python)

@@ -1,14 +1,18 @@
 """Two commits of longspec against each other, in one run: decode speed of single
-sequences (B = 1) with the embedded Gemma 3 270M, per method, in interleaved processes.
+sequences (B = 1) with the embedded Gemma 3 270M, per method and setting, and the cost of
+a k-token verification forward, in interleaved processes.
 
     python benchmarks/ab/code_ab.py --before 7c90624 --after HEAD --methods ar pld auto \
+        --settings greedy sampled --verify-widths 1 16 \
         --context 4096 --new-tokens 256 --pairs 3 --out benchmarks/results/$(date +%F)-code-ab
 
 Each commit is checked out in a temporary git worktree; every pair runs one process
 of each (before first in odd pairs, after first in even ones) that loads the model
-and times each method's greedy decode (prefill excluded) after a warm-up run. Prints
-the median tokens/s per commit and method and their ratio (after / before); writes
-JSON lines to --out. Run it on an idle machine.
+and times each method's decode (prefill excluded) after a warm-up run, then (with
+--verify-widths) the median of repeated forwards of a k-token chain over `context` random
+committed keys, each with the decision of every row (the certified head's where the code
+has one, else the argmax of the full head's logits). Prints the medians per commit and
+their ratios (after / before); writes JSON lines to --out. Run it on an idle machine.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+SETTINGS = {"greedy": {}, "sampled": {"temperature": 1.0, "top_p": 0.95, "seed": 0}}
 HERE = Path(__file__).resolve().parent
 
 
@@ -38,12 +43,44 @@ def worker(args) -> None:
     torch.set_num_threads(args.threads)
     model = longspec.load(engine=EngineOptions(progress=False))
     prompt = prompt_ids(model.tokenizer, stdlib_source_text(8 * args.context), args.context)
-    for method in args.methods:
-        model.generate(prompt, method=method, max_new_tokens=16)  # warm-up (and auto's cost model, once)
-        result = model.generate(prompt, method=method, max_new_tokens=args.new_tokens, ignore_eos=True)
-        stats = result.stats
-        print(json.dumps({"method": method, "tokens_per_s": stats.new_tokens / stats.decode_s,
-                          "tau": stats.tau, "tokens": result.token_ids}), flush=True)
+    for setting in args.settings:
+        for method in args.methods:
+            options = SETTINGS[setting]
+            model.generate(prompt, method=method, max_new_tokens=16, **options)  # warm-up (and auto's cost model)
+            result = model.generate(prompt, method=method, max_new_tokens=args.new_tokens, ignore_eos=True, **options)
+            stats = result.stats
+            print(json.dumps({"method": method, "setting": setting, "tokens_per_s": stats.new_tokens / stats.decode_s,
+                              "tau": stats.tau, "tokens": result.token_ids}), flush=True)
+    for width in args.verify_widths:
+        print(json.dumps({"method": f"forward-{width}", "setting": "greedy",
+                          "ms": 1e3 * forward_seconds(model.model, args.context, width)}), flush=True)
+
+
+def forward_seconds(decoder, context: int, width: int, repeats: int = 15) -> float:
+    """Median seconds of a forward of a `width`-token chain over `context` committed random
+    keys with every row's decision."""
+    import time
+
+    import torch
+    from longspec.runtime.argmax import row_argmax
+    from longspec.speculation.cost_model import commit_random_keys
+    from longspec.speculation.tree import Tree
+
+    cache = decoder.new_cache(context + width + 1, max_forward_tokens=max(512, width))
+    commit_random_keys(decoder, cache, context, chunk=512)
+    ids = torch.randint(0, decoder.config.vocab_size, (width,), generator=torch.Generator().manual_seed(0))
+    tree = Tree.chain(int(ids[0]), ids[1:].tolist())
+    positions = cache.length + tree.depths
+    # Code from before the certified head has no `decide`: the argmax of the full head's logits.
+    decide = getattr(decoder, "decide", None) or (lambda hidden: row_argmax(decoder.logits(hidden)))
+    times = []
+    for _ in range(repeats + 2):
+        start = time.perf_counter()
+        hidden = decoder(tree.tokens.unsqueeze(0), cache, positions=positions, with_logits=False).hidden[0]
+        decide(hidden)
+        times.append(time.perf_counter() - start)
+        cache.drop_pending()
+    return statistics.median(times[2:])
 
 
 def checkout(ref: str, into: Path) -> Path:
@@ -54,7 +91,8 @@ def checkout(ref: str, into: Path) -> Path:
 
 def run_one(tree: Path, args) -> list[dict]:
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--context", str(args.context),
-               "--new-tokens", str(args.new_tokens), "--threads", str(args.threads), "--methods", *args.methods]
+               "--new-tokens", str(args.new_tokens), "--threads", str(args.threads), "--methods", *args.methods,
+               "--settings", *args.settings, "--verify-widths", *map(str, args.verify_widths)]
     env = {**os.environ, "PYTHONPATH": str(tree / "src")}
     out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
@@ -65,6 +103,8 @@ def main() -> None:
     parser.add_argument("--before", default="HEAD~1")
     parser.add_argument("--after", default="HEAD")
     parser.add_argument("--methods", nargs="+", default=["ar", "pld", "auto"])
+    parser.add_argument("--settings", nargs="+", default=["greedy"], choices=sorted(SETTINGS))
+    parser.add_argument("--verify-widths", type=int, nargs="+", default=[])
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--pairs", type=int, default=3)
@@ -87,8 +127,10 @@ def main() -> None:
                 for label in order:
                     for row in run_one(trees[label], args):
                         rows.append({"pair": pair, "code": label, **row})
-                        print(f"pair {pair} {label:6s} {row['method']:5s} {row['tokens_per_s']:7.2f} tok/s "
-                              f"tau {row['tau']:.2f}", file=sys.stderr, flush=True)
+                        speed = (f"{row['ms']:7.2f} ms" if "ms" in row
+                                 else f"{row['tokens_per_s']:7.2f} tok/s tau {row['tau']:.2f}")
+                        print(f"pair {pair} {label:6s} {row['setting']:7s} {row['method']:10s} {speed}",
+                              file=sys.stderr, flush=True)
         finally:
             for tree in trees.values():
                 subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=False)
@@ -97,14 +139,16 @@ def main() -> None:
                                                                                ("after", args.after))}
     print(f"\nmachine: {machine()}; context {args.context}, {args.new_tokens} new tokens, {args.threads} threads, "
           f"{args.pairs} interleaved pairs; before {refs['before']}, after {refs['after']}\n")
-    print("| method | before tok/s | after tok/s | after / before | same tokens |")
-    print("|---|---|---|---|---|")
-    for method in args.methods:
-        speed = {label: statistics.median(r["tokens_per_s"] for r in rows if r["code"] == label
-                                          and r["method"] == method) for label in ("before", "after")}
-        outputs = {tuple(r["tokens"]) for r in rows if r["method"] == method}
-        print(f"| {method} | {speed['before']:.2f} | {speed['after']:.2f} | {speed['after'] / speed['before']:.3f} "
-              f"| {'yes' if len(outputs) == 1 else 'NO'} |")
+    print("| setting | method | before | after | after / before | same tokens |")
+    print("|---|---|---|---|---|---|")
+    for setting, method in dict.fromkeys((r["setting"], r["method"]) for r in rows):
+        mine = [r for r in rows if r["setting"] == setting and r["method"] == method]
+        unit = "ms" if "ms" in mine[0] else "tokens_per_s"
+        value = {label: statistics.median(r[unit] for r in mine if r["code"] == label) for label in ("before", "after")}
+        # Sampled runs draw through each code's own exact sampler: the same distribution, not the same draws.
+        same = "" if unit == "ms" or setting != "greedy" else "yes" if len({tuple(r["tokens"]) for r in mine}) == 1 else "NO"
+        print(f"| {setting} | {method} | {value['before']:.2f} | {value['after']:.2f} "
+              f"| {value['after'] / value['before']:.3f} | {same} |")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         with (args.out / "results.jsonl").open("w") as out:

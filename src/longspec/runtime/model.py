@@ -104,6 +104,7 @@ class DecoderLayer(nn.Module):
         self.qk_norm = RMSNorm((heads, c.head_dim), c.rms_norm_eps, g) if c.qk_norm else None
         self.qk_dim = q_dim + kv_dim
         self.packed: dict[str, PackedWeight | None] = {}
+        self.native_tail = None  # `finish` as one native call, where prepare() finds it applies
 
     def prepare(self, native_kernels: bool = True, bulk: bool | None = None) -> None:
         """Load-time derived weights: prepacked matrices and norm scales. bulk: keep
@@ -113,6 +114,18 @@ class DecoderLayer(nn.Module):
         for norm in (self.input_norm, self.pre_mlp_norm, self.post_attn_norm, self.post_mlp_norm, self.qk_norm):
             if norm is not None:
                 norm.prepare(native_kernels)
+        self.native_tail = self._native_tail()
+
+    def _native_tail(self):
+        """The native op that runs `finish`'s steps in one call (`kernels/layer_tail.cpp`,
+        the same bits), where every one of those steps runs a native kernel; else None."""
+        names = ("o_weight", "gate_up_weight", "down_weight")
+        if any(self.packed.get(name) is None or self.packed[name].tiles is None for name in names):
+            return None
+        norms = [n for n in (self.post_attn_norm, self.pre_mlp_norm, self.post_mlp_norm) if n is not None]
+        if any(norm.native is None for norm in norms):
+            return None
+        return native_ops().layer_tail
 
     def _linear(self, x, name: str, bias=None, plain: bool = False, bulk: bool = False):
         weight = getattr(self, name)
@@ -148,6 +161,8 @@ class DecoderLayer(nn.Module):
         out = attn.transpose(1, 2).reshape(B, T, -1)
         if packing is not None:
             out = packing.pack(out)
+        if self.native_tail is not None and not (plain or bulk) and x.dtype == torch.bfloat16 and not x.requires_grad:
+            return self._native_finish(x, out)
         out = self._linear(out, "o_weight", plain=plain, bulk=bulk)
         if self.post_attn_norm is not None:
             out = self._norm(self.post_attn_norm, out, plain)
@@ -159,6 +174,18 @@ class DecoderLayer(nn.Module):
         if self.post_mlp_norm is not None:
             out = self._norm(self.post_mlp_norm, out, plain)
         return x + out
+
+    def _native_finish(self, x, attn_rows):
+        c = self.config
+        scale = (lambda norm: norm.scale) if c.gemma_norms else (lambda norm: norm.weight)
+        post_attn, post_mlp = self.post_attn_norm, self.post_mlp_norm
+        out = self.native_tail(
+            x.reshape(-1, c.hidden_size).contiguous(), attn_rows.reshape(-1, attn_rows.shape[-1]).contiguous(),
+            self.packed["o_weight"].tiles, c.hidden_size, None if post_attn is None else scale(post_attn),
+            scale(self.pre_mlp_norm), self.packed["gate_up_weight"].tiles, c.intermediate_size,
+            self.packed["down_weight"].tiles, None if post_mlp is None else scale(post_mlp),
+            self.pre_mlp_norm.eps, c.gemma_norms, c.activation == "gelu_tanh")
+        return out.view(x.shape)
 
     def forward(self, x, rope, plan: "ForwardPlan", cache: KVCache, attention: AttentionBackend):
         c = self.config
