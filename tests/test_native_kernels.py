@@ -472,24 +472,45 @@ def test_draft_norms_on_the_native_kernel_round_as_the_pytorch_path():
 
 
 @needs_linear
-@pytest.mark.parametrize("family", ["gemma3", "llama"])
+@pytest.mark.parametrize("family", ["gemma3", "llama", "qwen2", "qwen3"])  # Gemma's norms, plain, q/k/v bias, q/k norm
 @pytest.mark.parametrize("rows", [1, 5, 16])
-def test_the_native_layer_tail_is_the_python_paths_bits(family, rows):
-    """`DecoderLayer.finish` in one native call runs the very operations of the Python path."""
-    from tiny_models import tiny_decoder
+def test_the_native_layer_steps_are_the_python_paths_bits(family, rows):
+    """`DecoderLayer.project` and `finish` as one native call each run the very operations
+    of the Python path: the same bits, and a whole forward too."""
+    from tiny_models import random_ids, tiny_decoder
 
     decoder = tiny_decoder(family, dtype=torch.bfloat16).prepare(native_kernels=True)
+    c = decoder.config
     generator = torch.Generator().manual_seed(rows)
-    for layer in decoder.layers:
-        assert layer.native_tail is not None
-        x = torch.randn(1, rows, decoder.config.hidden_size, generator=generator).bfloat16()
-        attn = torch.randn(1, decoder.config.num_heads, rows, decoder.config.head_dim, generator=generator).bfloat16()
+    positions = torch.arange(7, 7 + rows)
+
+    def both(run):
         with torch.inference_mode():
-            fused = layer.finish(x, attn)
-            tail, layer.native_tail = layer.native_tail, None
+            native = run()
+            steps = [layer.native_steps for layer in decoder.layers]
+            for layer in decoder.layers:
+                layer.native_steps = None
             try:
-                python = layer.finish(x, attn)
+                python = run()
             finally:
-                layer.native_tail = tail
-        assert fused.shape == python.shape == (1, rows, decoder.config.hidden_size)
-        assert torch.equal(fused, python)
+                for layer, ops in zip(decoder.layers, steps):
+                    layer.native_steps = ops
+        return native, python
+
+    for layer in decoder.layers:
+        assert layer.native_steps is not None
+        x = torch.randn(2, rows, c.hidden_size, generator=generator).bfloat16()
+        attn = torch.randn(2, c.num_heads, rows, c.head_dim, generator=generator).bfloat16()
+        rope = decoder._rope(positions, layer.sliding)
+        native, python = both(lambda: layer.project(x, rope))
+        for ours, theirs in zip(native, python):
+            assert ours.shape == theirs.shape and ours.stride() == theirs.stride() and torch.equal(ours, theirs)
+        native, python = both(lambda: layer.finish(x, attn))
+        assert native.shape == python.shape == (2, rows, c.hidden_size) and torch.equal(native, python)
+
+    def forward():
+        cache = decoder.new_cache(64)
+        return decoder(random_ids(rows, seed=rows).view(1, -1), cache).logits
+
+    native, python = both(forward)
+    assert torch.equal(native, python)

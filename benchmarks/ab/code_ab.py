@@ -93,7 +93,8 @@ def run_one(tree: Path, args) -> list[dict]:
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--context", str(args.context),
                "--new-tokens", str(args.new_tokens), "--threads", str(args.threads), "--methods", *args.methods,
                "--settings", *args.settings, "--verify-widths", *map(str, args.verify_widths)]
-    env = {**os.environ, "PYTHONPATH": str(tree / "src")}
+    # Each checkout keeps its own build of the native kernels: sharing one cache would rebuild them every turn.
+    env = {**os.environ, "PYTHONPATH": str(tree / "src"), "TORCH_EXTENSIONS_DIR": str(tree / ".torch-extensions")}
     out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 

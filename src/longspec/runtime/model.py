@@ -104,7 +104,7 @@ class DecoderLayer(nn.Module):
         self.qk_norm = RMSNorm((heads, c.head_dim), c.rms_norm_eps, g) if c.qk_norm else None
         self.qk_dim = q_dim + kv_dim
         self.packed: dict[str, PackedWeight | None] = {}
-        self.native_tail = None  # `finish` as one native call, where prepare() finds it applies
+        self.native_steps = None  # `project` and `finish` as native calls, where prepare() finds they apply
 
     def prepare(self, native_kernels: bool = True, bulk: bool | None = None) -> None:
         """Load-time derived weights: prepacked matrices and norm scales. bulk: keep
@@ -114,18 +114,26 @@ class DecoderLayer(nn.Module):
         for norm in (self.input_norm, self.pre_mlp_norm, self.post_attn_norm, self.post_mlp_norm, self.qk_norm):
             if norm is not None:
                 norm.prepare(native_kernels)
-        self.native_tail = self._native_tail()
+        self.native_steps = self._native_steps()
 
-    def _native_tail(self):
-        """The native op that runs `finish`'s steps in one call (`kernels/layer_tail.cpp`,
-        the same bits), where every one of those steps runs a native kernel; else None."""
-        names = ("o_weight", "gate_up_weight", "down_weight")
-        if any(self.packed.get(name) is None or self.packed[name].tiles is None for name in names):
+    def _native_steps(self):
+        """The native ops that run `project`'s and `finish`'s steps in one call each
+        (`kernels/layer_steps.cpp`, the same bits), where every product and norm of the layer
+        runs a native kernel; else None."""
+        if any(packed is None or packed.tiles is None for packed in self.packed.values()):
             return None
-        norms = [n for n in (self.post_attn_norm, self.pre_mlp_norm, self.post_mlp_norm) if n is not None]
-        if any(norm.native is None for norm in norms):
+        norms = (self.input_norm, self.pre_mlp_norm, self.post_attn_norm, self.post_mlp_norm, self.qk_norm)
+        if any(norm is not None and norm.native is None for norm in norms):
             return None
-        return native_ops().layer_tail
+        return native_ops()
+
+    def _steps_natively(self, x, plain: bool, bulk: bool) -> bool:
+        return self.native_steps is not None and not (plain or bulk) and x.dtype == torch.bfloat16 and not x.requires_grad
+
+    @staticmethod
+    def _norm_scale(norm: "RMSNorm | None"):
+        """What the native norm takes: Gemma's float32 (1 + w), else the bf16 weight."""
+        return None if norm is None else norm.scale if norm.gemma else norm.weight
 
     def _linear(self, x, name: str, bias=None, plain: bool = False, bulk: bool = False):
         weight = getattr(self, name)
@@ -141,6 +149,8 @@ class DecoderLayer(nn.Module):
         packing: x holds only the real tokens of a padded batch ([N, H]); the padding
         gets zero q, k and v. bulk: a prefill's products (`runtime.linear`)."""
         c = self.config
+        if packing is None and self._steps_natively(x, plain, bulk):
+            return self._native_project(x, rope)
         qkv = self._linear(self._norm(self.input_norm, x, plain), "qkv_weight", self.qkv_bias, plain, bulk)
         if packing is not None:
             qkv = packing.unpack(qkv)
@@ -161,7 +171,7 @@ class DecoderLayer(nn.Module):
         out = attn.transpose(1, 2).reshape(B, T, -1)
         if packing is not None:
             out = packing.pack(out)
-        if self.native_tail is not None and not (plain or bulk) and x.dtype == torch.bfloat16 and not x.requires_grad:
+        if self._steps_natively(x, plain, bulk):
             return self._native_finish(x, out)
         out = self._linear(out, "o_weight", plain=plain, bulk=bulk)
         if self.post_attn_norm is not None:
@@ -175,15 +185,22 @@ class DecoderLayer(nn.Module):
             out = self._norm(self.post_mlp_norm, out, plain)
         return x + out
 
+    def _native_project(self, x, rope):
+        c = self.config
+        B = x.shape[0]
+        q, k, v = self.native_steps.layer_head(
+            x.reshape(-1, c.hidden_size).contiguous(), B, self._norm_scale(self.input_norm),
+            self.packed["qkv_weight"].tiles, self.qkv_bias, self._norm_scale(self.qk_norm), c.num_heads,
+            c.num_kv_heads, c.head_dim, *rope, self.input_norm.eps, c.gemma_norms)
+        return q, k, v
+
     def _native_finish(self, x, attn_rows):
         c = self.config
-        scale = (lambda norm: norm.scale) if c.gemma_norms else (lambda norm: norm.weight)
-        post_attn, post_mlp = self.post_attn_norm, self.post_mlp_norm
-        out = self.native_tail(
+        out = self.native_steps.layer_tail(
             x.reshape(-1, c.hidden_size).contiguous(), attn_rows.reshape(-1, attn_rows.shape[-1]).contiguous(),
-            self.packed["o_weight"].tiles, c.hidden_size, None if post_attn is None else scale(post_attn),
-            scale(self.pre_mlp_norm), self.packed["gate_up_weight"].tiles, c.intermediate_size,
-            self.packed["down_weight"].tiles, None if post_mlp is None else scale(post_mlp),
+            self.packed["o_weight"].tiles, c.hidden_size, self._norm_scale(self.post_attn_norm),
+            self._norm_scale(self.pre_mlp_norm), self.packed["gate_up_weight"].tiles, c.intermediate_size,
+            self.packed["down_weight"].tiles, self._norm_scale(self.post_mlp_norm),
             self.pre_mlp_norm.eps, c.gemma_norms, c.activation == "gelu_tanh")
         return out.view(x.shape)
 
