@@ -116,6 +116,7 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    sys.path.insert(0, str(HERE.parent))  # benchmarks/: common.py
     from common import machine
 
     with tempfile.TemporaryDirectory() as scratch:
