@@ -84,7 +84,7 @@ struct BlockWeights {
 };
 
 using ScoreFn = void (*)(const Queries&, const uint16_t* key, int64_t q0, float* out, int64_t stride);
-using ValueFn = void (*)(const BlockWeights&, int64_t D, int64_t q0, int64_t d0, float* acc);
+using ValueFn = void (*)(const BlockWeights&, int64_t D, int64_t q0, float* acc);
 
 // ---------------------------------------------------------------- AVX-512 BF16
 #define LONGSPEC_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512bf16")))
@@ -151,19 +151,37 @@ struct Avx512Bf16 {
     return _mm512_reduce_add_ps(total);
   }
 
-  // acc[j][d0 .. d0 + 16) += sum_i w[j][i] * v_i[d0 .. d0 + 16) for Q queries (local index j from
-  // q0), entries in position order, each value segment converted once for all Q accumulators.
-  template <int Q>
-  LONGSPEC_AVX512_BF16 static void accumulate(const BlockWeights& block, int64_t D, int64_t q0, int64_t d0, float* acc) {
-    __m512 sums[Q];
-    for (int j = 0; j < Q; ++j) sums[j] = _mm512_loadu_ps(acc + (q0 + j) * D + d0);
+  // acc[j][d0 .. d0 + 16 C) += sum_i w[j][i] * v_i[d0 .. d0 + 16 C) for Q queries (local index j
+  // from q0), entries in position order, each value segment converted once for all Q
+  // accumulators and each weight broadcast once for all C segments.
+  template <int Q, int C>
+  LONGSPEC_AVX512_BF16 static void accumulate_segments(const BlockWeights& block, int64_t D, int64_t q0, int64_t d0,
+                                                       float* acc) {
+    __m512 sums[Q][C];
+    for (int j = 0; j < Q; ++j)
+      for (int c = 0; c < C; ++c) sums[j][c] = _mm512_loadu_ps(acc + (q0 + j) * D + d0 + c * kFloats);
     for (int64_t i = 0; i < block.n; ++i) {
       if (!block.any_seen[i]) continue;  // a slot no query sees may hold anything
-      const __m512 value = widen(block.value_rows[i] + d0);
-      for (int j = 0; j < Q; ++j)
-        sums[j] = _mm512_fmadd_ps(_mm512_set1_ps(block.w[(q0 + j) * block.w_stride + i]), value, sums[j]);
+      __m512 value[C];
+      for (int c = 0; c < C; ++c) value[c] = widen(block.value_rows[i] + d0 + c * kFloats);
+      for (int j = 0; j < Q; ++j) {
+        const __m512 weight = _mm512_set1_ps(block.w[(q0 + j) * block.w_stride + i]);
+        for (int c = 0; c < C; ++c) sums[j][c] = _mm512_fmadd_ps(weight, value[c], sums[j][c]);
+      }
     }
-    for (int j = 0; j < Q; ++j) _mm512_storeu_ps(acc + (q0 + j) * D + d0, sums[j]);
+    for (int j = 0; j < Q; ++j)
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (q0 + j) * D + d0 + c * kFloats, sums[j][c]);
+  }
+
+  // Every value dimension for Q queries: as many segments at once as keep the Q x C sums, C
+  // values and a weight in the 32 registers. Each output is the same chain of FMAs over the
+  // entries whatever C, so the segments' grouping never changes a bit.
+  template <int Q>
+  LONGSPEC_AVX512_BF16 static void accumulate(const BlockWeights& block, int64_t D, int64_t q0, float* acc) {
+    constexpr int C = Q <= 4 ? 4 : Q <= 8 ? 2 : 1;
+    int64_t d0 = 0;
+    for (; d0 + C * kFloats <= D; d0 += C * kFloats) accumulate_segments<Q, C>(block, D, q0, d0, acc);
+    for (; d0 < D; d0 += kFloats) accumulate_segments<Q, 1>(block, D, q0, d0, acc);
   }
 
   static constexpr ScoreFn kScoreFns[kScoreQueries] = {score<1>, score<2>, score<3>, score<4>};
@@ -254,17 +272,32 @@ struct Avx2Fma {
     return reduce_add(total);
   }
 
-  template <int Q>
-  LONGSPEC_AVX2_FMA static void accumulate(const BlockWeights& block, int64_t D, int64_t q0, int64_t d0, float* acc) {
-    __m256 sums[Q];
-    for (int j = 0; j < Q; ++j) sums[j] = _mm256_loadu_ps(acc + (q0 + j) * D + d0);
+  template <int Q, int C>
+  LONGSPEC_AVX2_FMA static void accumulate_segments(const BlockWeights& block, int64_t D, int64_t q0, int64_t d0,
+                                                    float* acc) {
+    __m256 sums[Q][C];
+    for (int j = 0; j < Q; ++j)
+      for (int c = 0; c < C; ++c) sums[j][c] = _mm256_loadu_ps(acc + (q0 + j) * D + d0 + c * kFloats);
     for (int64_t i = 0; i < block.n; ++i) {
       if (!block.any_seen[i]) continue;
-      const __m256 value = widen(block.value_rows[i] + d0);
-      for (int j = 0; j < Q; ++j)
-        sums[j] = _mm256_fmadd_ps(_mm256_set1_ps(block.w[(q0 + j) * block.w_stride + i]), value, sums[j]);
+      __m256 value[C];
+      for (int c = 0; c < C; ++c) value[c] = widen(block.value_rows[i] + d0 + c * kFloats);
+      for (int j = 0; j < Q; ++j) {
+        const __m256 weight = _mm256_set1_ps(block.w[(q0 + j) * block.w_stride + i]);
+        for (int c = 0; c < C; ++c) sums[j][c] = _mm256_fmadd_ps(weight, value[c], sums[j][c]);
+      }
     }
-    for (int j = 0; j < Q; ++j) _mm256_storeu_ps(acc + (q0 + j) * D + d0, sums[j]);
+    for (int j = 0; j < Q; ++j)
+      for (int c = 0; c < C; ++c) _mm256_storeu_ps(acc + (q0 + j) * D + d0 + c * kFloats, sums[j][c]);
+  }
+
+  // As the AVX-512 path: Q x C sums, C values and a weight within the 16 registers.
+  template <int Q>
+  LONGSPEC_AVX2_FMA static void accumulate(const BlockWeights& block, int64_t D, int64_t q0, float* acc) {
+    constexpr int C = Q <= 2 ? 4 : Q == 3 ? 3 : Q <= 6 ? 2 : 1;
+    int64_t d0 = 0;
+    for (; d0 + C * kFloats <= D; d0 += C * kFloats) accumulate_segments<Q, C>(block, D, q0, d0, acc);
+    for (; d0 < D; d0 += kFloats) accumulate_segments<Q, 1>(block, D, q0, d0, acc);
   }
 
   static constexpr ScoreFn kScoreFns[kScoreQueries] = {score<1>, score<2>, score<3>, score<4>,
@@ -409,9 +442,8 @@ void attend_chunk(const HeadTask& task, int64_t e_begin, int64_t e_end, Workspac
     }
     for (int64_t e = e1; e < std::min(e1 + kBlock, e_end); ++e)  // the next block's keys
       prefetch_row(task.k + keys.slot(e) * task.k_stride, D);
-    for (int64_t d0 = 0; d0 < D; d0 += Isa::kFloats)
-      for (int64_t q0 = 0; q0 < queries; q0 += Isa::kValueQueries)
-        Isa::kValueFns[std::min<int64_t>(Isa::kValueQueries, queries - q0) - 1](weights, D, q0, d0, acc);
+    for (int64_t q0 = 0; q0 < queries; q0 += Isa::kValueQueries)
+      Isa::kValueFns[std::min<int64_t>(Isa::kValueQueries, queries - q0) - 1](weights, D, q0, acc);
     e0 = e1;
   }
 }
