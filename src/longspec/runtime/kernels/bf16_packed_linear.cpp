@@ -65,6 +65,28 @@ inline int32_t pair_at(const uint16_t* x, int64_t k) {
   return bits;
 }
 
+// Where a column block's outputs go: its first column, the lanes inside N, and its bias
+// (zero without one), as float32.
+struct BlockEnd {
+  int64_t n0;
+  __mmask16 mask;
+  __m512 bias;
+};
+
+LONGSPEC_AVX512_BF16 inline BlockEnd block_end(const uint16_t* bias, int64_t N, int64_t block) {
+  const int64_t n0 = block * kColumns;
+  const int64_t left = N - n0 < kColumns ? N - n0 : kColumns;
+  const __mmask16 mask = left == kColumns ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+  __m512 add = _mm512_setzero_ps();
+  if (bias) add = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + n0)), 16));
+  return {n0, mask, add};
+}
+
+// One row's float32 sums of the block, with the bias, rounded once to bf16 and stored.
+LONGSPEC_AVX512_BF16 inline void store_row(const BlockEnd& end, __m512 sums, uint16_t* y_row) {
+  _mm256_mask_storeu_epi16(y_row + end.n0, end.mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(sums, end.bias)));
+}
+
 // Rows [0, R) of x (K padded to even) times column blocks [block, block + B).
 template <int R, int B>
 LONGSPEC_AVX512_BF16 void tile(const void* x_any, int64_t x_stride, const uint16_t* packed, int64_t pairs,
@@ -84,15 +106,8 @@ LONGSPEC_AVX512_BF16 void tile(const void* x_any, int64_t x_stride, const uint16
     }
   }
   for (int b = 0; b < B; ++b) {
-    const int64_t n0 = (block + b) * kColumns;
-    const int64_t left = N - n0 < kColumns ? N - n0 : kColumns;
-    const __mmask16 mask = left == kColumns ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-    __m512 add = _mm512_setzero_ps();
-    if (bias) add = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + n0)), 16));
-    for (int r = 0; r < R; ++r) {
-      const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][b], add));
-      _mm256_mask_storeu_epi16(y + r * N + n0, mask, out);
-    }
+    const BlockEnd end = block_end(bias, N, block + b);
+    for (int r = 0; r < R; ++r) store_row(end, acc[r][b], y + r * N);
   }
 }
 
@@ -298,15 +313,8 @@ LONGSPEC_AMX_BF16 void amx_tile(const uint16_t* x, int64_t x_stride, int64_t row
   if (B > 2) _tile_stored(2, sums[2], 64);
   if (B > 3) _tile_stored(3, sums[3], 64);
   for (int b = 0; b < B; ++b) {
-    const int64_t n0 = (block + b) * kColumns;
-    const int64_t left = N - n0 < kColumns ? N - n0 : kColumns;
-    const __mmask16 mask = left == kColumns ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-    __m512 add = _mm512_setzero_ps();
-    if (bias) add = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + n0)), 16));
-    for (int64_t r = 0; r < rows; ++r) {
-      const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(sums[b] + r * kColumns), add));
-      _mm256_mask_storeu_epi16(y + r * N + n0, mask, out);
-    }
+    const BlockEnd end = block_end(bias, N, block + b);
+    for (int64_t r = 0; r < rows; ++r) store_row(end, _mm512_load_ps(sums[b] + r * kColumns), y + r * N);
   }
 }
 #undef LONGSPEC_AMX_STEP
