@@ -27,6 +27,7 @@ from longspec.speculation.drafters.adaptive.merge import Source, merge_trees
 from longspec.speculation.drafters.adaptive.unverified import UnverifiedNodes
 from longspec.speculation.drafters.base import DraftContext, Drafter
 from longspec.speculation.drafters.longspec import BeamStrategy, LongSpecDrafter
+from longspec.speculation.batch_engine import BatchEngine, BatchOptions
 from longspec.speculation.engine import EngineOptions, SpeculativeEngine
 from longspec.speculation.methods import make_drafter
 from longspec.speculation.metrics import GenerationStats
@@ -268,7 +269,8 @@ def test_rates_follow_the_recent_rounds_and_fall_back_on_the_whole_sequence():
 def reference_rates(table: AcceptanceTable) -> np.ndarray:
     """The table's posterior means walked cell by cell down every level (no shortcut)."""
     m, w = table.PRIOR_WEIGHT, table.RECENT_PRIOR_WEIGHT
-    prior = np.array([[table.FLAT_PRIOR, table.COPY_CONTINUES_PRIOR if copying else table.FLAT_PRIOR]
+    continues = table.SAMPLED_COPY_CONTINUES_PRIOR if table.sampled else table.COPY_CONTINUES_PRIOR
+    prior = np.array([[table.FLAT_PRIOR, continues if copying else table.FLAT_PRIOR]
                       for copying in table.copying])[:, None, None]  # [drafters, 1, 1, continues, 2]
     rate = (table.accepted.sum(axis=1) + prior[..., 0]) / (table.proposed.sum(axis=1) + prior.sum(axis=-1))
     means = np.empty_like(table.accepted)
@@ -279,9 +281,11 @@ def reference_rates(table: AcceptanceTable) -> np.ndarray:
     return np.clip(means, 0.0, 1.0)
 
 
-def test_rates_stop_walking_at_the_deepest_measured_level_and_equal_the_full_walk():
+@pytest.mark.parametrize("sampled", [False, True])
+def test_rates_stop_walking_at_the_deepest_measured_level_and_equal_the_full_walk(sampled):
     table = AcceptanceTable(drafters=2)
     table.note_copying(1)
+    table.expect_sampling(sampled)
     rng = np.random.default_rng(0)
     assert np.allclose(table.rates(), reference_rates(table), rtol=0, atol=1e-15)  # nothing measured
     for i in range(300):
@@ -315,6 +319,58 @@ def test_a_fresh_table_expects_a_started_copy_to_go_on():
     for _ in range(30):  # evidence outweighs the prior
         table.record(Source(0, depth=2, rank=0, run=7), accepted=False)
     assert table.rate(Source(0, depth=2, rank=0, run=7)) < 0.2
+
+
+def test_a_sampled_request_expects_shorter_copies():
+    """A request that samples accepts a drafted token only where the draw lands on it:
+    its fresh table expects a started copy to go on less often than a greedy request's
+    (a first token is a coin flip in both); evidence then decides alike. The engines say
+    which in every context they hand a drafter."""
+    def fresh_rates(sampled: bool) -> tuple[float, float]:
+        drafter = AdaptiveDrafter([("copy", CopiedRuns())], forward_cost=cheap_trees_cost(0.1), clock=FakeClock())
+        context = DraftContext(tokens=torch.zeros(4, dtype=torch.long), max_nodes=24, sampled=sampled)
+        drafter.begin(context)
+        drafter.propose(context)
+        return (drafter.table.rate(Source(0, depth=1, rank=0, run=5)),
+                drafter.table.rate(Source(0, depth=3, rank=0, run=8)))
+
+    def mean(prior: tuple[float, float]) -> float:
+        return prior[0] / sum(prior)
+
+    table = AcceptanceTable
+    assert fresh_rates(False) == pytest.approx((mean(table.FLAT_PRIOR), mean(table.COPY_CONTINUES_PRIOR)))
+    assert fresh_rates(True) == pytest.approx((mean(table.FLAT_PRIOR), mean(table.SAMPLED_COPY_CONTINUES_PRIOR)))
+    assert mean(table.SAMPLED_COPY_CONTINUES_PRIOR) < mean(table.COPY_CONTINUES_PRIOR)
+
+    model, _ = diverse_model("qwen2")
+    prompt = random_ids(20, seed=6)[0]
+    for params, sampled in ((SamplingParams(), False), (PROCESSORS["top_k"], True)):
+        drafter = ContextLog()
+        run(model, prompt, drafter, params=params, max_new_tokens=6, seed=3)
+        batched = ContextLog()
+        engine = BatchEngine(model, OPTIONS, BatchOptions(max_rows=2, row_capacity=64))
+        engine.submit(prompt, params=params, max_new_tokens=6, drafter=batched,
+                      generator=torch.Generator().manual_seed(3))
+        engine.run()
+        for log in (drafter.sampled, batched.sampled):
+            assert len(log) >= 2 and set(log) == {sampled}, (params, log)
+
+
+class ContextLog(Drafter):
+    """Proposes nothing; logs whether each context it is handed says the request samples."""
+
+    def __init__(self) -> None:
+        self.sampled: list[bool] = []
+
+    def begin(self, context: DraftContext) -> None:
+        self.sampled.append(context.sampled)
+
+    def propose(self, context: DraftContext) -> Tree:
+        self.sampled.append(context.sampled)
+        return Tree.chain(context.root, [])
+
+    def observe(self, committed: torch.Tensor) -> None:
+        pass
 
 
 class CopiedRuns(Drafter):

@@ -81,6 +81,20 @@ class WithoutCopiedRuns(Drafter):
         return Tree.assembled(tree.tokens, tree.parents, tree.depths)
 
 
+class PlainDecoding(Drafter):
+    """Plain decoding as a drafter: the root alone every round (the baseline `auto`
+    must not fall below)."""
+
+    def begin(self, context: DraftContext) -> None:
+        pass
+
+    def propose(self, context: DraftContext) -> Tree:
+        return Tree.chain(context.root, [])
+
+    def observe(self, committed: torch.Tensor) -> None:
+        pass
+
+
 def auto_over(components: str, *, depth_only: bool = False) -> Callable[[], object]:
     def make():
         drafter = make_auto(components=components)
@@ -136,6 +150,37 @@ def auto_flat_prior() -> object:
     drafter = make_auto(components="pld")
     set_in_tables(drafter, COPY_CONTINUES_PRIOR=AcceptanceTable.FLAT_PRIOR)
     return drafter
+
+
+def auto_sampled_priors(first: tuple[float, float], continues: tuple[float, float]) -> Callable[[], object]:
+    """auto over pld whose sampled requests start from these priors (pseudo-counts,
+    accepted and rejected) for first tokens and for continuing copies."""
+    def make():
+        drafter = make_auto(components="pld")
+        drafter.table = SampledFirstPrior(len(drafter.components), first)
+        set_in_tables(drafter, SAMPLED_COPY_CONTINUES_PRIOR=continues)
+        return drafter
+    return make
+
+
+class SampledFirstPrior(CrossFittedAcceptance):
+    """Cross-fitted halves whose first-token prior under sampling is `first` (auto keeps
+    the flat prior there): the sweep's other axis."""
+
+    def __init__(self, drafters: int, first: tuple[float, float]) -> None:
+        super().__init__(drafters)
+        self.first = first
+        self.flat = self.table.FLAT_PRIOR
+
+    def expect_sampling(self, sampled: bool) -> None:
+        self.table.FLAT_PRIOR = self.first if sampled else self.flat
+        self.table._prior = self.table._rates = None
+        super().expect_sampling(sampled)
+
+
+# The sampled priors swept (first tokens, continuing copies): the greedy priors (1:1, 8:2)
+# and rates down toward sampled first tokens' and copies' measured ones.
+SAMPLED_PRIOR_GRID = [((a, b), (c, d)) for a, b in ((1, 1), (1, 3), (1, 7), (1, 15)) for c, d in ((8, 2), (4, 4), (2, 6))]
 
 
 def auto_pld_chain(num_tokens: int, continue_copies: bool) -> Callable[[], object]:
@@ -195,6 +240,7 @@ def auto_with_table(table_type) -> Callable[[], object]:
 
 
 VARIANTS: dict[str, Callable[[], object]] = {
+    "ar": PlainDecoding,
     "pld": PromptLookupDrafter,  # the fixed method: a 10-token chain every round
     "auto-pld-by-depth": auto_over("pld", depth_only=True),
     "auto-pld-one-timescale": auto_one_timescale,
@@ -211,6 +257,8 @@ VARIANTS: dict[str, Callable[[], object]] = {
     # Lookup lengths (auto-pld10: the fixed method's copies, auto's before; auto-pld
     # itself offers 12 tokens that continue into their own draft).
     **{f"auto-pld{n}{'-continue' if c else ''}": auto_pld_chain(n, c) for n in (10, 12, 16, 24) for c in (False, True)},
+    **{f"auto-pld-sampled-{a:g}:{b:g}-{c:g}:{d:g}": auto_sampled_priors((a, b), (c, d))
+       for (a, b), (c, d) in SAMPLED_PRIOR_GRID},
 }
 
 
@@ -252,9 +300,10 @@ def bench_rows(path: Path, data_dir: Path, tokenizer, method: str) -> list[dict]
     runs = [r for r in lines[1:] if r.get("kind") == "run" and r["method"] == method
             and r.get("repeat", 0) == 0]  # repeats (`bench --repeats`) hold the same tokens
     prompts = {}
-    for task in {spec.partition("=")[0] for spec in header["tasks"]}:
+    for spec in header["tasks"]:  # a task's name, or name=FILE (e.g. several books)
+        task = spec.partition("=")[0]
         mine = [r for r in runs if r["task"] == task]
-        items = [i for i in TaskSpec.parse(task, data_dir).load() if i.item_id in {r["item"] for r in mine}]
+        items = [i for i in TaskSpec.parse(spec, data_dir).load() if i.item_id in {r["item"] for r in mine}]
         buckets = tuple(sorted({r["bucket"] for r in mine} - {0}))
         for prompt in build_prompts(items, tokenizer, PromptFilter(buckets=buckets)):
             prompts[(task, prompt.item_id, prompt.bucket)] = prompt.ids.tolist()
@@ -294,10 +343,11 @@ def replay(row: dict, make: Callable[[], object], cost_of: Callable[[int], Forwa
     if hasattr(drafter, "forward_cost"):
         drafter.forward_cost = cost
         drafter.clock = clock
-    drafter.begin(DraftContext(tokens=tokens[:committed]))
+    sampled = bool(row["temperature"])
+    drafter.begin(DraftContext(tokens=tokens[:committed], sampled=sampled))
     seconds, rounds, drafting = 0.0, 0, 0.0
     while committed < tokens.numel():
-        context = DraftContext(tokens=tokens[:committed])
+        context = DraftContext(tokens=tokens[:committed], sampled=sampled)
         start = time.perf_counter()
         tree = drafter.propose(context)
         spent = time.perf_counter() - start
@@ -318,8 +368,8 @@ def replay(row: dict, make: Callable[[], object], cost_of: Callable[[int], Forwa
         committed += step.numel()
     new = len(row["output"])
     measured = {"tokens_per_s": new / seconds, "tau": new / rounds, "drafting_ms_per_round": 1000 * drafting / rounds}
-    if hasattr(drafter, "telemetry"):
-        telemetry = drafter.telemetry()
+    telemetry = drafter.telemetry()
+    if telemetry is not None:  # a controller's account (fixed drafters keep none)
         measured["predicted_accepted"] = telemetry["predicted_accepted_per_round"] * telemetry["rounds"]
         measured["realised_accepted"] = telemetry["realised_accepted_per_round"] * telemetry["rounds"]
     return measured
@@ -337,6 +387,8 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=3, help="items per task and bucket")
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--settings", nargs="+", choices=("greedy", "sampled"), default=("greedy", "sampled"),
+                        help="replay only these rows")
     parser.add_argument("--data-dir", type=Path, default=DATA)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--without-drafting-time", action="store_true",
@@ -360,6 +412,7 @@ def main() -> None:
         rows = bench_rows(args.from_bench, args.data_dir, loaded.tokenizer, args.bench_method)
     else:
         rows = [json.loads(line) for line in args.recorded.open()]
+    rows = [row for row in rows if ("sampled" if row["temperature"] else "greedy") in args.settings]
     costs: dict[int, ForwardCost] = {}
 
     def cost_of(length: int) -> ForwardCost:  # what `auto` itself uses for this length
@@ -377,24 +430,17 @@ def main() -> None:
     clock_cost_of = measured_now if args.measure_machine_now else None
     sampled = [row for row in rows if row["temperature"]]
     draw_s = measured_draw_seconds(model, sampled[0]) if args.draw_cost and sampled else 0.0
+    variants = list(dict.fromkeys(["ar", "pld", *args.variants]))  # the baselines first
     results = []
-    for row in rows:
+    for index, row in enumerate(rows):
         line = f"{row['task'][:10]:10s} {row['bucket']:6d} {row['item'][:8]} T={row['temperature']:g}"
-        for name in args.variants:
+        for name in variants:
             measured = replay(row, VARIANTS[name], cost_of, not args.without_drafting_time, clock_cost_of, draw_s)
-            results.append({"task": row["task"], "bucket": row["bucket"], "item": row["item"],
+            results.append({"row": index, "task": row["task"], "bucket": row["bucket"], "item": row["item"],
                             "temperature": row["temperature"], "variant": name, **measured})
             line += f" | {name} {measured['tokens_per_s']:6.1f}"
         print(line, flush=True)
-    baseline = {(r["task"], r["bucket"], r["item"], r["temperature"]): r["tokens_per_s"]
-                for r in results if r["variant"] == "pld"}
-    print(f"\n| variant | geometric mean x pld | min x pld | drafting ms per round |\n|---|---|---|---|")
-    for name in args.variants:
-        mine = [r for r in results if r["variant"] == name]
-        ratios = [r["tokens_per_s"] / baseline[(r["task"], r["bucket"], r["item"], r["temperature"])] for r in mine]
-        geo = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
-        drafting = sum(r["drafting_ms_per_round"] for r in mine) / len(mine)
-        print(f"| {name} | {geo:.3f} | {min(ratios):.2f} | {drafting:.2f} |")
+    print_ratios(results, variants)
     print_calibration(results)
     header = {"benchmark": "adaptive_replay", "machine": machine(), "rows": len(rows), "threads": args.threads,
               "drafting_time_counted": not args.without_drafting_time, "round_overhead_s": ROUND_OVERHEAD_S,
@@ -404,6 +450,25 @@ def main() -> None:
                                           for c, cost in now.items()},
               "time": time.ctime()}
     write_results(args.out, header, results)
+
+
+def print_ratios(results: list[dict], variants: list[str]) -> None:
+    """Each variant's tokens per second over plain decoding's and prompt lookup's, row
+    by row, per setting: geometric mean and worst row."""
+    speed = {(r["row"], r["variant"]): r["tokens_per_s"] for r in results}
+    print("\n| variant | setting | rows | geometric mean x ar | min x ar | geometric mean x pld | min x pld "
+          "| drafting ms per round |\n|---|---|---|---|---|---|---|---|")
+    for name in variants:
+        for setting in ("greedy", "sampled"):
+            mine = [r for r in results if r["variant"] == name and ("sampled" if r["temperature"] else "greedy") == setting]
+            if not mine:
+                continue
+            cells = []
+            for baseline in ("ar", "pld"):
+                ratios = [r["tokens_per_s"] / speed[(r["row"], baseline)] for r in mine]
+                cells += [f"{math.exp(sum(math.log(x) for x in ratios) / len(ratios)):.3f}", f"{min(ratios):.2f}"]
+            drafting = sum(r["drafting_ms_per_round"] for r in mine) / len(mine)
+            print(f"| {name} | {setting} | {len(mine)} | {' | '.join(cells)} | {drafting:.2f} |")
 
 
 def print_calibration(results: list[dict]) -> None:

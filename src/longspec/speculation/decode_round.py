@@ -114,7 +114,7 @@ class DecodingSequence:
     def context(self, max_nodes: int | None = None, rows_in_forward: int = 1) -> DraftContext:
         return DraftContext(self.tokens[: self.length], self.view, self.tree_budget if max_nodes is None else max_nodes,
                             self.draft_generator, rows_in_forward=rows_in_forward,
-                            learns_while_verifying=self.learns_while_verifying)
+                            learns_while_verifying=self.learns_while_verifying, sampled=not self.params.is_greedy)
 
     def start(self, view: TargetView, prefill_hidden: torch.Tensor | None, *, learns_while_verifying: bool,
               plain_rounds: bool = True) -> None:

@@ -43,6 +43,9 @@ class DraftContext:
         the verification forward runs (a device that computes asynchronously), so
         work that can wait may be left to it: it then overlaps the forward, and the
         next ``propose`` sees statistics one round older.
+    sampled: the request draws its tokens (temperature > 0) rather than taking the
+        argmax. A drafted token is accepted far less often then (the draw must land on
+        it), which a drafter that sizes its trees from acceptance starts from.
     """
 
     tokens: torch.Tensor
@@ -51,6 +54,7 @@ class DraftContext:
     generator: torch.Generator | None = None
     rows_in_forward: int = 1
     learns_while_verifying: bool = False
+    sampled: bool = False
 
     @property
     def root(self) -> int:

@@ -78,6 +78,13 @@ class AcceptanceTable:
     # (docs/lab-notes/auto-controller.md#a-fresh-requests-prior-auto-expects-a-started-copy-to-go-on-issue-adaptive-speculation).
     FLAT_PRIOR = (1.0, 1.0)
     COPY_CONTINUES_PRIOR = (8.0, 2.0)
+    # The copy prior of a request that samples (`expect_sampling`): a drafted token is
+    # accepted only where the draw lands on it, so a started copy goes on less often than
+    # under greedy decoding. Swept with the first-token prior on replayed sampled outputs
+    # (full preset, Spec-Bench, AIME; held-out prose): an even prior here was the best or
+    # level on each, a first-token prior below the flat one changed nothing measurable
+    # (docs/lab-notes/certified-head.md#sampled-requests-expect-shorter-copies).
+    SAMPLED_COPY_CONTINUES_PRIOR = (4.0, 4.0)
 
     def __init__(self, drafters: int, max_level: int = 32, max_rank: int = 4) -> None:
         # [drafter, level, rank, agreed, continues a speculative parent]
@@ -89,6 +96,7 @@ class AcceptanceTable:
         self._rates: tuple[np.ndarray, np.ndarray] | None = None  # (mean, optimistic); None once a count changed
         self._prior: tuple[np.ndarray, np.ndarray] | None = None  # the pooled rates' (accepted, all) pseudo-counts
         self._levels_measured = 0  # levels up to the deepest with a count
+        self.sampled = False  # the request samples: the sampled copy prior (`expect_sampling`)
 
     def cell(self, source: Source, agreed: bool) -> tuple[int, int, int, int, int]:
         """Index of a proposed node's cell in the count and rate arrays."""
@@ -129,10 +137,17 @@ class AcceptanceTable:
 
     def _priors(self) -> np.ndarray:
         """[drafters, 1, 1, continues, (accepted, rejected)] pseudo-counts of the pooled rates."""
+        continues = self.SAMPLED_COPY_CONTINUES_PRIOR if self.sampled else self.COPY_CONTINUES_PRIOR
         prior = np.empty((len(self.copying), 1, 1, 2, 2))
         prior[..., 0, :] = self.FLAT_PRIOR
-        prior[..., 1, :] = np.where(self.copying[:, None], self.COPY_CONTINUES_PRIOR, self.FLAT_PRIOR)[:, None, None]
+        prior[..., 1, :] = np.where(self.copying[:, None], continues, self.FLAT_PRIOR)[:, None, None]
         return prior
+
+    def expect_sampling(self, sampled: bool) -> None:
+        """Whether the request samples: the copy prior its evidence starts from."""
+        if self.sampled != sampled:
+            self.sampled = sampled
+            self._rates = self._prior = None
 
     def note_copying(self, drafter: int) -> None:
         """The drafter proposes copies of earlier text: its continuing nodes take the copy prior."""
@@ -231,6 +246,9 @@ class CrossFittedAcceptance:
     def proposed(self) -> np.ndarray:
         """Verdicts recorded per cell, both halves."""
         return self.table.proposed[self.half(0)] + self.table.proposed[self.half(1)]
+
+    def expect_sampling(self, sampled: bool) -> None:
+        self.table.expect_sampling(sampled)
 
     def note_copying(self, drafter: int) -> None:
         self.table.note_copying(drafter)

@@ -190,6 +190,7 @@ class AdaptiveDrafter(Drafter):
         self._deferred = bool(context.learns_while_verifying)
         if context.target is not None:
             self.check_target(context.target.config)
+        self.table.expect_sampling(context.sampled)
         for component in self.components:
             component.drafter.begin(context)
         if self.forward_cost is None:
