@@ -25,6 +25,7 @@ docs/lab-notes/longspec-draft.md#this-session-retrieval-first-packed-draft-train
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -239,7 +240,7 @@ class LongSpecDrafter(Drafter):
 
     # ---------------------------------------------------------------- internals
     def _retrieval_chains(self, context: DraftContext) -> list[list[int]]:
-        limited = DraftContext(context.tokens, context.target, min(self.retrieval_nodes, int(context.max_nodes)), context.generator)
+        limited = dataclasses.replace(context, max_nodes=min(self.retrieval_nodes, int(context.max_nodes)))
         tree = self.retrieval.propose(limited)
         leaves = [i for i in range(1, tree.size) if tree.children(i).numel() == 0]
         return [tree.tokens[tree.path_to(leaf)[1:]].tolist() for leaf in leaves]
