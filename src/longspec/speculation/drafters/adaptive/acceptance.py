@@ -22,7 +22,7 @@ class AcceptanceTable:
     docs/lab-notes/auto-controller.md#copied-runs-auto-knows-how-long-a-prompt-lookup-copy-has-matched-issue-adaptive-speculation).
     Each level's cell is shrunk toward the previous level's rate (one token
     shallower, or a run one token shorter), and level 1 toward the drafter's rate
-    pooled over levels (smoothed by `FLAT_PRIOR` or `COPY_CONTINUES_PRIOR`): along a chain that keeps matching,
+    pooled over levels (smoothed by `FLAT_PRIOR` or a copy prior): along a chain that keeps matching,
     acceptance stays high, so a level that was rarely reached starts from the highest
     measured level before it — not from 1/2, and not from the pooled rate, which level
     1 (the hardest token, right after a bonus) dominates. That is what lets the deep

@@ -13,7 +13,8 @@ Each round:
 2. It merges the trees (equal paths become one node) and estimates each node's
    probability of acceptance as a path product of per-(drafter, depth or copied
    run, sibling rank) acceptance rates learned online (a flat prior, but one that
-   expects a started copy to go on for the continuing nodes of copies; siblings'
+   expects a started copy to go on for the continuing nodes of copies, less firmly
+   when the request samples; siblings'
    conditional probabilities normalised to sum at most 1, since one child at most
    is accepted). The evidence is cross-fitted (`acceptance.py`): one half of each
    cell's verdicts chooses the tree, the other predicts it, so the telemetry's
