@@ -7,6 +7,7 @@ bf16 near-ties that make the methods' own runs diverge.
     python benchmarks/suite/adaptive_replay.py --from-bench bench-out/full/results.jsonl  # a bench run's outputs
     python benchmarks/suite/adaptive_replay.py --measure-machine-now ...  # the machine changed since its cost was cached
     python benchmarks/suite/adaptive_replay.py --draw-cost ...  # sampled tokens' draws charged as the engine pays them
+    python benchmarks/suite/adaptive_replay.py --engine-round-cost RESULTS ...  # rounds priced as `engine_round_cost.py` measured them
 
 Recording runs the target (prompt lookup, greedy and sampled) on Multi-News and LCC
 prompts and keeps prompt and output ids. Replaying needs no target: each round, a
@@ -21,7 +22,10 @@ gives those. `auto` times its rounds by a clock that runs these modeled forwards
 it sees the costs a real run would show it. With `--measure-machine-now` the rounds cost
 forwards measured at the start of the replay while `auto` is given the cached
 measurement, as in a run on a machine that changed since (another tenant taking
-memory bandwidth), which the cost fits of `adaptive_cost_fits.py` were tried for.
+memory bandwidth), which the cost fits of `adaptive_cost_fits.py` were tried for. With
+`--engine-round-cost` the rounds cost what a round of that size cost inside the engine
+(`engine_round_cost.py`: the first node dearer than isolated forwards say), again while
+`auto` prices its trees with the cached measurement.
 
 Each `auto` variant also reports its calibration: predicted / realised accepted tokens
 per round, summed over the rows of each setting and task (the adaptive issue's goal:
@@ -400,6 +404,9 @@ def main() -> None:
     parser.add_argument("--measure-machine-now", action="store_true",
                         help="rounds cost forwards measured now, while `auto` is given the cached measurement "
                              "(as in a run on a machine that changed since it was measured)")
+    parser.add_argument("--engine-round-cost", type=Path, default=None, metavar="RESULTS",
+                        help="rounds cost what `engine_round_cost.py` measured inside the engine (a round with k nodes "
+                             "that share of a plain round, per setting) while `auto` is given the cached measurement")
     parser.add_argument("--out", type=Path, default=Path("bench-out/adaptive_replay.jsonl"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -428,6 +435,7 @@ def main() -> None:
         return now[context]
 
     clock_cost_of = measured_now if args.measure_machine_now else None
+    engine_shares = engine_round_shares(args.engine_round_cost) if args.engine_round_cost else None
     sampled = [row for row in rows if row["temperature"]]
     draw_s = measured_draw_seconds(model, sampled[0]) if args.draw_cost and sampled else 0.0
     variants = list(dict.fromkeys(["ar", "pld", *args.variants]))  # the baselines first
@@ -435,7 +443,10 @@ def main() -> None:
     for index, row in enumerate(rows):
         line = f"{row['task'][:10]:10s} {row['bucket']:6d} {row['item'][:8]} T={row['temperature']:g}"
         for name in variants:
-            measured = replay(row, VARIANTS[name], cost_of, not args.without_drafting_time, clock_cost_of, draw_s)
+            clock = clock_cost_of
+            if engine_shares is not None:
+                clock = engine_clock(cost_of, engine_shares["sampled" if row["temperature"] else "greedy"])
+            measured = replay(row, VARIANTS[name], cost_of, not args.without_drafting_time, clock, draw_s)
             results.append({"row": index, "task": row["task"], "bucket": row["bucket"], "item": row["item"],
                             "temperature": row["temperature"], "variant": name, **measured})
             line += f" | {name} {measured['tokens_per_s']:6.1f}"
@@ -448,8 +459,33 @@ def main() -> None:
               "draw_ms_per_sampled_token": round(1000 * draw_s, 3),
               "machine_forward_cost_ms": {str(c): [round(1000 * s, 2) for s in cost.seconds]
                                           for c, cost in now.items()},
+              "engine_round_cost": str(args.engine_round_cost) if args.engine_round_cost else None,
               "time": time.ctime()}
     write_results(args.out, header, results)
+
+
+def engine_round_shares(path: Path) -> dict[str, tuple[tuple[int, ...], tuple[float, ...]]]:
+    """Per setting, the forward sizes k (the root and its nodes) `engine_round_cost.py`
+    measured and what a round of that size cost against a plain round inside the engine."""
+    rows = [json.loads(line) for line in path.open()][1:]
+    shares = {}
+    for setting in ("greedy", "sampled"):
+        mine = sorted((r["nodes"] + 1, r["ratio"]) for r in rows if r["setting"] == setting)
+        shares[setting] = ((1, *(k for k, _ in mine)), (1.0, *(ratio for _, ratio in mine)))
+    return shares
+
+
+def engine_clock(cost_of: Callable[[int], ForwardCost], shares: tuple[tuple[int, ...], tuple[float, ...]]
+                 ) -> Callable[[int], ForwardCost]:
+    """Forward costs at a context: the cached measurement's plain forward times what a
+    round of k tokens cost against a plain round inside the engine."""
+    ks, ratios = shares
+
+    def cost(length: int) -> ForwardCost:
+        measured = cost_of(length)
+        base = measured.seconds_for(1)
+        return ForwardCost(measured.key, ks, tuple(base * ratio for ratio in ratios))
+    return cost
 
 
 def print_ratios(results: list[dict], variants: list[str]) -> None:
