@@ -81,8 +81,55 @@ def test_every_instruction_set_screens_the_same_bits():
         screens = [ops.int8_screen_with(codes, alpha, head.codes, head.scales, 1000, head.group, isa)
                    for isa in ops.int8_screen_isas()]
         assert len(screens) >= 2  # this CPU's own path and the portable one at least
-        for screen in screens[1:]:
-            assert torch.equal(screen, screens[0])
+        for scores, summary in screens[1:]:
+            assert torch.equal(scores, screens[0][0])
+            assert torch.equal(summary, screens[0][1])
+
+
+SPAN = 1024  # output rows per span of the screen's summary (`kSpan` in kernels/int8_screen.cpp)
+
+
+def span_maxima(scores: torch.Tensor) -> torch.Tensor:
+    """The summary by its definition: each span's largest score, NaN counted as +inf."""
+    spans = -(-scores.shape[1] // SPAN)
+    padded = torch.full((scores.shape[0], spans * SPAN), float("-inf"))
+    padded[:, : scores.shape[1]] = scores.nan_to_num(nan=float("inf"), posinf=float("inf"), neginf=float("-inf"))
+    return padded.view(scores.shape[0], spans, SPAN).amax(-1)
+
+
+def test_the_summary_finds_the_candidates_and_tails_a_full_scan_finds():
+    """The screen's summary is each span's largest score, on every instruction set; the
+    candidates and the tail's bins read through it are those of a scan of every row,
+    including rows whose screen holds NaN or infinity (no certificate either way)."""
+    g = torch.Generator().manual_seed(13)
+    V, H = 5000, 192  # four whole spans and a partial one
+    weight = (torch.randn(V, H, generator=g) * 0.1).bfloat16()
+    head = CertifiedHead(weight)
+    ops = native_ops()
+    codes, alpha, coefficients, _ = head.quantize((torch.randn(6, H, generator=g) * 4).bfloat16())
+    for isa in ops.int8_screen_isas():
+        scores, summary = ops.int8_screen_with(codes, alpha, head.codes, head.scales, V, head.group, isa)
+        assert torch.equal(summary, span_maxima(scores))
+    scores, _ = ops.int8_screen(codes, alpha, head.codes, head.scales, V, head.group)
+    scores[1, 4321] = float("nan")
+    scores[2, 17] = float("inf")
+    summary = span_maxima(scores)
+    margins = torch.tensor([0.0, 0.0, 0.0, 1.0, 4.0, 12.0], dtype=torch.float64)
+    constants = (head.residual, head.row_norm, head.magnitude)
+    scanned = ops.int8_screen_candidates(scores, None, *constants, coefficients, margins, head.maxima, BF16_UNIT,
+                                         head.tiny, head.cap)
+    summarised = ops.int8_screen_candidates(scores, summary, *constants, coefficients, margins, head.maxima,
+                                            BF16_UNIT, head.tiny, head.cap)
+    for a, b in zip(scanned, summarised):
+        assert torch.equal(a, b)
+    assert scanned[2][1] == scanned[2][2] == -1 and (scanned[2][[0, 3, 4, 5]] > 0).all()
+    cuts = scanned[3]
+    for row in (0, 3, 4, 5):
+        for step, bins in ((0.5, 64), (0.05, 8), (2.0, 3)):
+            args = (*constants, coefficients[row], head.maxima, BF16_UNIT, head.tiny, float(cuts[row]), step, bins)
+            without = ops.int8_screen_tail(scores[row], None, *args, 0, -1)
+            assert torch.equal(ops.int8_screen_tail(scores[row], summary[row], *args, 0, -1), without)
+            assert int(without.sum()) == V - int(scanned[2][row])
 
 
 def test_activation_codes_and_the_bound_coefficients_are_exact():
@@ -185,9 +232,9 @@ def test_without_the_margin_the_screen_alone_picks_wrong_rows():
     head = CertifiedHead(weight)
     ops = native_ops()
     codes, alpha, _, _ = head.quantize(hidden)
-    screen = ops.int8_screen(codes, alpha, head.codes, head.scales, V, head.group)
+    screen, _ = ops.int8_screen(codes, alpha, head.codes, head.scales, V, head.group)
     zero = torch.zeros(64, 3, dtype=torch.float64)
-    indices, offsets, _, _ = ops.int8_screen_candidates(screen, head.residual, head.row_norm, head.magnitude, zero,
+    indices, offsets, _, _ = ops.int8_screen_candidates(screen, None, head.residual, head.row_norm, head.magnitude, zero,
                                                         torch.zeros(64, dtype=torch.float64), head.maxima, 0.0, 0.0,
                                                         4096)
     broken = torch.stack([indices[offsets[r] : offsets[r + 1]].min() for r in range(64)])

@@ -87,12 +87,15 @@ class Candidates:
 @dataclass
 class Screen:
     """The screen of some activation rows: approximate logits [N, V] and each row's bound
-    coefficients; candidates and the rows outside them are read from it."""
+    coefficients; candidates and the rows outside them are read from it. `summary`
+    [N, spans]: the kernel's largest score of each span of output rows, so that only the
+    spans near the top are read (None: every row is scanned, as after a mask)."""
 
     head: "CertifiedHead"
     scores: torch.Tensor
     coefficients: torch.Tensor
     finite: torch.Tensor
+    summary: torch.Tensor | None = None
 
     def select(self, margins: torch.Tensor | None = None, rows: list[int] | None = None) -> list[Candidates | None]:
         """Candidates of `rows` (default: every row) within `margins` [len(rows)] of the largest."""
@@ -103,8 +106,9 @@ class Screen:
         every = len(rows) == self.scores.shape[0]
         scores = self.scores if every else self.scores[rows].contiguous()
         coefficients = self.coefficients if every else self.coefficients[rows].contiguous()
+        summary = self.summary if every or self.summary is None else self.summary[rows].contiguous()
         indices, offsets, counts, cuts = native_ops().int8_screen_candidates(
-            scores, head.residual, head.row_norm, head.magnitude, coefficients, margins.contiguous(), head.maxima,
+            scores, summary, head.residual, head.row_norm, head.magnitude, coefficients, margins.contiguous(), head.maxima,
             BF16_UNIT, head.tiny, head.cap)
         out: list[Candidates | None] = []
         for position, (row, count, cut) in enumerate(zip(rows, counts.tolist(), cuts.tolist())):
@@ -117,19 +121,22 @@ class Screen:
             head.stats.rows += 1
         return out
 
+    def _summary_of(self, row: int) -> torch.Tensor | None:
+        return None if self.summary is None else self.summary[row]
+
     def tail_counts(self, row: int, cut: float, step: float, bins: int) -> torch.Tensor:
         """How many output rows outside the candidates below `cut` fall in each bin: bin
         b holds the rows whose upper bound lies in (cut - (b + 1) step, cut - b step], the
         last bin every row further down."""
         head = self.head
-        return native_ops().int8_screen_tail(self.scores[row], head.residual, head.row_norm, head.magnitude,
+        return native_ops().int8_screen_tail(self.scores[row], self._summary_of(row), head.residual, head.row_norm, head.magnitude,
                                              self.coefficients[row], head.maxima, BF16_UNIT, head.tiny, cut, step,
                                              bins, 0, -1)
 
     def tail_row(self, row: int, cut: float, step: float, bins: int, bin: int, pick: int) -> int:
         """The `pick`-th (ascending) output row of bin `bin` (see `tail_counts`)."""
         head = self.head
-        return int(native_ops().int8_screen_tail(self.scores[row], head.residual, head.row_norm, head.magnitude,
+        return int(native_ops().int8_screen_tail(self.scores[row], self._summary_of(row), head.residual, head.row_norm, head.magnitude,
                                                  self.coefficients[row], head.maxima, BF16_UNIT, head.tiny, cut, step,
                                                  bins, bin, pick)[0])
 
@@ -211,8 +218,8 @@ class CertifiedHead:
     def screen(self, hidden: torch.Tensor) -> Screen:
         """The screen of every row of `hidden` [N, H] (one pass over the int8 copy)."""
         codes, alpha, coefficients, finite = self.quantize(hidden)
-        scores = native_ops().int8_screen(codes, alpha, self.codes, self.scales, self.vocab, self.group)
-        return Screen(self, scores, coefficients, finite)
+        scores, summary = native_ops().int8_screen(codes, alpha, self.codes, self.scales, self.vocab, self.group)
+        return Screen(self, scores, coefficients, finite, summary)
 
     def select(self, hidden: torch.Tensor, margins: torch.Tensor | None = None) -> list[Candidates | None]:
         """Per row of `hidden` [N, H]: the output rows whose plain logit could lie within
@@ -238,7 +245,7 @@ class CertifiedHead:
         screen = self.screen(hidden)
         if allowed is not None:
             screen = Screen(self, screen.scores.masked_fill(~allowed, float("-inf")), screen.coefficients,
-                            screen.finite)
+                            screen.finite)  # no summary: the mask lowered some spans' largest score
         found = screen.select()
         tokens = torch.empty(hidden.shape[0], dtype=torch.long)
         certified = [r for r, c in enumerate(found) if c is not None]

@@ -18,6 +18,12 @@
 // Packed layout: [ceil(N / 16), K / 2, 16, 2] int8 (K a whole number of groups; zero past
 // N or the weight's K): per pair of k one 32-byte load gives lane i the weights
 // (q[16 j + i, 2 p], q[16 j + i, 2 p + 1]). Scales: [ceil(N / 16), G, 16] float32.
+//
+// The screen also summarises each row: the largest s over every span of kSpan output rows
+// (NaN counted as +inf), written while the span is still in cache. The candidates and a
+// sampler's tail then read the summary and visit only the spans that can hold a row near
+// the top: one or a few of 256, where two passes over the whole row cost as much as a
+// decode step's products of one more token.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -29,6 +35,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
+#include <tuple>
 #include <vector>
 
 #include "cpu_features.h"
@@ -36,6 +44,8 @@
 namespace {
 
 constexpr int64_t kLanes = 16;  // output rows per block
+constexpr int64_t kBlocksPerTask = 64;  // a task streams these blocks' weights once for all its row tiles
+constexpr int64_t kSpan = kBlocksPerTask * kLanes;  // output rows per summarised span: one task's blocks
 
 #define LONGSPEC_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
 #define LONGSPEC_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
@@ -56,7 +66,65 @@ struct Operands {
   const float* scales;
   int64_t K, group, groups, N;
   float* s;
+  float* span_max;  // [M, spans]: the largest s of each span of kSpan output rows, NaN as +inf
+  int64_t spans;
+  float (*span_maximum)(const float*, int64_t);  // the summary's kernel on the screen's instruction set
 };
+
+// The largest of n values, +inf where one is NaN (a summary that must never hide a row).
+// max_ps(v, top) returns `top` where v is NaN; NaNs are caught by an unordered compare.
+LONGSPEC_AVX512 float span_maximum_avx512(const float* values, int64_t n) {
+  __m512 top = _mm512_set1_ps(-INFINITY);
+  __mmask16 not_a_number = 0;
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const __m512 v = _mm512_loadu_ps(values + i);
+    not_a_number |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    top = _mm512_max_ps(v, top);
+  }
+  float best = _mm512_reduce_max_ps(top);
+  for (; i < n; ++i) {
+    not_a_number |= values[i] != values[i];
+    best = values[i] > best ? values[i] : best;
+  }
+  return not_a_number ? INFINITY : best;
+}
+
+LONGSPEC_AVX2_FMA float span_maximum_avx2(const float* values, int64_t n) {
+  __m256 top = _mm256_set1_ps(-INFINITY), not_a_number = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(values + i);
+    not_a_number = _mm256_or_ps(not_a_number, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    top = _mm256_max_ps(v, top);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, top);
+  float best = -INFINITY;
+  for (float lane : lanes) best = lane > best ? lane : best;
+  bool nan = _mm256_movemask_ps(not_a_number) != 0;
+  for (; i < n; ++i) {
+    nan |= values[i] != values[i];
+    best = values[i] > best ? values[i] : best;
+  }
+  return nan ? INFINITY : best;
+}
+
+float span_maximum_scalar(const float* values, int64_t n) {
+  float best = -INFINITY;
+  bool nan = false;
+  for (int64_t i = 0; i < n; ++i) {
+    nan |= values[i] != values[i];
+    best = values[i] > best ? values[i] : best;
+  }
+  return nan ? INFINITY : best;
+}
+
+// Rows [0, M) of span `span` (blocks [span * kBlocksPerTask, ...)), once their screen is written.
+void summarize_span(const Operands& o, int64_t M, int64_t span) {
+  const int64_t first = span * kSpan, n = o.N - first < kSpan ? o.N - first : kSpan;
+  for (int64_t r = 0; r < M; ++r) o.span_max[r * o.spans + span] = o.span_maximum(o.s + r * o.N + first, n);
+}
 
 using Tile = void (*)(const Operands& o, int64_t row, int64_t block);
 
@@ -290,7 +358,6 @@ void screen_amx(const Operands& o, int64_t M) {
     xl[i] = static_cast<uint8_t>(o.x[i] & 0xFF);
   }
   const int64_t blocks = (o.N + kLanes - 1) / kLanes;
-  constexpr int64_t kBlocksPerTask = 64;
   at::parallel_for(0, (blocks + kBlocksPerTask - 1) / kBlocksPerTask, 1, [&](int64_t begin, int64_t end) {
     amx_configure();  // per thread: the tile configuration is a thread's state
     for (int64_t task = begin; task < end; ++task) {
@@ -298,6 +365,7 @@ void screen_amx(const Operands& o, int64_t M) {
       const int64_t last = first + kBlocksPerTask < blocks ? first + kBlocksPerTask : blocks;
       for (int64_t row = 0; row < M; row += kAmxRows)  // a task's weights stay in cache for every row tile
         amx_rows(o, xh.data(), xl.data(), row, M - row < kAmxRows ? M - row : kAmxRows, first, last);
+      summarize_span(o, M, task);
     }
     amx_release();
   });
@@ -353,13 +421,16 @@ void screen_rows(const Operands& o, int64_t M, Isa isa) {
   }
   const int64_t blocks = (o.N + kLanes - 1) / kLanes;
   if (isa == Isa::kScalar) {
-    at::parallel_for(0, blocks, 64, [&](int64_t begin, int64_t end) {
-      for (int64_t j = begin; j < end; ++j) tile_scalar(o, 0, M, j);
+    at::parallel_for(0, o.spans, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t span = begin; span < end; ++span) {
+        const int64_t last = (span + 1) * kBlocksPerTask < blocks ? (span + 1) * kBlocksPerTask : blocks;
+        for (int64_t j = span * kBlocksPerTask; j < last; ++j) tile_scalar(o, 0, M, j);
+        summarize_span(o, M, span);
+      }
     });
     return;
   }
   const int64_t row_tile = tiles_for(isa, 1 << 20).rows;
-  constexpr int64_t kBlocksPerTask = 64;  // a task streams these blocks' weights once for all its row tiles
   at::parallel_for(0, (blocks + kBlocksPerTask - 1) / kBlocksPerTask, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t first = task * kBlocksPerTask;
@@ -370,12 +441,14 @@ void screen_rows(const Operands& o, int64_t M, Isa isa) {
         for (; b + tiles.blocks <= last; b += tiles.blocks) tiles.wide(o, r0, b);
         for (; b < last; ++b) tiles.single(o, r0, b);
       }
+      summarize_span(o, M, task);
     }
   });
 }
 
-at::Tensor screen_on(Isa isa, const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& packed,
-                     const at::Tensor& scales, int64_t n, int64_t group) {
+std::tuple<at::Tensor, at::Tensor> screen_on(Isa isa, const at::Tensor& x, const at::Tensor& alpha,
+                                             const at::Tensor& packed, const at::Tensor& scales, int64_t n,
+                                             int64_t group) {
   TORCH_CHECK(x.scalar_type() == at::kShort && x.dim() == 2 && x.is_contiguous(), "x: contiguous int16 [M, K]");
   TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 4 && packed.size(2) == kLanes &&
                   packed.size(3) == 2 && packed.is_contiguous(), "a head packed by certified_head.py");
@@ -388,15 +461,21 @@ at::Tensor screen_on(Isa isa, const at::Tensor& x, const at::Tensor& alpha, cons
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == blocks * groups * kLanes,
               "scales: float32 [blocks, groups, 16]");
   at::Tensor s = at::empty({M, n}, alpha.options());
+  const int64_t spans = (n + kSpan - 1) / kSpan;
+  at::Tensor span_max = at::empty({M, spans}, alpha.options());
   const Operands o{x.data_ptr<int16_t>(), alpha.data_ptr<float>(), packed.data_ptr<int8_t>(), scales.data_ptr<float>(),
-                   K, group, groups, n, s.data_ptr<float>()};
+                   K, group, groups, n, s.data_ptr<float>(), span_max.data_ptr<float>(), spans,
+                   isa == Isa::kScalar ? span_maximum_scalar
+                   : isa == Isa::kAvx2 ? span_maximum_avx2
+                                       : span_maximum_avx512};
   if (M) screen_rows(o, M, isa);
-  return s;
+  return {s, span_max};
 }
 
-// s = the screen of every row of x [M, K] (int16 codes, scales alpha [M, G]), on the
-// best instruction set of this CPU.
-at::Tensor screen(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& packed, const at::Tensor& scales,
+// s = the screen of every row of x [M, K] (int16 codes, scales alpha [M, G]), and its
+// summary (the largest s of each span of kSpan output rows), on the best instruction set
+// of this CPU.
+std::tuple<at::Tensor, at::Tensor> screen(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& packed, const at::Tensor& scales,
                   int64_t n, int64_t group) {
   static const Isa isa = best_isa();
   // One row reads the codes at the memory's rate on any path; from a few rows on, the
@@ -407,7 +486,7 @@ at::Tensor screen(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor
 }
 
 // The same on a named instruction set (tests: every path this CPU can run).
-at::Tensor screen_with(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& packed, const at::Tensor& scales,
+std::tuple<at::Tensor, at::Tensor> screen_with(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& packed, const at::Tensor& scales,
                        int64_t n, int64_t group, int64_t isa) {
   const Isa named = static_cast<Isa>(isa);
   TORCH_CHECK(isa >= 0 && isa <= 4, "isa: 0 VNNI, 1 AVX-512, 2 AVX2, 3 scalar, 4 AMX");
@@ -434,8 +513,10 @@ std::vector<int64_t> screen_isas() {
 // reaches the largest lower bound lo_j = s_j - B_j - u (|s_j| + B_j) less the row's
 // margin (0: the rows that could hold the argmax; a sampler asks for the rows within a
 // margin of it), with (a, d, b) per row of h (coefficients [M, 3]: its norms times the
-// error constants) and e, w, c per output row. Computed in double. A row with more than `cap` candidates, or a non-finite screen, gets none and
-// count -1 (the caller then takes the full head for it). Returns (indices [total],
+// error constants) and e, w, c per output row. Computed in double. A row with more than
+// `cap` candidates, or a non-finite screen, gets none and count -1 (the caller then takes
+// the full head for it). `summary`: the screen's span maxima (then only the spans that
+// reach the threshold are read; the same rows are found). Returns (indices [total],
 // offsets [M + 1] into them, counts [M]).
 // Append to `out`, ascending, every i in [begin, end) with !(row[i] < threshold): the rows
 // at or above it, and NaN. Sixteen at a time where AVX-512 has them (almost every block
@@ -466,10 +547,15 @@ void scan_at_or_above(const float* row, int64_t begin, int64_t end, float thresh
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> candidates(
-    const at::Tensor& s, const at::Tensor& e, const at::Tensor& w, const at::Tensor& c, const at::Tensor& coefficients,
-    const at::Tensor& margins, const at::Tensor& maxima, double u, double tiny, int64_t cap) {
+    const at::Tensor& s, const std::optional<at::Tensor>& summary, const at::Tensor& e, const at::Tensor& w,
+    const at::Tensor& c, const at::Tensor& coefficients, const at::Tensor& margins, const at::Tensor& maxima, double u,
+    double tiny, int64_t cap) {
   TORCH_CHECK(s.scalar_type() == at::kFloat && s.dim() == 2 && s.is_contiguous(), "s: float32 [M, N]");
-  const int64_t M = s.size(0), N = s.size(1);
+  const int64_t M = s.size(0), N = s.size(1), spans = (N + kSpan - 1) / kSpan;
+  TORCH_CHECK(!summary.has_value() || (summary->scalar_type() == at::kFloat && summary->is_contiguous() &&
+                                       summary->dim() == 2 && summary->size(0) == M && summary->size(1) == spans),
+              "summary: float32 [M, spans], the screen's own");
+  const float* span_max = summary.has_value() ? summary->data_ptr<float>() : nullptr;
   for (const at::Tensor* t : {&e, &w, &c})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() == N && t->is_contiguous(), "e, w, c: float32 [N]");
   TORCH_CHECK(coefficients.scalar_type() == at::kDouble && coefficients.is_contiguous() && coefficients.numel() == 3 * M,
@@ -498,7 +584,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> candidates(
       // A threshold no candidate's screen is below: the lower bound of the largest score
       // with the largest band (<= every largest lower bound), then the least score whose
       // upper bound with the largest band reaches it, as a float rounded down.
-      const float top = at::parallel_reduce(0, N, span_grain, -INFINITY, [&](int64_t lo, int64_t hi, float best) {
+      const float* summary = span_max != nullptr ? span_max + r * spans : nullptr;
+      const float top = summary != nullptr ? span_maximum_scalar(summary, spans)
+                                           : at::parallel_reduce(0, N, span_grain, -INFINITY,
+                                                                 [&](int64_t lo, int64_t hi, float best) {
 #pragma omp simd reduction(max : best)
         for (int64_t i = lo; i < hi; ++i) best = row[i] > best ? row[i] : best;
         return best;
@@ -513,17 +602,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> candidates(
       const double reach = target - band_max * (1 + u);
       const double least = reach >= 0 ? reach / (1 + u) : reach / (1 - u);
       const float threshold = std::nextafter(std::nextafter(static_cast<float>(least), -INFINITY), -INFINITY);
-      // Rows at or above the threshold, and NaN (no certificate), in ascending order.
-      const int64_t spans = (N + span_grain - 1) / span_grain;
-      std::vector<std::vector<int64_t>> parts(spans);
-      at::parallel_for(0, spans, 1, [&](int64_t lo, int64_t hi) {
-        for (int64_t part = lo; part < hi; ++part) {
-          const int64_t last = (part + 1) * span_grain < N ? (part + 1) * span_grain : N;
-          scan_at_or_above(row, part * span_grain, last, threshold, parts[part]);
-        }
-      });
+      // Rows at or above the threshold, and NaN (no certificate), in ascending order: in the
+      // spans whose summary reaches the threshold (a NaN's span is +inf), else everywhere.
       std::vector<int64_t> near;
-      for (const auto& part : parts) near.insert(near.end(), part.begin(), part.end());
+      if (summary != nullptr) {
+        for (int64_t span = 0; span < spans; ++span)
+          if (!(summary[span] < threshold))
+            scan_at_or_above(row, span * kSpan, (span + 1) * kSpan < N ? (span + 1) * kSpan : N, threshold, near);
+      } else {
+        const int64_t parts_count = (N + span_grain - 1) / span_grain;
+        std::vector<std::vector<int64_t>> parts(parts_count);
+        at::parallel_for(0, parts_count, 1, [&](int64_t lo, int64_t hi) {
+          for (int64_t part = lo; part < hi; ++part) {
+            const int64_t last = (part + 1) * span_grain < N ? (part + 1) * span_grain : N;
+            scan_at_or_above(row, part * span_grain, last, threshold, parts[part]);
+          }
+        });
+        for (const auto& part : parts) near.insert(near.end(), part.begin(), part.end());
+      }
       bool not_a_number = false;
       for (int64_t i : near) not_a_number |= std::isnan(row[i]);
       if (not_a_number) {
@@ -629,16 +725,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize(const at::Te
 // down, so every row of bin b has hi_i <= cut - b step (its envelope). `pick` >= 0 asks
 // instead for the pick-th row (ascending) of bin `bin`. Rows far below need no exact
 // bound: a float test with the largest band puts them in the last bin.
+// The screen below which a row's upper bound cannot reach the last bin's top: such rows
+// are in the last bin.
+float far_below(const double* k, const double* maxima, double u, double tiny, double cut, double step, int64_t bins) {
+  const double band_max = k[0] * maxima[0] + k[1] * maxima[1] + k[2] * maxima[2] + tiny;
+  const double last_top = cut - (bins - 1) * step;
+  const double reach = last_top - band_max * (1 + u);
+  const double least = reach >= 0 ? reach / (1 + u) : reach / (1 - u);
+  return std::nextafter(std::nextafter(static_cast<float>(least), -INFINITY), -INFINITY);
+}
+
 template <class Visit>
 void tail_bins(const float* row, int64_t begin, int64_t N, const float* ep, const float* wp, const float* cp,
                const double* k, const double* maxima, double u, double tiny, double cut, double step, int64_t bins,
                Visit visit) {
   const double a = k[0], d = k[1], b = k[2];
-  const double band_max = a * maxima[0] + d * maxima[1] + b * maxima[2] + tiny;
-  const double last_top = cut - (bins - 1) * step;  // rows whose bound cannot reach this are in the last bin
-  const double reach = last_top - band_max * (1 + u);
-  const double least = reach >= 0 ? reach / (1 + u) : reach / (1 - u);
-  const float far = std::nextafter(std::nextafter(static_cast<float>(least), -INFINITY), -INFINITY);
+  const float far = far_below(k, maxima, u, tiny, cut, step, bins);
   for (int64_t i = begin; i < N; ++i) {
     if (row[i] < far) {
       visit(i, bins - 1);
@@ -652,11 +754,15 @@ void tail_bins(const float* row, int64_t begin, int64_t N, const float* ep, cons
   }
 }
 
-at::Tensor tail(const at::Tensor& s, const at::Tensor& e, const at::Tensor& w, const at::Tensor& c,
-                const at::Tensor& coefficients, const at::Tensor& maxima, double u, double tiny, double cut,
-                double step, int64_t bins, int64_t bin, int64_t pick) {
+at::Tensor tail(const at::Tensor& s, const std::optional<at::Tensor>& summary, const at::Tensor& e,
+                const at::Tensor& w, const at::Tensor& c, const at::Tensor& coefficients, const at::Tensor& maxima,
+                double u, double tiny, double cut, double step, int64_t bins, int64_t bin, int64_t pick) {
   TORCH_CHECK(s.scalar_type() == at::kFloat && s.dim() == 1 && s.is_contiguous(), "s: one row of the screen, float32");
-  const int64_t N = s.numel();
+  const int64_t N = s.numel(), spans = (N + kSpan - 1) / kSpan;
+  TORCH_CHECK(!summary.has_value() || (summary->scalar_type() == at::kFloat && summary->is_contiguous() &&
+                                       summary->numel() == spans),
+              "summary: float32 [spans], the screen's own for this row");
+  const float* span_max = summary.has_value() ? summary->data_ptr<float>() : nullptr;
   TORCH_CHECK(e.numel() == N && w.numel() == N && c.numel() == N && coefficients.numel() == 3 && maxima.numel() == 3 &&
                   coefficients.scalar_type() == at::kDouble && maxima.scalar_type() == at::kDouble,
               "the head's constants and one row's coefficients");
@@ -665,13 +771,17 @@ at::Tensor tail(const at::Tensor& s, const at::Tensor& e, const at::Tensor& w, c
   const float *ep = e.data_ptr<float>(), *wp = w.data_ptr<float>(), *cp = c.data_ptr<float>();
   const double *k = coefficients.data_ptr<double>(), *m = maxima.data_ptr<double>();
   if (pick < 0) {  // counts per bin, the row split among the threads
-    constexpr int64_t kSpan = 16384;
-    const int64_t spans = (N + kSpan - 1) / kSpan;
+    // A span whose summary is below `far` lies in the last bin whole.
+    const float far = far_below(k, m, u, tiny, cut, step, bins);
     std::vector<std::vector<int64_t>> partial(spans, std::vector<int64_t>(bins, 0));
-    at::parallel_for(0, spans, 1, [&](int64_t lo, int64_t hi) {
+    at::parallel_for(0, spans, 16, [&](int64_t lo, int64_t hi) {
       for (int64_t part = lo; part < hi; ++part) {
         auto& count = partial[part];
         const int64_t end = (part + 1) * kSpan < N ? (part + 1) * kSpan : N;
+        if (span_max != nullptr && span_max[part] < far) {
+          count[bins - 1] += end - part * kSpan;
+          continue;
+        }
         tail_bins(row, part * kSpan, end, ep, wp, cp, k, m, u, tiny, cut, step, bins,
                   [&](int64_t, int64_t b) { ++count[b]; });
       }
@@ -695,17 +805,18 @@ at::Tensor tail(const at::Tensor& s, const at::Tensor& e, const at::Tensor& w, c
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(longspec_native, m) {
-  m.def("int8_screen(Tensor x, Tensor alpha, Tensor packed, Tensor scales, int n, int group) -> Tensor");
+  m.def("int8_screen(Tensor x, Tensor alpha, Tensor packed, Tensor scales, int n, int group) -> (Tensor, Tensor)");
   m.impl("int8_screen", c10::DispatchKey::CPU, TORCH_FN(screen));
-  m.def("int8_screen_with(Tensor x, Tensor alpha, Tensor packed, Tensor scales, int n, int group, int isa) -> Tensor");
+  m.def("int8_screen_with(Tensor x, Tensor alpha, Tensor packed, Tensor scales, int n, int group, int isa) -> "
+        "(Tensor, Tensor)");
   m.impl("int8_screen_with", c10::DispatchKey::CPU, TORCH_FN(screen_with));
   m.def("int8_screen_isas() -> int[]", &screen_isas);
-  m.def("int8_screen_candidates(Tensor s, Tensor e, Tensor w, Tensor c, Tensor coefficients, Tensor margins, "
-        "Tensor maxima, float u, float tiny, int cap) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("int8_screen_candidates(Tensor s, Tensor? summary, Tensor e, Tensor w, Tensor c, Tensor coefficients, "
+        "Tensor margins, Tensor maxima, float u, float tiny, int cap) -> (Tensor, Tensor, Tensor, Tensor)");
   m.impl("int8_screen_candidates", c10::DispatchKey::CPU, TORCH_FN(candidates));
   m.def("int8_screen_quantize(Tensor h, int group, int groups, float gamma) -> (Tensor, Tensor, Tensor, Tensor)");
   m.impl("int8_screen_quantize", c10::DispatchKey::CPU, TORCH_FN(quantize));
-  m.def("int8_screen_tail(Tensor s, Tensor e, Tensor w, Tensor c, Tensor coefficients, Tensor maxima, float u, "
-        "float tiny, float cut, float step, int bins, int bin, int pick) -> Tensor");
+  m.def("int8_screen_tail(Tensor s, Tensor? summary, Tensor e, Tensor w, Tensor c, Tensor coefficients, "
+        "Tensor maxima, float u, float tiny, float cut, float step, int bins, int bin, int pick) -> Tensor");
   m.impl("int8_screen_tail", c10::DispatchKey::CPU, TORCH_FN(tail));
 }
