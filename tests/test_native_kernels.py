@@ -48,30 +48,36 @@ def products():
     return ops
 
 
-class Avx2Attention:
-    """The native ops with the attention kernels on their AVX2 path."""
+class VectorAttention:
+    """The native ops with the attention kernels on a named vector path (`avx512`, `avx2`)."""
 
-    def __init__(self, ops):
-        self.ops = ops
+    def __init__(self, ops, path: str):
+        self.ops, self.path = ops, path
 
     def few_query_attention(self, *args):
-        return self.ops.few_query_attention_avx2(*args)
+        return getattr(self.ops, f"few_query_attention_{self.path}")(*args)
 
     def ordered_attention(self, *args):
-        return self.ops.ordered_attention_avx2(*args)
+        return getattr(self.ops, f"ordered_attention_{self.path}")(*args)
 
 
-@pytest.fixture(params=["native", "avx2"])
+ATTENTION_PATH = OPS.attention_path() if OPS is not None else None
+
+
+@pytest.fixture(params=["native", "avx512", "avx2"])
 def attention_kernel(request, monkeypatch):
-    """The attention kernels this CPU runs, and their AVX2 path where it is not that one
-    (a CPU with AVX-512 BF16 takes it only here): each must pass every attention test."""
+    """The attention kernels this CPU runs, and the vector paths where they are not that one
+    (a CPU with AMX takes AVX-512 BF16 only here, one with AVX-512 BF16 takes AVX2 only
+    here): each must pass every attention test."""
     if OPS is None:
         pytest.skip("native bf16 kernels unavailable here (reason logged)")
     if request.param == "native":
         return OPS
-    if not (AVX2 and AVX512_BF16):
+    if request.param == "avx512" and ATTENTION_PATH != "amx":
+        pytest.skip("the AVX-512 BF16 path is the native one on this CPU, or it has none")
+    if request.param == "avx2" and not (AVX2 and AVX512_BF16):
         pytest.skip("the AVX2 path is the native one on this CPU, or it has no AVX2")
-    ops = Avx2Attention(OPS)
+    ops = VectorAttention(OPS, request.param)
     monkeypatch.setattr("longspec.runtime.attention.attention_ops", lambda: ops)
     return ops
 

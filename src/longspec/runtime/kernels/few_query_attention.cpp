@@ -19,9 +19,10 @@
 //   token verified inside a tree gets the same bits as the same token decoded alone,
 //   and speculative decoding in bf16 returns exactly plain decoding's tokens.
 //
-// Instruction sets: AVX-512 BF16 (bf16 dot products), else AVX2 with FMA (queries, keys and
-// values widened to float32). Only the kernels are compiled for them; `attention_supported()`
-// can be asked on any CPU.
+// Instruction sets: AMX where Linux grants its bf16 tiles (scores by tile products, values as
+// on AVX-512 BF16), else AVX-512 BF16 (bf16 dot products), else AVX2 with FMA (queries, keys
+// and values widened to float32). Only the kernels are compiled for them;
+// `attention_supported()` can be asked on any CPU.
 //
 // Why a kernel of our own: for a few queries per head, PyTorch's CPU flash kernel spends
 // several times the K/V read in setup (docs/lab-notes/native-kernels.md#decode-at-the-bandwidth-floor-native-cpu-kernels-issue-runtime-speed,
@@ -48,6 +49,7 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -95,6 +97,7 @@ struct Avx512Bf16 {
   static constexpr int kScoreQueries = 4;   // queries sharing one load of a key row (independent dot chains)
   static constexpr int kValueQueries = 16;  // queries sharing one conversion of a value row (accumulators in registers)
   static constexpr bool kFloatQueries = false;
+  static constexpr bool kTiles = false;  // scores by AMX tiles (`Avx512Tiles`)
 
   // exp(x) for x <= 0 (Cephes' single-precision polynomial, within ~2 float ulps; far below one bf16 ulp);
   // -inf gives exactly 0.
@@ -205,6 +208,7 @@ struct Avx2Fma {
   static constexpr int kScoreQueries = 8;
   static constexpr int kValueQueries = 12;
   static constexpr bool kFloatQueries = true;
+  static constexpr bool kTiles = false;
 
   // exp(x) for x <= 0, the same polynomial; 2^n built in the exponent field, so x is held at
   // -87 or above (exp(-87) is the smallest normal float's order: what it adds to a sum with a
@@ -329,6 +333,7 @@ struct HeadTask {
   RowKeys keys;
   int64_t T, D, q_begin, q_end;
   float scale;
+  const uint16_t* query_tiles;  // AMX: the task's queries as B tiles (`query_tiles`), else nullptr
 };
 
 // Per-thread scratch for one block of positions.
@@ -339,7 +344,93 @@ struct Workspace {
   std::vector<float> queries;     // [queries, D]: the task's queries in float32 (instruction sets without bf16 dots)
   std::vector<uint8_t> any_seen;  // [entries of the block]: some query sees the entry (others are never read)
   std::vector<const uint16_t*> value_rows;  // [entries of the block]
+  std::vector<uint16_t> key_rows;           // AMX: 16 key rows gathered where their slots are not evenly spaced
 };
+
+// ---------------------------------------------------------------- AMX tiles (scores)
+// CPUs with AMX score a block's keys by bf16 tile products: 16 keys (the A tile, read in
+// place from the cache) against up to 16 queries (the B tile) per product, 32 dimensions
+// a step, float32 sums. Values are then accumulated as on AVX-512 BF16 (the same
+// registers' float32 FMAs). A score's sum runs in the tile unit's order over its own
+// query and key alone, so a query's bits are fixed by the keys it sees here too; they
+// are not the vector path's, so a process takes one path for every call, chosen once
+// (`LONGSPEC_AMX=0` keeps the vector path), as the products do.
+struct Avx512Tiles : Avx512Bf16 {
+  static constexpr bool kTiles = true;
+};
+
+#if LONGSPEC_HAS_AMX
+#define LONGSPEC_AMX_ATTENTION __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
+
+LONGSPEC_AMX_ATTENTION void tiles_begin() {
+  TileConfig config;
+  for (int t = 0; t < 3; ++t) {  // 0: sums [16 keys, 16 queries]; 1: keys [16, 32 dims]; 2: queries [16 pairs, 16 x 2]
+    config.rows[t] = 16;
+    config.bytes_per_row[t] = 64;
+  }
+  load_tile_config(config);
+}
+
+LONGSPEC_AMX_ATTENTION void tiles_end() { _tile_release(); }
+
+
+// The scores of a block's n entries (from entry e0) for the task's queries, into `scores`
+// by lane as the vector path writes them: a query's score of an entry it sees, -inf else.
+LONGSPEC_AMX_ATTENTION void tile_scores(const HeadTask& task, int64_t e0, int64_t n, int64_t base, bool uniform,
+                                        bool consecutive, int64_t queries, Workspace& ws) {
+  const RowKeys& keys = task.keys;
+  const int64_t D = task.D, steps = D / 32;
+  alignas(64) float sums[16 * 16];
+  const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(16));
+  const __m512 scale = _mm512_set1_ps(task.scale);
+  for (int64_t i0 = 0; i0 < n; i0 += 16) {
+    const int64_t m = n - i0 < 16 ? n - i0 : 16;
+    const int64_t first = keys.slot(e0 + i0);
+    bool in_place = m == 16;
+    for (int64_t j = 1; in_place && j < 16; ++j) in_place = keys.slot(e0 + i0 + j) == first + j;
+    const uint16_t* rows = task.k + first * task.k_stride;
+    int64_t stride = task.k_stride * 2;
+    if (!in_place) {  // a ring's wrap, a tree's pending tokens, a block's last few keys
+      ws.key_rows.assign(16 * D, 0);
+      for (int64_t j = 0; j < m; ++j)
+        std::copy_n(task.k + keys.slot(e0 + i0 + j) * task.k_stride, D, ws.key_rows.data() + j * D);
+      rows = ws.key_rows.data();
+      stride = D * 2;
+    }
+    for (int64_t g = 0; g < queries; g += 16) {
+      _tile_zero(0);
+      for (int64_t step = 0; step < steps; ++step) {
+        _tile_loadd(1, rows + step * 32, stride);
+        _tile_loadd(2, task.query_tiles + ((g / 16) * steps + step) * 16 * 32, 64);
+        _tile_dpbf16ps(0, 1, 2);
+      }
+      _tile_stored(0, sums, 64);
+      const int64_t in_group = queries - g < 16 ? queries - g : 16;
+      if (consecutive && m == 16) {  // 16 lanes in a row that every query sees: a query's scores are a column
+        const int64_t lane = keys.position(e0 + i0) - base;
+        for (int64_t k = 0; k < in_group; ++k)
+          _mm512_storeu_ps(ws.scores.data() + (g + k) * kBlock + lane,
+                           _mm512_mul_ps(_mm512_i32gather_ps(column, sums + k, 4), scale));
+        continue;
+      }
+      for (int64_t j = 0; j < m; ++j) {
+        if (!ws.any_seen[i0 + j]) continue;
+        const int64_t e = e0 + i0 + j, lane = keys.position(e) - base;
+        for (int64_t k = 0; k < in_group; ++k)
+          if (uniform || keys.seen((task.q_begin + g + k) % task.T, e))
+            ws.scores[(g + k) * kBlock + lane] = sums[j * 16 + k] * task.scale;
+      }
+    }
+  }
+}
+#else
+void tiles_begin() {}
+void tiles_end() {}
+void tile_scores(const HeadTask&, int64_t, int64_t, int64_t, bool, bool, int64_t, Workspace&) {
+  TORCH_CHECK(false, "this build has no AMX path");
+}
+#endif
 
 struct Partial {  // one chunk's softmax state for one query: acc holds sum_s exp(score_s - max) v_s
   float max;
@@ -372,26 +463,39 @@ void attend_chunk(const HeadTask& task, int64_t e_begin, int64_t e_end, Workspac
     const int64_t n = e1 - e0;
     ws.any_seen.resize(n);
     ws.value_rows.resize(n);
-    // Uniform: every query sees every entry; then one entry per position, lanes consecutive
-    // when the positions are (the committed prefix of a decode step or a tree).
-    const bool uniform = e1 <= keys.shared || keys.visible == nullptr;
-    const bool consecutive = uniform && keys.position(e1 - 1) - keys.position(e0) == n - 1;
+    // Uniform: every query sees every entry (the shared prefix; or, from the mask, a block
+    // inside every query's window: a sliding layer's ring); then one entry per position,
+    // lanes consecutive when the positions are (a committed prefix). The same scores and
+    // weights either way: a uniform block only skips the mask.
+    bool uniform = e1 <= keys.shared || keys.visible == nullptr;
     // Which entries some query of the task sees; an entry no query sees is never read.
-    bool any_key = uniform;
+    bool any_key = uniform, every_key = true;
     for (int64_t i = 0; i < n; ++i) {
-      bool seen = uniform;
-      for (int64_t q = task.q_begin; q < last_token_query && !seen; ++q) seen = keys.seen(q % task.T, e0 + i);
+      bool seen = uniform, by_all = true;
+      for (int64_t q = task.q_begin; q < last_token_query && !uniform; ++q) {
+        const bool sees = keys.seen(q % task.T, e0 + i);
+        seen |= sees;
+        by_all &= sees;
+      }
       ws.any_seen[i] = seen;
       ws.value_rows[i] = task.v + keys.slot(e0 + i) * task.v_stride;
       any_key |= seen;
+      every_key &= by_all;
     }
+    uniform |= every_key;
+    const bool consecutive = uniform && keys.position(e1 - 1) - keys.position(e0) == n - 1;
     if (!any_key) {
       e0 = e1;
       continue;
     }
     // Scores by lane: a query sees at most one entry per position, so lanes never collide.
     std::fill(ws.scores.begin(), ws.scores.end(), kNone);
-    for (int64_t i = 0; i < n; ++i) {
+    if constexpr (Isa::kTiles) {
+      for (int64_t i = 0; i < n; ++i)
+        if (ws.any_seen[i]) prefetch_row(ws.value_rows[i], D);
+      tile_scores(task, e0, n, base, uniform, consecutive, queries, ws);
+    }
+    for (int64_t i = 0; i < n && !Isa::kTiles; ++i) {
       if (!ws.any_seen[i]) continue;
       // The value rows are read next, across all rows per few values: fetch them while scoring.
       prefetch_row(ws.value_rows[i], D);
@@ -463,16 +567,44 @@ struct Chunk {
 
 using ChunkFn = void (*)(const HeadTask&, int64_t, int64_t, Workspace&, Partial*, float*);
 
-// The kernel on the best instruction set of this CPU (or on AVX2 where `avx2` asks for it).
-ChunkFn chunk_kernel(bool avx2) {
-  static const bool avx512 = avx512_bf16_supported();
-  if (avx512 && !avx2) return attend_chunk<Avx512Bf16>;
-  TORCH_CHECK(avx2_fma_supported(), "the native attention kernels need AVX-512 BF16 or AVX2 with FMA");
-  return attend_chunk<Avx2Fma>;
+// The queries [queries, D] (bf16) from `q` as AMX B tiles: per group of 16 queries and step of
+// 32 dimensions, row p holds each query's dimensions (2p, 2p + 1) of the step; zero past the
+// last query.
+void query_tiles(const uint16_t* q, int64_t queries, int64_t D, uint16_t* out) {
+  const int64_t groups = (queries + 15) / 16, steps = D / 32;
+  std::fill(out, out + groups * steps * 16 * 32, uint16_t(0));
+  for (int64_t query = 0; query < queries; ++query)
+    for (int64_t d = 0; d < D; ++d)
+      out[(((query / 16) * steps + d / 32) * 16 + (d % 32) / 2) * 32 + 2 * (query % 16) + d % 2] = q[query * D + d];
 }
 
+// Which kernel a call takes: this CPU's best, or (tests: CPUs that never take them
+// otherwise) the AVX-512 BF16 vector path or the AVX2 one.
+enum Path : int64_t { kBest = 0, kAvx512 = 1, kAvx2 = 2 };
+
+bool tiles_supported() {
+  static const bool tiles = LONGSPEC_HAS_AMX && avx512_bf16_supported() && amx_bf16_supported();
+  return tiles;
+}
+
+struct Kernel {
+  ChunkFn chunk;
+  bool tiles;  // AMX: each thread configures the tiles once, and the queries come as B tiles
+};
+
+Kernel chunk_kernel(int64_t path) {
+  static const bool avx512 = avx512_bf16_supported();
+  if (path == kBest && tiles_supported()) return {attend_chunk<Avx512Tiles>, true};
+  if (avx512 && path != kAvx2) return {attend_chunk<Avx512Bf16>, false};
+  TORCH_CHECK(path != kAvx512, "this CPU has no AVX-512 BF16");
+  TORCH_CHECK(avx2_fma_supported(), "the native attention kernels need AVX-512 BF16 or AVX2 with FMA");
+  return {attend_chunk<Avx2Fma>, false};
+}
+
+std::string attention_path() { return tiles_supported() ? "amx" : avx512_bf16_supported() ? "avx512" : "avx2"; }
+
 // Attention of q [B, Hq, T, D] over each row's listed keys, chunks of `chunk` positions.
-std::tuple<at::Tensor, at::Tensor> attend(ChunkFn attend_chunk, const at::Tensor& q, const at::Tensor& k,
+std::tuple<at::Tensor, at::Tensor> attend(Kernel kernel, const at::Tensor& q, const at::Tensor& k,
                                           const at::Tensor& v, const std::vector<RowKeys>& rows, int64_t chunk,
                                           double scale) {
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1);
@@ -505,8 +637,21 @@ std::tuple<at::Tensor, at::Tensor> attend(ChunkFn attend_chunk, const at::Tensor
   const auto* qs = reinterpret_cast<const uint16_t*>(q.data_ptr());
   const auto* ks = reinterpret_cast<const uint16_t*>(k.data_ptr());
   const auto* vs = reinterpret_cast<const uint16_t*>(v.data_ptr());
+  // AMX: each (row, K/V head, split)'s queries as B tiles, made once for all of its chunks.
+  const int64_t tile_size = ((per_split + 15) / 16) * (D / 32) * 16 * 32;
+  std::vector<uint16_t> tiles(kernel.tiles ? B * Hkv * splits * tile_size : 0);
+  if (kernel.tiles)
+    at::parallel_for(0, B * Hkv * splits, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t index = begin; index < end; ++index) {
+        const int64_t split = index % splits, g = (index / splits) % Hkv, b = index / (splits * Hkv);
+        const int64_t q_begin = split * per_split, q_end = std::min(queries, q_begin + per_split);
+        if (q_begin < q_end)
+          query_tiles(qs + ((b * Hq + g * group) * T + q_begin) * D, q_end - q_begin, D, tiles.data() + index * tile_size);
+      }
+    });
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     Workspace ws;
+    if (kernel.tiles) tiles_begin();  // the tile configuration is a thread's state
     for (int64_t index = begin; index < end; ++index) {
       const int64_t split = index % splits, g = (index / splits) % Hkv, c = index / (splits * Hkv);
       const Chunk& piece = chunks[c];
@@ -516,10 +661,12 @@ std::tuple<at::Tensor, at::Tensor> attend(ChunkFn attend_chunk, const at::Tensor
       const HeadTask task{qs + (b * Hq + g * group) * T * D,
                           ks + b * k.stride(0) + g * k.stride(1),
                           vs + b * v.stride(0) + g * v.stride(1),
-                          k.stride(2), v.stride(2), rows[b], T, D, q_begin, q_end, static_cast<float>(scale)};
+                          k.stride(2), v.stride(2), rows[b], T, D, q_begin, q_end, static_cast<float>(scale),
+                          kernel.tiles ? tiles.data() + ((b * Hkv + g) * splits + split) * tile_size : nullptr};
       const int64_t slot = (c * Hkv + g) * queries + q_begin;
-      attend_chunk(task, piece.first_entry, piece.end_entry, ws, partials.get() + slot, accs.get() + slot * D);
+      kernel.chunk(task, piece.first_entry, piece.end_entry, ws, partials.get() + slot, accs.get() + slot * D);
     }
+    if (kernel.tiles) tiles_end();
   });
   at::Tensor out = at::empty({B, Hq, T, D}, q.options());
   at::Tensor lse = at::empty({B, Hq, T}, q.options().dtype(at::kFloat));
@@ -580,7 +727,7 @@ std::vector<const bool*> mask_rows(const std::optional<at::Tensor>& visible, int
   return rows;
 }
 
-std::tuple<at::Tensor, at::Tensor> few_query_attention_on(bool avx2, const at::Tensor& q, const at::Tensor& k,
+std::tuple<at::Tensor, at::Tensor> few_query_attention_on(int64_t path, const at::Tensor& q, const at::Tensor& k,
                                                           const at::Tensor& v, const std::optional<at::Tensor>& visible,
                                                           double scale) {
   check_qkv(q, k, v);
@@ -591,10 +738,10 @@ std::tuple<at::Tensor, at::Tensor> few_query_attention_on(bool avx2, const at::T
   TORCH_CHECK(!visible.has_value() || columns == S, "visible [1 or B, T, S]");
   std::vector<RowKeys> rows;
   for (int64_t b = 0; b < B; ++b) rows.push_back({nullptr, nullptr, S, 0, masks[b], columns});
-  return attend(chunk_kernel(avx2), q, k, v, rows, chunk_keys(S, B * k.size(1)), scale);
+  return attend(chunk_kernel(path), q, k, v, rows, chunk_keys(S, B * k.size(1)), scale);
 }
 
-std::tuple<at::Tensor, at::Tensor> ordered_attention_on(bool avx2, const at::Tensor& q, const at::Tensor& k,
+std::tuple<at::Tensor, at::Tensor> ordered_attention_on(int64_t path, const at::Tensor& q, const at::Tensor& k,
                                                         const at::Tensor& v, const at::Tensor& slots,
                                                         const at::Tensor& positions, const at::Tensor& counts,
                                                         const at::Tensor& shared,
@@ -628,24 +775,23 @@ std::tuple<at::Tensor, at::Tensor> ordered_attention_on(bool avx2, const at::Ten
     }
     rows.push_back({slot + b * N, position + b * N, count, common, masks[b], columns});
   }
-  return attend(chunk_kernel(avx2), q, k, v, rows, chunk, scale);
+  return attend(chunk_kernel(path), q, k, v, rows, chunk, scale);
 }
 
-// The kernels on the best instruction set of this CPU, and (tests: CPUs with AVX-512 BF16
-// never take it otherwise) on AVX2.
-template <bool kAvx2>
+// The kernels on the best path of this CPU, and (tests) on a named vector path.
+template <int64_t kPath>
 std::tuple<at::Tensor, at::Tensor> few_query_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                        const std::optional<at::Tensor>& visible, double scale) {
-  return few_query_attention_on(kAvx2, q, k, v, visible, scale);
+  return few_query_attention_on(kPath, q, k, v, visible, scale);
 }
 
-template <bool kAvx2>
+template <int64_t kPath>
 std::tuple<at::Tensor, at::Tensor> ordered_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                      const at::Tensor& slots, const at::Tensor& positions,
                                                      const at::Tensor& counts, const at::Tensor& shared,
                                                      const std::optional<at::Tensor>& visible, int64_t chunk,
                                                      double scale) {
-  return ordered_attention_on(kAvx2, q, k, v, slots, positions, counts, shared, visible, chunk, scale);
+  return ordered_attention_on(kPath, q, k, v, slots, positions, counts, shared, visible, chunk, scale);
 }
 
 bool attention_supported() { return avx512_bf16_supported() || avx2_fma_supported(); }
@@ -658,12 +804,17 @@ TORCH_LIBRARY_FRAGMENT(longspec_native, m) {
 #define LONGSPEC_ORDERED_SCHEMA                                                                       \
   "(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor positions, Tensor counts, Tensor shared, " \
   "Tensor? visible, int chunk, float scale) -> (Tensor, Tensor)"
+  m.def("attention_path() -> str", &attention_path);
   m.def("few_query_attention" LONGSPEC_FEW_QUERY_SCHEMA);
   m.def("ordered_attention" LONGSPEC_ORDERED_SCHEMA);
+  m.def("few_query_attention_avx512" LONGSPEC_FEW_QUERY_SCHEMA);
+  m.def("ordered_attention_avx512" LONGSPEC_ORDERED_SCHEMA);
   m.def("few_query_attention_avx2" LONGSPEC_FEW_QUERY_SCHEMA);
   m.def("ordered_attention_avx2" LONGSPEC_ORDERED_SCHEMA);
-  m.impl("few_query_attention", c10::DispatchKey::CPU, TORCH_FN(few_query_attention<false>));
-  m.impl("ordered_attention", c10::DispatchKey::CPU, TORCH_FN(ordered_attention<false>));
-  m.impl("few_query_attention_avx2", c10::DispatchKey::CPU, TORCH_FN(few_query_attention<true>));
-  m.impl("ordered_attention_avx2", c10::DispatchKey::CPU, TORCH_FN(ordered_attention<true>));
+  m.impl("few_query_attention", c10::DispatchKey::CPU, TORCH_FN(few_query_attention<kBest>));
+  m.impl("ordered_attention", c10::DispatchKey::CPU, TORCH_FN(ordered_attention<kBest>));
+  m.impl("few_query_attention_avx512", c10::DispatchKey::CPU, TORCH_FN(few_query_attention<kAvx512>));
+  m.impl("ordered_attention_avx512", c10::DispatchKey::CPU, TORCH_FN(ordered_attention<kAvx512>));
+  m.impl("few_query_attention_avx2", c10::DispatchKey::CPU, TORCH_FN(few_query_attention<kAvx2>));
+  m.impl("ordered_attention_avx2", c10::DispatchKey::CPU, TORCH_FN(ordered_attention<kAvx2>));
 }
