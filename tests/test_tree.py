@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from longspec.speculation.copied_tree import CopiedTree
+from longspec.speculation.processors import SamplingParams
 from longspec.speculation.tree import Tree
+from longspec.speculation.verification import NodeScores, verify_greedy
 
 
 def random_tree(n: int, seed: int) -> Tree:
@@ -80,3 +82,25 @@ def test_invalid_trees_are_refused():
         CopiedTree.of(Tree.chain(1, [2, 3]), torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="copied_runs"):
         CopiedTree.of(Tree.chain(1, [2]), torch.tensor([0.0, 1.0]))
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_chain_is_verified_greedily_as_any_tree(seed):
+    """The chain's shortcut (up to the first node that misses its parent's target) against
+    the general rule (the deepest node whose whole path matches) on the same nodes plus a
+    leaf below the root that never matches, which makes the tree no chain."""
+    g = torch.Generator().manual_seed(seed)
+    n = 2 + seed
+    tokens = torch.randint(0, 3, (n,), generator=g)
+    targets = torch.randint(0, 3, (n,), generator=g)
+    chain = Tree.chain(int(tokens[0]), tokens[1:].tolist())
+    tree = Tree.from_parents(torch.cat([tokens, torch.tensor([99])]), torch.tensor(list(range(-1, n - 1)) + [0]))
+    assert chain.is_chain() and not tree.is_chain()
+    verdict = verify_greedy(chain, NodeScores(argmax=targets, logits=torch.zeros(n, 3)), None, SamplingParams())
+    reference = verify_greedy(tree, NodeScores(argmax=torch.cat([targets, torch.tensor([0])]),
+                                               logits=torch.zeros(n + 1, 3)), None, SamplingParams())
+    assert verdict.path.tolist() == reference.path.tolist() and verdict.bonus == reference.bonus
+    leading = 0
+    while leading < n - 1 and int(tokens[leading + 1]) == int(targets[leading]):
+        leading += 1
+    assert verdict.path.tolist() == list(range(leading + 1)) and verdict.bonus == int(targets[leading])

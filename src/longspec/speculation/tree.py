@@ -226,7 +226,9 @@ class Tree:
         return int(self.depths.max())
 
     def is_chain(self) -> bool:
-        return bool((self.parents == torch.arange(-1, self.size - 1, device=HOST)).all())
+        # A node is never deeper than its index (parents precede children), so the last node
+        # at depth n - 1 has every other node on its path: parents[i] = i - 1.
+        return int(self.depths[-1]) == self.size - 1
 
     def ancestor_mask(self) -> torch.Tensor:
         """[n, n] bool: mask[i, j] is True when j is i itself or one of its ancestors."""

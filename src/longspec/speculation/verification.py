@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from longspec.runtime.device import HOST
@@ -158,6 +159,8 @@ def verify_greedy(tree: Tree, scores: NodeScores, histories, params) -> Verdict:
         targets = greedy_tokens(scores.logits, histories, params).to(HOST)
     if tree.size == 1:
         return Verdict(torch.zeros(1, dtype=torch.long, device=HOST), int(targets[0]))
+    if tree.is_chain():  # the same rule, as the first node that misses its parent's target
+        return _verify_greedy_chain(tree, targets)
     matches = tree.tokens == targets[tree.parents.clamp(min=0)]
     matches[0] = True
     # A node is accepted when it and all its ancestors match.
@@ -165,6 +168,16 @@ def verify_greedy(tree: Tree, scores: NodeScores, histories, params) -> Verdict:
     score = torch.where(accepted, tree.depths, torch.full_like(tree.depths, -1))
     deepest = int(torch.argmax(score))  # first (lowest index) among the deepest
     return Verdict(tree.path_to(deepest), int(targets[deepest]))
+
+
+def _verify_greedy_chain(tree: Tree, targets: torch.Tensor) -> Verdict:
+    """Greedy verification of a chain: its nodes are accepted up to the first whose token
+    is not its parent's target (NumPy on the host: a round's few nodes cost a fraction of
+    PyTorch's per-operation overhead)."""
+    target = targets.numpy()
+    misses = np.flatnonzero(tree.tokens.numpy()[1:] != target[:-1])
+    deepest = int(misses[0]) if misses.size else tree.size - 1
+    return Verdict(torch.arange(deepest + 1, device=HOST), int(target[deepest]))
 
 
 def _allowed_targets(targets: torch.Tensor, scores: NodeScores, histories: NodeHistories,
