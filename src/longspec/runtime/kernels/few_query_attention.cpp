@@ -373,7 +373,6 @@ LONGSPEC_AMX_ATTENTION void tiles_begin() {
 
 LONGSPEC_AMX_ATTENTION void tiles_end() { _tile_release(); }
 
-
 // The scores of a block's n entries (from entry e0) for the task's queries, into `scores`
 // by lane as the vector path writes them: a query's score of an entry it sees, -inf else.
 LONGSPEC_AMX_ATTENTION void tile_scores(const HeadTask& task, int64_t e0, int64_t n, int64_t base, bool uniform,
