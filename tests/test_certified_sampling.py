@@ -128,6 +128,23 @@ def test_rows_outside_the_candidates_keep_their_mass(setup):
     assert p_value(counts, probs) < ALPHA
 
 
+@pytest.mark.parametrize("name", ["temperature", "top-p", "min-p"])
+def test_a_flat_row_over_the_cap_is_drawn_through_a_narrower_margin(setup, name):
+    """A cap the first margin's candidates overflow (as thousands of rows within a few
+    temperatures do on flat prose): the draw takes the narrower margin, not the full
+    head, and still follows the exact processed distribution."""
+    head, hidden, logits = setup
+    params = SETTINGS[name]
+    screen = head.screen(hidden.unsqueeze(0))
+    (wide,), (narrow,) = (screen.select(torch.tensor([certified_sampling.margin(params, t)], dtype=torch.float64))
+                          for t in (certified_sampling.MARGINS[0], certified_sampling.NARROW_MARGIN))
+    assert narrow.rows.numel() < wide.rows.numel()  # the test is about a cap between them
+    head = CertifiedHead(head.weight, cap=narrow.rows.numel())
+    counts = draws(head, hidden, params)
+    assert head.stats.narrowed > 0 and head.stats.fallbacks == 0
+    assert p_value(counts, exact_probs(logits, params)) > ALPHA
+
+
 def test_the_tail_bins_hold_every_row_outside_the_candidates_under_its_envelope(setup):
     head, hidden, logits = setup
     screen = head.screen(hidden.unsqueeze(0))

@@ -63,6 +63,7 @@ class HeadStats:
 
     rows: int = 0
     fallbacks: int = 0  # rows that took the full head (no certificate: cap, non-finite)
+    narrowed: int = 0  # rows whose candidates overflowed the cap and fit a narrower margin (draws)
     undecided: int = 0  # draws whose truncation the bound could not decide (they took the full head)
     candidates: Counter = field(default_factory=Counter)  # candidates per certified row -> rows
 
@@ -97,29 +98,45 @@ class Screen:
     finite: torch.Tensor
     summary: torch.Tensor | None = None
 
-    def select(self, margins: torch.Tensor | None = None, rows: list[int] | None = None) -> list[Candidates | None]:
-        """Candidates of `rows` (default: every row) within `margins` [len(rows)] of the largest."""
+    def select(self, margins: torch.Tensor | None = None, rows: list[int] | None = None,
+               narrower: torch.Tensor | None = None) -> list[Candidates | None]:
+        """Candidates of `rows` (default: every row) within `margins` [len(rows)] of the
+        largest. `narrower` [len(rows)]: margins to try instead for the rows whose
+        candidates overflow the cap (a flat distribution), before giving up on them."""
         head = self.head
         rows = list(range(self.scores.shape[0])) if rows is None else rows
         if margins is None:
             margins = torch.zeros(len(rows), dtype=torch.float64)
-        every = len(rows) == self.scores.shape[0]
-        scores = self.scores if every else self.scores[rows].contiguous()
-        coefficients = self.coefficients if every else self.coefficients[rows].contiguous()
-        summary = self.summary if every or self.summary is None else self.summary[rows].contiguous()
+        found = self._candidates(rows, margins)
+        if narrower is not None:
+            overflowing = [i for i, (row, c) in enumerate(zip(rows, found)) if c is None and bool(self.finite[row])]
+            if overflowing:
+                retried = self._candidates([rows[i] for i in overflowing], narrower[overflowing])
+                for i, candidates in zip(overflowing, retried):
+                    found[i] = candidates
+                head.stats.narrowed += sum(c is not None for c in retried)
+        for row, candidates in zip(rows, found):
+            if candidates is None:
+                head.stats.fallbacks += 1
+            else:
+                head.stats.candidates[candidates.rows.numel()] += 1
+            head.stats.rows += 1
+        return found
+
+    def _candidates(self, rows: list[int], margins: torch.Tensor) -> list[Candidates | None]:
+        head = self.head
+        every = rows == list(range(self.scores.shape[0]))
+        # One row is a view (a row of a contiguous screen is contiguous), several a copy.
+        pick = (lambda t: t[rows[0] : rows[0] + 1]) if len(rows) == 1 else (lambda t: t[rows].contiguous())
+        scores = self.scores if every else pick(self.scores)
+        coefficients = self.coefficients if every else pick(self.coefficients)
+        summary = self.summary if every or self.summary is None else pick(self.summary)
         indices, offsets, counts, cuts = native_ops().int8_screen_candidates(
             scores, summary, head.residual, head.row_norm, head.magnitude, coefficients, margins.contiguous(), head.maxima,
             BF16_UNIT, head.tiny, head.cap)
-        out: list[Candidates | None] = []
-        for position, (row, count, cut) in enumerate(zip(rows, counts.tolist(), cuts.tolist())):
-            if count < 0 or not bool(self.finite[row]):
-                out.append(None)
-                head.stats.fallbacks += 1
-            else:
-                out.append(Candidates(indices[offsets[position] : offsets[position + 1]], cut))
-                head.stats.candidates[count] += 1
-            head.stats.rows += 1
-        return out
+        return [None if count < 0 or not bool(self.finite[row]) else
+                Candidates(indices[offsets[position] : offsets[position + 1]], cut)
+                for position, (row, count, cut) in enumerate(zip(rows, counts.tolist(), cuts.tolist()))]
 
     def _summary_of(self, row: int) -> torch.Tensor | None:
         return None if self.summary is None else self.summary[row]

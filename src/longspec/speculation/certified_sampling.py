@@ -38,6 +38,10 @@ from longspec.speculation.processors import SamplingParams
 # are drawn through the tail's bins. A truncation the first selection cannot decide (a
 # nucleus that reaches further) gets one wider selection before the full head.
 MARGINS = (6.0, 16.0)
+# Where a margin's candidates overflow the cap (a flat distribution: thousands of rows within a
+# few temperatures), one temperature beyond min-p's threshold is tried before the full head; the
+# draw is as exact with any margin, only its tail holds more of the mass.
+NARROW_MARGIN = 1.0
 TAIL_STEP = 0.5  # temperatures per bin of the tail: a tail row is accepted with probability >= e^-(step + 2 band)
 TAIL_BINS = 64
 _SAFETY = 1e-12  # relative slack on the float64 decisions of what the bound excludes: undecided is safe
@@ -70,8 +74,10 @@ def certified_draw(screen: Screen, row: int, hidden: torch.Tensor, params: Sampl
     from the full head. Nothing is drawn from `generator` before that is known.
     `full_logits()` gives the row's full logits [V] for the rare top-p decision the
     bounds leave open (None: such a draw returns None too, before drawing)."""
+    narrow = torch.tensor([margin(params, NARROW_MARGIN)], dtype=torch.float64)
     for temperatures in margins:
-        (candidates,) = screen.select(torch.tensor([margin(params, temperatures)], dtype=torch.float64), rows=[row])
+        (candidates,) = screen.select(torch.tensor([margin(params, temperatures)], dtype=torch.float64), rows=[row],
+                                      narrower=narrow if temperatures > NARROW_MARGIN else None)
         if candidates is None:
             return None
         draw = _Draw(screen, row, hidden, candidates, params, generator, full_logits)
