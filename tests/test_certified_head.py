@@ -234,9 +234,9 @@ def test_without_the_margin_the_screen_alone_picks_wrong_rows():
     codes, alpha, _, _ = head.quantize(hidden)
     screen, _ = ops.int8_screen(codes, alpha, head.codes, head.scales, V, head.group)
     zero = torch.zeros(64, 3, dtype=torch.float64)
-    indices, offsets, _, _ = ops.int8_screen_candidates(screen, None, head.residual, head.row_norm, head.magnitude, zero,
-                                                        torch.zeros(64, dtype=torch.float64), head.maxima, 0.0, 0.0,
-                                                        4096)
+    indices, offsets, _, _ = ops.int8_screen_candidates(screen, None, head.residual, head.row_norm, head.magnitude,
+                                                        zero, torch.zeros(64, dtype=torch.float64), head.maxima, 0.0,
+                                                        0.0, 4096)
     broken = torch.stack([indices[offsets[r] : offsets[r + 1]].min() for r in range(64)])
     expected = plain_argmax(weight, hidden)
     assert not torch.equal(broken, expected)

@@ -132,8 +132,8 @@ class Screen:
         coefficients = self.coefficients if every else pick(self.coefficients)
         summary = self.summary if every or self.summary is None else pick(self.summary)
         indices, offsets, counts, cuts = native_ops().int8_screen_candidates(
-            scores, summary, head.residual, head.row_norm, head.magnitude, coefficients, margins.contiguous(), head.maxima,
-            BF16_UNIT, head.tiny, head.cap)
+            scores, summary, head.residual, head.row_norm, head.magnitude, coefficients, margins.contiguous(),
+            head.maxima, BF16_UNIT, head.tiny, head.cap)
         return [None if count < 0 or not bool(self.finite[row]) else
                 Candidates(indices[offsets[position] : offsets[position + 1]], cut)
                 for position, (row, count, cut) in enumerate(zip(rows, counts.tolist(), cuts.tolist()))]
@@ -146,16 +146,16 @@ class Screen:
         b holds the rows whose upper bound lies in (cut - (b + 1) step, cut - b step], the
         last bin every row further down."""
         head = self.head
-        return native_ops().int8_screen_tail(self.scores[row], self._summary_of(row), head.residual, head.row_norm, head.magnitude,
-                                             self.coefficients[row], head.maxima, BF16_UNIT, head.tiny, cut, step,
-                                             bins, 0, -1)
+        return native_ops().int8_screen_tail(self.scores[row], self._summary_of(row), head.residual, head.row_norm,
+                                             head.magnitude, self.coefficients[row], head.maxima, BF16_UNIT, head.tiny,
+                                             cut, step, bins, 0, -1)
 
     def tail_row(self, row: int, cut: float, step: float, bins: int, bin: int, pick: int) -> int:
         """The `pick`-th (ascending) output row of bin `bin` (see `tail_counts`)."""
         head = self.head
-        return int(native_ops().int8_screen_tail(self.scores[row], self._summary_of(row), head.residual, head.row_norm, head.magnitude,
-                                                 self.coefficients[row], head.maxima, BF16_UNIT, head.tiny, cut, step,
-                                                 bins, bin, pick)[0])
+        return int(native_ops().int8_screen_tail(self.scores[row], self._summary_of(row), head.residual,
+                                                 head.row_norm, head.magnitude, self.coefficients[row], head.maxima,
+                                                 BF16_UNIT, head.tiny, cut, step, bins, bin, pick)[0])
 
 
 def _round_up_float32(values: torch.Tensor) -> torch.Tensor:

@@ -645,7 +645,8 @@ std::tuple<at::Tensor, at::Tensor> attend(Kernel kernel, const at::Tensor& q, co
         const int64_t split = index % splits, g = (index / splits) % Hkv, b = index / (splits * Hkv);
         const int64_t q_begin = split * per_split, q_end = std::min(queries, q_begin + per_split);
         if (q_begin < q_end)
-          query_tiles(qs + ((b * Hq + g * group) * T + q_begin) * D, q_end - q_begin, D, tiles.data() + index * tile_size);
+          query_tiles(qs + ((b * Hq + g * group) * T + q_begin) * D, q_end - q_begin, D,
+                      tiles.data() + index * tile_size);
       }
     });
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {

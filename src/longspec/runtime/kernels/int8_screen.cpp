@@ -475,8 +475,8 @@ std::tuple<at::Tensor, at::Tensor> screen_on(Isa isa, const at::Tensor& x, const
 // s = the screen of every row of x [M, K] (int16 codes, scales alpha [M, G]), and its
 // summary (the largest s of each span of kSpan output rows), on the best instruction set
 // of this CPU.
-std::tuple<at::Tensor, at::Tensor> screen(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& packed, const at::Tensor& scales,
-                  int64_t n, int64_t group) {
+std::tuple<at::Tensor, at::Tensor> screen(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& packed,
+                                          const at::Tensor& scales, int64_t n, int64_t group) {
   static const Isa isa = best_isa();
   // One row reads the codes at the memory's rate on any path; from a few rows on, the
   // integer products bound the vector paths, and AMX's tiles do them at a fraction of
@@ -486,8 +486,9 @@ std::tuple<at::Tensor, at::Tensor> screen(const at::Tensor& x, const at::Tensor&
 }
 
 // The same on a named instruction set (tests: every path this CPU can run).
-std::tuple<at::Tensor, at::Tensor> screen_with(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& packed, const at::Tensor& scales,
-                       int64_t n, int64_t group, int64_t isa) {
+std::tuple<at::Tensor, at::Tensor> screen_with(const at::Tensor& x, const at::Tensor& alpha,
+                                               const at::Tensor& packed, const at::Tensor& scales, int64_t n,
+                                               int64_t group, int64_t isa) {
   const Isa named = static_cast<Isa>(isa);
   TORCH_CHECK(isa >= 0 && isa <= 4, "isa: 0 VNNI, 1 AVX-512, 2 AVX2, 3 scalar, 4 AMX");
   TORCH_CHECK(named != Isa::kAmx || amx_supported(), "this CPU has no AMX int8 tiles");
