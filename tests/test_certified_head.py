@@ -130,6 +130,20 @@ def test_the_summary_finds_the_candidates_and_tails_a_full_scan_finds():
             without = ops.int8_screen_tail(scores[row], None, *args, 0, -1)
             assert torch.equal(ops.int8_screen_tail(scores[row], summary[row], *args, 0, -1), without)
             assert int(without.sum()) == V - int(scanned[2][row])
+            assert torch.equal(without, tail_counts_by_definition(head, scores[row], coefficients[row],
+                                                                  float(cuts[row]), step, bins))
+
+
+def tail_counts_by_definition(head, scores, coefficients, cut, step, bins):
+    """The tail's bins in float64 operation by operation, in the kernel's order: bin
+    floor((cut - hi) / step), the last holding every row further down; candidates (hi >=
+    cut) in none."""
+    a, d, b = coefficients.tolist()
+    s = scores.double()
+    band = a * head.residual.double() + d * head.row_norm.double() + b * head.magnitude.double() + head.tiny
+    hi = s + band + BF16_UNIT * (s.abs() + band)
+    below = torch.floor((cut - hi) / step).clamp(max=bins - 1)[~(hi >= cut)]
+    return torch.bincount(below.long(), minlength=bins)
 
 
 def test_activation_codes_and_the_bound_coefficients_are_exact():
