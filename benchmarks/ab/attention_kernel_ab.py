@@ -27,6 +27,7 @@ import longspec
 import longspec.runtime.model as model_module
 import longspec.runtime.ordered_keys as ordered_keys
 from common import baseline_library, machine, prompt_ids, write_results
+from longspec.speculation.decode_round import prefill_piece
 
 
 def main() -> None:
@@ -57,12 +58,11 @@ def main() -> None:
 
     rows = []
     with torch.inference_mode():
-        for begin in range(0, ids.numel() - 1, 256):
-            piece = ids[begin : min(begin + 256, ids.numel() - 1)]
-            model(piece.unsqueeze(0), cache, positions=cache.next_positions(piece.numel()), with_logits=False,
-                  prefill=True)
-            cache.commit()
+        for begin in range(0, ids.numel() - 1, 256):  # the prompt but its last token, as the engine prefills it
+            prefill_piece(model, cache, ids, begin, min(begin + 256, ids.numel() - 1), keep_from=ids.numel())
         tokens = torch.cat([ids[-1:], torch.arange(1000, 1000 + max(args.tokens))])
+        model.decide(model(tokens[:1].unsqueeze(0), cache, with_logits=False).hidden[0])  # builds the certified head
+        cache.drop_pending()
         print("| tokens | layer | keys | old µs | new µs | new / old |\n|---|---|---|---|---|---|")
         for T in args.tokens:
             positions = cache.length + torch.arange(T)
