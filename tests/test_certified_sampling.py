@@ -145,6 +145,24 @@ def test_a_flat_row_over_the_cap_is_drawn_through_a_narrower_margin(setup, name)
     assert p_value(counts, exact_probs(logits, params)) > ALPHA
 
 
+@pytest.mark.parametrize("top_p, min_p, temperature", [(None, 0.05, 1.0), (0.9, 0.05, 1.0), (0.7, 0.01, 1.5)])
+@pytest.mark.parametrize("margins", [certified_sampling.MARGINS, (1.0,)])
+def test_under_min_p_the_tail_is_counted_only_for_an_open_nucleus(setup, top_p, min_p, temperature, margins):
+    """Min-p removes every row outside the candidates: the draw leaves the tail out (a
+    draw from the candidates alone follows the processed distribution, also where the
+    tail holds real mass: margins of one temperature), and counts its bins only where
+    a top-p decision needs their mass (the last setting: a nucleus ending among tokens
+    min-p keeps)."""
+    head, hidden, logits = setup
+    params = SamplingParams(temperature=temperature, top_p=top_p, min_p=min_p)
+    head = CertifiedHead(head.weight)
+    assert p_value(draws(head, hidden, params, margins=margins), exact_probs(logits, params)) > ALPHA
+    if min_p == 0.01:
+        assert 0 < head.stats.tails < DRAWS
+    else:
+        assert head.stats.tails == 0
+
+
 def test_the_tail_bins_hold_every_row_outside_the_candidates_under_its_envelope(setup):
     head, hidden, logits = setup
     screen = head.screen(hidden.unsqueeze(0))

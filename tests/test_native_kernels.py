@@ -146,6 +146,21 @@ def test_a_row_gets_the_same_bits_from_the_tiled_kernel_alone_or_with_others(pro
         assert torch.equal(run(x[rows].contiguous(), tiles, 1000, None), together[rows])
 
 
+@needs_linear
+@pytest.mark.parametrize("inner", [63, 640])  # 63: each row's last pair holds one weight and a zero
+@pytest.mark.parametrize("count", [0, 1, 16, 17, 300])
+def test_a_pack_of_gathered_rows_is_the_pack_of_their_copy(inner, count):
+    """The certified head packs its candidates' rows in place (`bf16_pack_rows`): the same
+    words as packing a copy of those rows, repeated and unsorted rows included."""
+    generator = torch.Generator().manual_seed(inner + count)
+    weight = torch.randn(1000, inner, generator=generator).bfloat16()
+    rows = torch.randint(0, 1000, (count,), generator=generator)
+    ours = LINEAR_OPS.bf16_pack_rows(weight, rows)
+    assert torch.equal(ours.view(torch.int16), LINEAR_OPS.bf16_pack_weight(weight[rows].contiguous()).view(torch.int16))
+    with pytest.raises(RuntimeError, match="row 1000 outside"):
+        LINEAR_OPS.bf16_pack_rows(weight, torch.tensor([3, 1000]))
+
+
 @pytest.mark.skipif(not AVX2, reason="no AVX2 with FMA on this CPU")
 def test_the_avx2_product_rounds_nan_and_infinity_like_a_bf16_linear_layer():
     weight = torch.tensor([[1.0, 0.0], [1.0, 1.0], [0.0, 1.0], [1.0, -1.0]]).bfloat16()

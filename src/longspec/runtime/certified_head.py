@@ -65,6 +65,7 @@ class HeadStats:
     fallbacks: int = 0  # rows that took the full head (no certificate: cap, non-finite)
     narrowed: int = 0  # rows whose candidates overflowed the cap and fit a narrower margin (draws)
     undecided: int = 0  # draws whose truncation the bound could not decide (they took the full head)
+    tails: int = 0  # draws that counted the rows outside their candidates in bins (certified_sampling.py)
     candidates: Counter = field(default_factory=Counter)  # candidates per certified row -> rows
 
     def percentile(self, q: float) -> int:
@@ -250,7 +251,7 @@ class CertifiedHead:
         """The plain head's logits of output `rows` for every row of `hidden` [N, H]: the
         same bits as the full head's (its own kernel over a packed copy of those rows)."""
         ops = bf16_linear_ops()
-        packed = ops.bf16_pack_weight(self.weight[rows].contiguous())
+        packed = ops.bf16_pack_rows(self.weight, rows.contiguous())
         return ops.bf16_packed_linear(hidden.contiguous(), packed, rows.numel(), None)
 
     def argmax(self, hidden: torch.Tensor, full_logits, allowed: torch.Tensor | None = None) -> torch.Tensor:

@@ -20,6 +20,9 @@ are counted in bins by how far below `cut` their upper bounds lie. Then:
   mass, then uniformly within the bin, its logit recomputed) with probability
   exp((l_i - top of its bin) / T). An accepted token is distributed exactly as
   exp(l_i / T), and a tail row is accepted with probability at least e^-(step + 2 band).
+  Under min-p the cut lies below min-p's threshold, so no tail row can be kept: the
+  draw leaves the tail out, and its bins are counted only for a top-p decision that
+  needs their mass.
 
 Every uniform comes from the request's generator, so a seed gives one output, and
 plain decoding and every drafter with deterministic candidates make the same draws.
@@ -101,6 +104,18 @@ class _Draw:
         self.logits = self.head.exact_logits(hidden.unsqueeze(0), self.rows)[0].double()
         self.scores = self.logits / self.T
         self.top = float(self.scores.max())  # the largest logit is a candidate
+        self._tail: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def tail(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows outside the candidates counted in bins by upper bound (`Screen.tail_counts`),
+        and each bin's envelope mass relative to the largest weight (counted once, when first asked)."""
+        if self._tail is None:
+            self.head.stats.tails += 1
+            step = TAIL_STEP * self.T
+            bins = self.screen.tail_counts(self.row, self.cut, step, TAIL_BINS).double()
+            envelopes = torch.exp((self.cut - step * torch.arange(TAIL_BINS, dtype=torch.float64)) / self.T - self.top)
+            self._tail = bins, bins * envelopes
+        return self._tail
 
     def _pick(self, weights: torch.Tensor, u: float) -> int:
         cumulative = torch.cumsum(weights, 0)
@@ -132,24 +147,34 @@ class _Draw:
         """Without top-k: a token drawn from the untruncated distribution (the candidates'
         exact weights, the tail through its bins), kept when top-p and min-p keep it and
         drawn again otherwise (the accepted token then follows the truncated
-        distribution exactly)."""
+        distribution exactly).
+
+        Where min-p's threshold lies above the cut, min-p removes every row outside the
+        candidates: a draw landing in the tail would always be drawn again, so the tail
+        is left out of the draw (the kept tokens keep their distribution) and its bins
+        are counted only if a top-p decision needs their mass."""
         T, cut = self.T, self.cut
-        step = TAIL_STEP * T
-        bins = self.screen.tail_counts(self.row, cut, step, TAIL_BINS).double()
-        envelopes = torch.exp((cut - step * torch.arange(TAIL_BINS, dtype=torch.float64)) / T - self.top)
-        tail = bins * envelopes
         weights = torch.exp(self.scores - self.top)
-        known, unknown = float(weights.sum()), float(tail.sum())
+        known = float(weights.sum())
         top_p = self.params.top_p if self.params.top_p is not None and self.params.top_p < 1.0 else None
-        if top_p is not None and self.full_logits is None and unknown > 0:
+        min_p = self.params.min_p
+        # The same float expressions as min-p's test below: a tail logit <= cut fails it.
+        tail_removed = min_p is not None and cut / T < self.top + math.log(min_p)
+        open_decisions = top_p is not None and self.full_logits is None
+        if open_decisions and float(self.tail()[1].sum()) > 0:
             return None  # a decision the bounds leave open would need the full head
-        tail_cumulative = torch.cumsum(tail, 0)
+        if tail_removed:
+            unknown, bins, tail_cumulative = 0.0, None, None
+        else:
+            bins, tail = self.tail()
+            unknown, tail_cumulative = float(tail.sum()), torch.cumsum(tail, 0)
         while True:
             u = _uniform(self.generator) * (known + unknown)
             if u < known:
                 token = self._pick(weights, u)
                 logit = float(self.logits[int(torch.searchsorted(self.rows, torch.tensor([token])))])
             else:
+                step = TAIL_STEP * T
                 b = min(int(torch.searchsorted(tail_cumulative, torch.tensor([u - known], dtype=torch.float64),
                                                right=True)), TAIL_BINS - 1)
                 count = int(bins[b])
@@ -160,19 +185,22 @@ class _Draw:
                 logit = float(self.head.exact_logits(self.hidden.unsqueeze(0), torch.tensor([token]))[0, 0])
                 if not _uniform(self.generator) < math.exp((logit - (cut - b * step)) / T):
                     continue
-            if self.params.min_p is not None and logit / T < self.top + math.log(self.params.min_p):
+            if min_p is not None and logit / T < self.top + math.log(min_p):
                 continue
-            if top_p is not None and not self._in_nucleus(logit, weights, known, unknown, top_p):
+            if top_p is not None and not self._in_nucleus(logit, weights, known, top_p):
                 continue
             return token
 
-    def _in_nucleus(self, logit: float, weights: torch.Tensor, known: float, unknown: float, top_p: float) -> bool:
+    def _in_nucleus(self, logit: float, weights: torch.Tensor, known: float, top_p: float) -> bool:
         """TopPLogitsWarper's rule for one token: kept when the mass strictly above its
         logit is below top_p of the total. From the bounds (the candidates' exact mass,
         the tail's between 0 and its envelopes), or, where they leave it open, from the
         full head."""
         above = float(weights[self.logits > logit].sum())
-        tail_above = unknown if logit < self.cut else 0.0  # the tail lies below the cut
+        if logit >= self.cut and above < top_p * known:
+            return True  # the tail lies below the cut: decided without its mass
+        unknown = float(self.tail()[1].sum())
+        tail_above = unknown if logit < self.cut else 0.0
         if above + tail_above < top_p * known:
             return True
         if above >= top_p * (known + unknown):

@@ -369,20 +369,58 @@ constexpr Isa kAmxBf16{16, nullptr, false, true};
 
 bool linear_supported() { return avx512_bf16_supported() || avx2_fma_supported(); }
 
+// Output rows `row_of(n)`, n < N, of a contiguous [*, K] bf16 weight into the packed layout.
+// With K even a weight pair is one 32-bit word, copied whole: the pack is then a strided
+// copy of words, which the certified head pays for every sampled draw's candidates.
+template <typename RowOf>
+at::Tensor pack_rows_of(const at::Tensor& weight, int64_t N, RowOf row_of) {
+  const int64_t K = weight.size(1);
+  const int64_t blocks = (N + kColumns - 1) / kColumns, pairs = (K + 1) / 2;
+  // Every word is written below but the lanes past N (and, for an odd K, each row's last
+  // pair): only then is the whole pack zeroed first.
+  at::Tensor packed = K % 2 ? at::zeros({blocks, pairs, kColumns, 2}, weight.options())
+                            : at::empty({blocks, pairs, kColumns, 2}, weight.options());
+  const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+  auto* out = reinterpret_cast<uint16_t*>(packed.data_ptr());
+  if (K % 2 == 0 && N % kColumns)
+    for (int64_t p = 0; p < pairs; ++p)
+      std::memset(out + (((blocks - 1) * pairs + p) * kColumns + N % kColumns) * 2, 0,
+                  (kColumns - N % kColumns) * 2 * sizeof(uint16_t));
+  at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j)
+      for (int64_t i = 0; i < kColumns && j * kColumns + i < N; ++i) {
+        const uint16_t* source = w + row_of(j * kColumns + i) * K;
+        uint16_t* lane = out + (j * pairs * kColumns + i) * 2;
+        if (j * kColumns + i + 1 < N) {  // gathered rows lie anywhere: ask for the next one's lines now
+          const char* next = reinterpret_cast<const char*>(w + row_of(j * kColumns + i + 1) * K);
+          for (int64_t byte = 0; byte < K * 2; byte += 64) _mm_prefetch(next + byte, _MM_HINT_T0);
+        }
+        if (K % 2 == 0) {
+          for (int64_t p = 0; p < pairs; ++p) std::memcpy(lane + p * kColumns * 2, source + 2 * p, 4);
+        } else {
+          for (int64_t k = 0; k < K; ++k) lane[(k / 2) * kColumns * 2 + k % 2] = source[k];
+        }
+      }
+  });
+  return packed;
+}
+
 at::Tensor pack(const at::Tensor& weight) {
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 && weight.is_contiguous(),
               "a contiguous [N, K] bf16 weight");
-  const int64_t N = weight.size(0), K = weight.size(1);
-  const int64_t blocks = (N + kColumns - 1) / kColumns, pairs = (K + 1) / 2;
-  at::Tensor packed = at::zeros({blocks, pairs, kColumns, 2}, weight.options());
-  const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr());
-  auto* out = reinterpret_cast<uint16_t*>(packed.data_ptr());
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j)
-      for (int64_t i = 0; i < kColumns && j * kColumns + i < N; ++i)
-        for (int64_t k = 0; k < K; ++k) out[((j * pairs + k / 2) * kColumns + i) * 2 + k % 2] = w[(j * kColumns + i) * K + k];
-  });
-  return packed;
+  return pack_rows_of(weight, weight.size(0), [](int64_t n) { return n; });
+}
+
+// The packed layout of weight[rows] without the gathered copy: the certified head recomputes
+// its candidates' logits through the plain head's kernel over such a pack.
+at::Tensor pack_rows(const at::Tensor& weight, const at::Tensor& rows) {
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 && weight.is_contiguous(),
+              "a contiguous [N, K] bf16 weight");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous(), "rows: int64 [R]");
+  const int64_t* index = rows.data_ptr<int64_t>();
+  const int64_t R = rows.numel(), V = weight.size(0);
+  for (int64_t r = 0; r < R; ++r) TORCH_CHECK(index[r] >= 0 && index[r] < V, "row ", index[r], " outside [0, ", V, ")");
+  return pack_rows_of(weight, R, [index](int64_t n) { return index[n]; });
 }
 
 at::Tensor linear_on(const Isa& on, const at::Tensor& x, const at::Tensor& packed, int64_t N,
@@ -491,6 +529,8 @@ TORCH_LIBRARY_FRAGMENT(longspec_native, m) {
   m.def("bf16_linear_avx2_supported() -> bool", &avx2_fma_supported);
   m.def("bf16_pack_weight(Tensor weight) -> Tensor");
   m.impl("bf16_pack_weight", c10::DispatchKey::CPU, TORCH_FN(pack));
+  m.def("bf16_pack_rows(Tensor weight, Tensor rows) -> Tensor");
+  m.impl("bf16_pack_rows", c10::DispatchKey::CPU, TORCH_FN(pack_rows));
   m.def("bf16_packed_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.impl("bf16_packed_linear", c10::DispatchKey::CPU, TORCH_FN(linear));
   m.def("bf16_packed_linear_avx2(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
