@@ -27,7 +27,9 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-SETTINGS = {"greedy": {}, "sampled": {"temperature": 1.0, "top_p": 0.95, "seed": 0}}
+SETTINGS = {"greedy": {}, "sampled": {"temperature": 1.0, "top_p": 0.95, "seed": 0},
+            # `longspec bench`'s sampled setting
+            "sampled-min-p": {"temperature": 1.0, "top_p": 0.95, "min_p": 0.05, "seed": 0}}
 HERE = Path(__file__).resolve().parent
 
 
@@ -42,7 +44,8 @@ def worker(args) -> None:
 
     torch.set_num_threads(args.threads)
     model = longspec.load(engine=EngineOptions(progress=False))
-    prompt = prompt_ids(model.tokenizer, stdlib_source_text(8 * args.context), args.context)
+    text = args.prompt_file.read_text() if args.prompt_file else stdlib_source_text(8 * args.context)
+    prompt = prompt_ids(model.tokenizer, text, args.context)
     for setting in args.settings:
         for method in args.methods:
             options = SETTINGS[setting]
@@ -93,6 +96,8 @@ def run_one(tree: Path, args) -> list[dict]:
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--context", str(args.context),
                "--new-tokens", str(args.new_tokens), "--threads", str(args.threads), "--methods", *args.methods,
                "--settings", *args.settings, "--verify-widths", *map(str, args.verify_widths)]
+    if args.prompt_file:
+        command += ["--prompt-file", str(args.prompt_file.resolve())]
     # Each checkout keeps its own build of the native kernels: sharing one cache would rebuild them every turn.
     env = {**os.environ, "PYTHONPATH": str(tree / "src"), "TORCH_EXTENSIONS_DIR": str(tree / ".torch-extensions")}
     out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
@@ -107,6 +112,8 @@ def main() -> None:
     parser.add_argument("--settings", nargs="+", default=["greedy"], choices=sorted(SETTINGS))
     parser.add_argument("--verify-widths", type=int, nargs="+", default=[])
     parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--prompt-file", type=Path, default=None,
+                        help="a text file whose first --context tokens are the prompt (default: Python source)")
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
@@ -131,7 +138,7 @@ def main() -> None:
                         rows.append({"pair": pair, "code": label, **row})
                         speed = (f"{row['ms']:7.2f} ms" if "ms" in row
                                  else f"{row['tokens_per_s']:7.2f} tok/s tau {row['tau']:.2f}")
-                        print(f"pair {pair} {label:6s} {row['setting']:7s} {row['method']:10s} {speed}",
+                        print(f"pair {pair} {label:6s} {row['setting']:13s} {row['method']:10s} {speed}",
                               file=sys.stderr, flush=True)
         finally:
             for tree in trees.values():
@@ -139,7 +146,8 @@ def main() -> None:
     refs = {label: subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", ref], capture_output=True,
                                   text=True).stdout.strip() for label, ref in (("before", args.before),
                                                                                ("after", args.after))}
-    print(f"\nmachine: {machine()}; context {args.context}, {args.new_tokens} new tokens, {args.threads} threads, "
+    source = args.prompt_file.name if args.prompt_file else "Python source"
+    print(f"\nmachine: {machine()}; {source}, context {args.context}, {args.new_tokens} new tokens, {args.threads} threads, "
           f"{args.pairs} interleaved pairs; before {refs['before']}, after {refs['after']}\n")
     print("| setting | method | before | after | after / before | same tokens |")
     print("|---|---|---|---|---|---|")
@@ -156,7 +164,7 @@ def main() -> None:
         with (args.out / "results.jsonl").open("w") as out:
             for row in rows:
                 out.write(json.dumps({**row, "refs": refs, "machine": machine(), "context": args.context,
-                                      "new_tokens": args.new_tokens}) + "\n")
+                                      "prompt": source, "new_tokens": args.new_tokens}) + "\n")
 
 
 if __name__ == "__main__":
