@@ -95,7 +95,9 @@ def checkout(ref: str, into: Path) -> Path:
 def run_one(tree: Path, args) -> list[dict]:
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--context", str(args.context),
                "--new-tokens", str(args.new_tokens), "--threads", str(args.threads), "--methods", *args.methods,
-               "--settings", *args.settings, "--verify-widths", *map(str, args.verify_widths)]
+               "--settings", *args.settings]
+    if args.verify_widths:
+        command += ["--verify-widths", *map(str, args.verify_widths)]
     if args.prompt_file:
         command += ["--prompt-file", str(args.prompt_file.resolve())]
     # Each checkout keeps its own build of the native kernels: sharing one cache would rebuild them every turn.
