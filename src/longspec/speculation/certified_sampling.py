@@ -45,6 +45,11 @@ MARGINS = (6.0, 16.0)
 # few temperatures), one temperature beyond min-p's threshold is tried before the full head; the
 # draw is as exact with any margin, only its tail holds more of the mass.
 NARROW_MARGIN = 1.0
+# Under min-p without top-k no row below min-p's threshold can be kept, and the mass below it
+# matters only to a top-p decision the candidates' own mass leaves open: the first selection
+# reaches one temperature past the threshold (fewer candidates to recompute,
+# docs/lab-notes/certified-head.md#sampled-draws-under-min-p-the-tail-left-out).
+MIN_P_MARGINS = (NARROW_MARGIN, MARGINS[1])
 TAIL_STEP = 0.5  # temperatures per bin of the tail: a tail row is accepted with probability >= e^-(step + 2 band)
 TAIL_BINS = 64
 _SAFETY = 1e-12  # relative slack on the float64 decisions of what the bound excludes: undecided is safe
@@ -64,19 +69,27 @@ def margin(params: SamplingParams, temperatures: float = MARGINS[0]) -> float:
     return params.temperature * (temperatures + extra)
 
 
+def margins_for(params: SamplingParams) -> tuple[float, ...]:
+    """The selections a draw under `params` tries, narrowest first (in temperatures, see `margin`)."""
+    return MIN_P_MARGINS if params.min_p and not params.top_k else MARGINS
+
+
 def _uniform(generator: torch.Generator | None) -> float:
     device = generator.device if generator is not None else torch.device("cpu")
     return float(torch.rand((), generator=generator, dtype=torch.float64, device=device))
 
 
 def certified_draw(screen: Screen, row: int, hidden: torch.Tensor, params: SamplingParams,
-                   generator: torch.Generator | None, full_logits=None, margins: tuple[float, ...] = MARGINS) -> int | None:
+                   generator: torch.Generator | None, full_logits=None,
+                   margins: tuple[float, ...] | None = None) -> int | None:
     """One token drawn from the processed distribution of the head's logits at `hidden`
     [H] (bf16; row `row` of `screen`), or None where the screen cannot serve it (a row
     without a certificate, a top-k the candidates cannot hold): the caller then draws
     from the full head. Nothing is drawn from `generator` before that is known.
     `full_logits()` gives the row's full logits [V] for the rare top-p decision the
-    bounds leave open (None: such a draw returns None too, before drawing)."""
+    bounds leave open (None: such a draw returns None too, before drawing). `margins`:
+    the selections to try (default `margins_for(params)`)."""
+    margins = margins_for(params) if margins is None else margins
     narrow = torch.tensor([margin(params, NARROW_MARGIN)], dtype=torch.float64)
     for temperatures in margins:
         (candidates,) = screen.select(torch.tensor([margin(params, temperatures)], dtype=torch.float64), rows=[row],
