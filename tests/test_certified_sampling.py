@@ -163,6 +163,23 @@ def test_under_min_p_the_tail_is_counted_only_for_an_open_nucleus(setup, top_p, 
         assert head.stats.tails == 0
 
 
+@pytest.mark.parametrize("room", ["wide", "none"])
+def test_an_open_nucleus_is_settled_over_a_wider_selection_before_the_full_head(setup, room):
+    """Top-p decisions the bounds leave open (a margin of one temperature leaves much
+    of the mass in the tail): settled over a wider selection where the cap holds more
+    rows, else by the full head; the draws follow the processed distribution either way."""
+    head, hidden, logits = setup
+    params = SamplingParams(temperature=1.0, top_p=0.7)
+    (narrow,) = head.select(hidden.unsqueeze(0), torch.tensor([certified_sampling.margin(params, 1.0)],
+                                                                dtype=torch.float64))
+    head = CertifiedHead(head.weight, cap=V if room == "wide" else narrow.rows.numel())
+    assert p_value(draws(head, hidden, params, margins=(1.0,)), exact_probs(logits, params)) > ALPHA
+    if room == "wide":
+        assert head.stats.widened > 0 and head.stats.undecided == 0
+    else:
+        assert head.stats.widened == 0 and head.stats.undecided > 0
+
+
 def test_the_tail_bins_hold_every_row_outside_the_candidates_under_its_envelope(setup):
     head, hidden, logits = setup
     screen = head.screen(hidden.unsqueeze(0))

@@ -65,6 +65,7 @@ class HeadStats:
     fallbacks: int = 0  # rows that took the full head (no certificate: cap, non-finite)
     narrowed: int = 0  # rows whose candidates overflowed the cap and fit a narrower margin (draws)
     undecided: int = 0  # draws whose truncation the bound could not decide (they took the full head)
+    widened: int = 0  # top-p decisions the bounds left open, settled over a wider selection instead
     tails: int = 0  # draws that counted the rows outside their candidates in bins (certified_sampling.py)
     candidates: Counter = field(default_factory=Counter)  # candidates per certified row -> rows
 
@@ -80,10 +81,11 @@ class HeadStats:
 @dataclass(frozen=True)
 class Candidates:
     """One activation row's candidates: ascending output rows, and `cut`, a bound every
-    other output row's plain logit lies below."""
+    other output row's plain logit lies below (the largest lower bound less `margin`)."""
 
     rows: torch.Tensor
     cut: float
+    margin: float
 
 
 @dataclass
@@ -100,10 +102,11 @@ class Screen:
     summary: torch.Tensor | None = None
 
     def select(self, margins: torch.Tensor | None = None, rows: list[int] | None = None,
-               narrower: torch.Tensor | None = None) -> list[Candidates | None]:
+               narrower: torch.Tensor | None = None, tally: bool = True) -> list[Candidates | None]:
         """Candidates of `rows` (default: every row) within `margins` [len(rows)] of the
         largest. `narrower` [len(rows)]: margins to try instead for the rows whose
-        candidates overflow the cap (a flat distribution), before giving up on them."""
+        candidates overflow the cap (a flat distribution), before giving up on them.
+        tally=False: a second look at rows already counted, left out of the stats."""
         head = self.head
         rows = list(range(self.scores.shape[0])) if rows is None else rows
         if margins is None:
@@ -116,6 +119,8 @@ class Screen:
                 for i, candidates in zip(overflowing, retried):
                     found[i] = candidates
                 head.stats.narrowed += sum(c is not None for c in retried)
+        if not tally:
+            return found
         for row, candidates in zip(rows, found):
             if candidates is None:
                 head.stats.fallbacks += 1
@@ -136,8 +141,9 @@ class Screen:
             scores, summary, head.residual, head.row_norm, head.magnitude, coefficients, margins.contiguous(),
             head.maxima, BF16_UNIT, head.tiny, head.cap)
         return [None if count < 0 or not bool(self.finite[row]) else
-                Candidates(indices[offsets[position] : offsets[position + 1]], cut)
-                for position, (row, count, cut) in enumerate(zip(rows, counts.tolist(), cuts.tolist()))]
+                Candidates(indices[offsets[position] : offsets[position + 1]], cut, margin)
+                for position, (row, count, cut, margin) in enumerate(zip(rows, counts.tolist(), cuts.tolist(),
+                                                                         margins.tolist()))]
 
     def _summary_of(self, row: int) -> torch.Tensor | None:
         return None if self.summary is None else self.summary[row]

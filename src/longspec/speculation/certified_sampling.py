@@ -112,11 +112,13 @@ class _Draw:
     def __init__(self, screen, row, hidden, candidates: Candidates, params: SamplingParams, generator, full_logits):
         self.screen, self.row, self.hidden, self.params, self.generator = screen, row, hidden, params, generator
         self.full_logits = full_logits
-        self.rows, self.cut, self.T = candidates.rows, candidates.cut, params.temperature
+        self.rows, self.cut, self.margin, self.T = candidates.rows, candidates.cut, candidates.margin, params.temperature
         self.head = screen.head
         self.logits = self.head.exact_logits(hidden.unsqueeze(0), self.rows)[0].double()
         self.scores = self.logits / self.T
         self.top = float(self.scores.max())  # the largest logit is a candidate
+        self.weights = torch.exp(self.scores - self.top)  # the candidates' untruncated mass, relative to the top
+        self.known = float(self.weights.sum())
         self._tail: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def tail(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,9 +168,7 @@ class _Draw:
         candidates: a draw landing in the tail would always be drawn again, so the tail
         is left out of the draw (the kept tokens keep their distribution) and its bins
         are counted only if a top-p decision needs their mass."""
-        T, cut = self.T, self.cut
-        weights = torch.exp(self.scores - self.top)
-        known = float(weights.sum())
+        T, cut, weights, known = self.T, self.cut, self.weights, self.known
         top_p = self.params.top_p if self.params.top_p is not None and self.params.top_p < 1.0 else None
         min_p = self.params.min_p
         # The same float expressions as min-p's test below: a tail logit <= cut fails it.
@@ -200,25 +200,51 @@ class _Draw:
                     continue
             if min_p is not None and logit / T < self.top + math.log(min_p):
                 continue
-            if top_p is not None and not self._in_nucleus(logit, weights, known, top_p):
+            if top_p is not None and not self._in_nucleus(logit, top_p):
                 continue
             return token
 
-    def _in_nucleus(self, logit: float, weights: torch.Tensor, known: float, top_p: float) -> bool:
+    def _in_nucleus(self, logit: float, top_p: float) -> bool:
         """TopPLogitsWarper's rule for one token: kept when the mass strictly above its
-        logit is below top_p of the total. From the bounds (the candidates' exact mass,
-        the tail's between 0 and its envelopes), or, where they leave it open, from the
-        full head."""
-        above = float(weights[self.logits > logit].sum())
-        if logit >= self.cut and above < top_p * known:
-            return True  # the tail lies below the cut: decided without its mass
-        unknown = float(self.tail()[1].sum())
-        tail_above = unknown if logit < self.cut else 0.0
-        if above + tail_above < top_p * known:
-            return True
-        if above >= top_p * (known + unknown):
-            return False
+        logit is below top_p of the total. From the bounds; where they leave it open, from
+        the bounds of a wider selection (the tail's top bins recomputed exactly), and only
+        then from the full head. No uniform is drawn here, so every route decides alike."""
+        decided = self._nucleus_by_bounds(logit, top_p)
+        if decided is None:
+            wider = self._wider()
+            decided = None if wider is None else wider._nucleus_by_bounds(logit, top_p)
+            self.head.stats.widened += decided is not None
+        if decided is not None:
+            return decided
         self.head.stats.undecided += 1
         exact = self.full_logits().double() / self.T
         mass = torch.exp(exact - float(exact.max()))
         return float(mass[exact > logit / self.T].sum()) < top_p * float(mass.sum())
+
+    def _nucleus_by_bounds(self, logit: float, top_p: float) -> bool | None:
+        """The rule from the candidates' exact mass and the tail's, which lies between 0 and
+        its envelopes (all of it below the cut); None where they leave it open."""
+        above = float(self.weights[self.logits > logit].sum())
+        if logit >= self.cut and above < top_p * self.known:
+            return True  # decided without the tail's mass
+        unknown = float(self.tail()[1].sum())
+        tail_above = unknown if logit < self.cut else 0.0
+        if above + tail_above < top_p * self.known:
+            return True
+        if above >= top_p * (self.known + unknown):
+            return False
+        return None
+
+    def _wider(self) -> "_Draw | None":
+        """This row's draw state over a wider selection: the candidates and as many of the
+        tail's top bins as the cap holds (None where not one bin fits, or the selection
+        overflows)."""
+        bins, _ = self.tail()
+        fit = int((torch.cumsum(bins, 0) <= self.head.cap - self.rows.numel()).sum())
+        if fit == 0:
+            return None
+        margin = torch.tensor([self.margin + fit * TAIL_STEP * self.T], dtype=torch.float64)
+        (candidates,) = self.screen.select(margin, rows=[self.row], tally=False)
+        if candidates is None:
+            return None
+        return _Draw(self.screen, self.row, self.hidden, candidates, self.params, self.generator, self.full_logits)
