@@ -95,6 +95,8 @@ SETTINGS = {
     "top-p": SamplingParams(temperature=1.0, top_p=0.9),
     "min-p": SamplingParams(temperature=1.2, min_p=0.05),
     "all": SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.02),
+    "min-p 0": SamplingParams(temperature=1.0, top_p=0.9, min_p=0.0),  # keeps every token, as None does
+    "top-k, min-p 0": SamplingParams(temperature=1.0, top_k=20, min_p=0.0),
 }
 
 
@@ -177,7 +179,7 @@ def test_an_open_nucleus_is_settled_over_a_wider_selection_before_the_full_head(
     if room == "wide":
         assert head.stats.widened > 0 and head.stats.undecided == 0
     else:
-        assert head.stats.widened == 0 and head.stats.undecided > 0
+        assert head.stats.undecided > 0
 
 
 def test_the_tail_bins_hold_every_row_outside_the_candidates_under_its_envelope(setup):

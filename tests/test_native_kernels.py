@@ -155,7 +155,15 @@ def test_a_pack_of_gathered_rows_is_the_pack_of_their_copy(inner, count):
     generator = torch.Generator().manual_seed(inner + count)
     weight = torch.randn(1000, inner, generator=generator).bfloat16()
     rows = torch.randint(0, 1000, (count,), generator=generator)
+    blocks, pairs = -(-count // 16), -(-inner // 2)
+    # The layout written out here: block j, pair p, lane i holds rows[16 j + i]'s weights 2p and 2p + 1, zero past
+    # the rows and the columns.
+    expected = torch.zeros(blocks * 16, pairs * 2, dtype=torch.bfloat16)
+    expected[:count, :inner] = weight[rows]
+    expected = expected.view(blocks, 16, pairs, 2).transpose(1, 2)
+    torch.full((blocks * pairs * 32 + 64,), -1, dtype=torch.int16)  # freed memory the pack may be given: not zeros
     ours = LINEAR_OPS.bf16_pack_rows(weight, rows)
+    assert torch.equal(ours.view(torch.int16), expected.contiguous().view(torch.int16))
     assert torch.equal(ours.view(torch.int16), LINEAR_OPS.bf16_pack_weight(weight[rows].contiguous()).view(torch.int16))
     with pytest.raises(RuntimeError, match="row 1000 outside"):
         LINEAR_OPS.bf16_pack_rows(weight, torch.tensor([3, 1000]))

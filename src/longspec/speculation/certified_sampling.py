@@ -69,9 +69,10 @@ def margin(params: SamplingParams, temperatures: float = MARGINS[0]) -> float:
     return params.temperature * (temperatures + extra)
 
 
-def margins_for(params: SamplingParams) -> tuple[float, ...]:
+def margins_for(params: SamplingParams, vocab: int) -> tuple[float, ...]:
     """The selections a draw under `params` tries, narrowest first (in temperatures, see `margin`)."""
-    return MIN_P_MARGINS if params.min_p and not params.top_k else MARGINS
+    top_k = params.top_k and params.top_k < vocab
+    return MIN_P_MARGINS if params.min_p and not top_k else MARGINS
 
 
 def _uniform(generator: torch.Generator | None) -> float:
@@ -88,8 +89,8 @@ def certified_draw(screen: Screen, row: int, hidden: torch.Tensor, params: Sampl
     from the full head. Nothing is drawn from `generator` before that is known.
     `full_logits()` gives the row's full logits [V] for the rare top-p decision the
     bounds leave open (None: such a draw returns None too, before drawing). `margins`:
-    the selections to try (default `margins_for(params)`)."""
-    margins = margins_for(params) if margins is None else margins
+    the selections to try (default `margins_for`)."""
+    margins = margins_for(params, screen.head.vocab) if margins is None else margins
     narrow = torch.tensor([margin(params, NARROW_MARGIN)], dtype=torch.float64)
     for temperatures in margins:
         (candidates,) = screen.select(torch.tensor([margin(params, temperatures)], dtype=torch.float64), rows=[row],
@@ -120,12 +121,14 @@ class _Draw:
         self.weights = torch.exp(self.scores - self.top)  # the candidates' untruncated mass, relative to the top
         self.known = float(self.weights.sum())
         self._tail: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._wider_draw: _Draw | None | bool = False  # False: not built yet
+        self.counts_tails = True  # HeadStats.tails counts draws, not their wider selections
 
     def tail(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows outside the candidates counted in bins by upper bound (`Screen.tail_counts`),
         and each bin's envelope mass relative to the largest weight (counted once, when first asked)."""
         if self._tail is None:
-            self.head.stats.tails += 1
+            self.head.stats.tails += self.counts_tails
             step = TAIL_STEP * self.T
             bins = self.screen.tail_counts(self.row, self.cut, step, TAIL_BINS).double()
             envelopes = torch.exp((self.cut - step * torch.arange(TAIL_BINS, dtype=torch.float64)) / self.T - self.top)
@@ -153,7 +156,7 @@ class _Draw:
             mass_above = torch.cumsum(values, 0) - values
             last = int((mass_above < self.params.top_p * values.sum()).sum()) - 1
             kept &= self.logits >= ranked[max(last, 0)]  # ties with the last kept survive
-        if self.params.min_p is not None:
+        if self.params.min_p:  # 0 keeps every token, as None does
             kept &= self.scores >= self.top + math.log(self.params.min_p)  # p_i >= min_p p_max
         weights = torch.exp(self.scores - self.top) * kept
         return self._pick(weights, _uniform(self.generator) * float(weights.sum()))
@@ -170,7 +173,7 @@ class _Draw:
         are counted only if a top-p decision needs their mass."""
         T, cut, weights, known = self.T, self.cut, self.weights, self.known
         top_p = self.params.top_p if self.params.top_p is not None and self.params.top_p < 1.0 else None
-        min_p = self.params.min_p
+        min_p = self.params.min_p or None  # 0 keeps every token, as None does
         # The same float expressions as min-p's test below: a tail logit <= cut fails it.
         tail_removed = min_p is not None and cut / T < self.top + math.log(min_p)
         open_decisions = top_p is not None and self.full_logits is None
@@ -238,13 +241,16 @@ class _Draw:
     def _wider(self) -> "_Draw | None":
         """This row's draw state over a wider selection: the candidates and as many of the
         tail's top bins as the cap holds (None where not one bin fits, or the selection
-        overflows)."""
-        bins, _ = self.tail()
-        fit = int((torch.cumsum(bins, 0) <= self.head.cap - self.rows.numel()).sum())
-        if fit == 0:
-            return None
-        margin = torch.tensor([self.margin + fit * TAIL_STEP * self.T], dtype=torch.float64)
-        (candidates,) = self.screen.select(margin, rows=[self.row], tally=False)
-        if candidates is None:
-            return None
-        return _Draw(self.screen, self.row, self.hidden, candidates, self.params, self.generator, self.full_logits)
+        overflows). Built once per draw: every open decision of its loop reads it."""
+        if self._wider_draw is False:
+            self._wider_draw = None
+            bins, _ = self.tail()
+            fit = int((torch.cumsum(bins, 0) <= self.head.cap - self.rows.numel()).sum())
+            if fit > 0:
+                margin = torch.tensor([self.margin + fit * TAIL_STEP * self.T], dtype=torch.float64)
+                (candidates,) = self.screen.select(margin, rows=[self.row], tally=False)
+                if candidates is not None:
+                    self._wider_draw = _Draw(self.screen, self.row, self.hidden, candidates, self.params,
+                                             self.generator, self.full_logits)
+                    self._wider_draw.counts_tails = False
+        return self._wider_draw
