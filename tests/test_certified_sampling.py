@@ -243,6 +243,17 @@ def test_seeded_runs_through_the_certified_sampler_equal_plain_decoding(family):
     assert head.stats.rows > 0
 
 
+def test_min_p_zero_decodes_as_no_min_p():
+    """min_p = 0 keeps every token (the processors' rule, and the API's lower bound):
+    a seeded run draws what the same run without min-p draws, with and without top-k."""
+    model = bf16_decoder("llama")
+    prompt = random_ids(8, seed=2)[0].repeat(2)
+    for params in (dict(temperature=1.0, top_p=0.9), dict(temperature=0.8, top_k=10)):
+        reference = run(model, prompt, SamplingParams(**params), "ar", seed=4)
+        assert torch.equal(run(model, prompt, SamplingParams(**params, min_p=0.0), "pld", seed=4), reference)
+    assert model.certified_head.stats.rows > 0
+
+
 def test_batched_sampled_rows_equal_their_single_runs():
     model = bf16_decoder("llama")
     prompts = [random_ids(7, seed=s)[0].repeat(2) for s in range(3)]
