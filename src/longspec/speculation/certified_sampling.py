@@ -30,6 +30,7 @@ plain decoding and every drafter with deterministic candidates make the same dra
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -121,7 +122,6 @@ class _Draw:
         self.weights = torch.exp(self.scores - self.top)  # the candidates' untruncated mass, relative to the top
         self.known = float(self.weights.sum())
         self._tail: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._wider_draw: _Draw | None | bool = False  # False: not built yet
         self.counts_tails = True  # HeadStats.tails counts draws, not their wider selections
 
     def tail(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,8 +214,7 @@ class _Draw:
         then from the full head. No uniform is drawn here, so every route decides alike."""
         decided = self._nucleus_by_bounds(logit, top_p)
         if decided is None:
-            wider = self._wider()
-            decided = None if wider is None else wider._nucleus_by_bounds(logit, top_p)
+            decided = None if self.wider is None else self.wider._nucleus_by_bounds(logit, top_p)
             self.head.stats.widened += decided is not None
         if decided is not None:
             return decided
@@ -238,19 +237,19 @@ class _Draw:
             return False
         return None
 
-    def _wider(self) -> "_Draw | None":
+    @functools.cached_property
+    def wider(self) -> "_Draw | None":
         """This row's draw state over a wider selection: the candidates and as many of the
         tail's top bins as the cap holds (None where not one bin fits, or the selection
         overflows). Built once per draw: every open decision of its loop reads it."""
-        if self._wider_draw is False:
-            self._wider_draw = None
-            bins, _ = self.tail()
-            fit = int((torch.cumsum(bins, 0) <= self.head.cap - self.rows.numel()).sum())
-            if fit > 0:
-                margin = torch.tensor([self.margin + fit * TAIL_STEP * self.T], dtype=torch.float64)
-                (candidates,) = self.screen.select(margin, rows=[self.row], tally=False)
-                if candidates is not None:
-                    self._wider_draw = _Draw(self.screen, self.row, self.hidden, candidates, self.params,
-                                             self.generator, self.full_logits)
-                    self._wider_draw.counts_tails = False
-        return self._wider_draw
+        bins, _ = self.tail()
+        fit = int((torch.cumsum(bins, 0) <= self.head.cap - self.rows.numel()).sum())
+        if fit == 0:
+            return None
+        margin = torch.tensor([self.margin + fit * TAIL_STEP * self.T], dtype=torch.float64)
+        (candidates,) = self.screen.select(margin, rows=[self.row], tally=False)
+        if candidates is None:
+            return None
+        wider = _Draw(self.screen, self.row, self.hidden, candidates, self.params, self.generator, self.full_logits)
+        wider.counts_tails = False
+        return wider
