@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from longspec.runtime.device import HOST
+from longspec.speculation.grammar_limits import check_not_empty, check_size
 from longspec.speculation.tree import Tree
 
 KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
@@ -48,6 +49,7 @@ class OutputConstraint:
 
     kind: str
     spec: object = None
+    _compiled: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -65,8 +67,16 @@ class OutputConstraint:
             raise ValueError(f"a {self.kind} constraint takes non-empty text, got {self.spec!r}")
 
     def grammar(self) -> str:
-        """The llguidance grammar; a spec that does not compile raises ValueError naming why."""
+        """The llguidance grammar; a spec that does not compile, is too large to follow
+        (`grammar_limits`) or accepts no text raises ValueError naming why. Compiled once."""
+        if self._compiled is None:
+            object.__setattr__(self, "_compiled", self._compile())
+        return self._compiled
+
+    def _compile(self) -> str:
         llguidance = _llguidance()
+        if self.kind != "json_object":
+            check_size(self.kind, self._schema() if self.kind == "json_schema" else self.spec)
         if self.kind == "json_object":
             fmt, text = "json_schema", json.dumps(_bounded_whitespace({"type": "object"}))
         elif self.kind == "json_schema":
@@ -83,8 +93,8 @@ class OutputConstraint:
         if failed:
             reason = _first_line(messages[0]) if messages else "(no reason given)"
             raise ValueError(f"the {self.kind.replace('_', ' ')} does not compile: {reason}")
+        check_not_empty(self.kind, grammar)
         return grammar
-
 
     def _schema(self):
         if not isinstance(self.spec, str):
@@ -111,6 +121,10 @@ def _bounded_whitespace(schema):
 
 def _first_line(message: str) -> str:
     return message.strip().splitlines()[0] if message.strip() else "(no reason given)"
+
+
+class GrammarGaveUp(ValueError):
+    """The matcher hit a limit (llguidance's parser rows, its lexer) mid-generation."""
 
 
 class GrammarVocabulary:
@@ -194,6 +208,8 @@ class GrammarState:
                 self._consume(tokens[node])
                 stack.append((node, False))
             self._fill(self._matcher, bitmask, node)
+            if self._matcher.is_error() or (not node and not bitmask[0].any()):
+                raise GrammarGaveUp(self._stuck())
             for child in reversed(children[node]):
                 if _allows(bitmask, node, tokens[child]):
                     reachable[child] = True
@@ -221,8 +237,14 @@ class GrammarState:
 
     def _consume(self, token: int) -> None:
         if not self._matcher.consume_token(token):
-            raise RuntimeError(f"the grammar refused token {token}, which its mask allowed: "
-                               f"{_first_line(self._matcher.get_error())}")
+            raise GrammarGaveUp(self._stuck())
+
+    def _stuck(self) -> str:
+        # Past its limits the matcher allows only EOS: going on would end the output
+        # where the constraint does not, so the request fails instead.
+        reason = _first_line(self._matcher.get_error()) if self._matcher.is_error() else "it allows no token here"
+        return (f"the output constraint cannot be followed ({reason}); nothing that breaks it is returned: "
+                "simplify the constraint (fewer optional properties or alternatives in one place)")
 
 
 
