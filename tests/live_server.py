@@ -13,6 +13,7 @@ import uvicorn
 
 from longspec.api import LongSpecModel
 from longspec.serve import ServeOptions, create_app
+from longspec.serve.connections import uvicorn_config
 
 KEY = "sk-test-key"
 DEADLINE_S = 60
@@ -21,12 +22,14 @@ DEADLINE_S = 60
 class Server:
     """A real uvicorn server on a free loopback port, in a thread."""
 
-    def __init__(self, model: LongSpecModel, options: ServeOptions) -> None:
+    def __init__(self, model: LongSpecModel, options: ServeOptions, **connections) -> None:
+        """`connections`: `uvicorn_config`'s connection limits (header timeout, max connections)."""
         self.app = create_app(model, options)
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="error"))
+        self.server = uvicorn.Server(uvicorn_config(self.app, host="127.0.0.1", port=self.port, log_level="error",
+                                                    **connections))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + DEADLINE_S

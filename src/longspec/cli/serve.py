@@ -22,8 +22,9 @@ def add_parser(sub) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                                                    "(visible in `ps`: prefer --api-key-file or LONGSPEC_API_KEY)")
     p.add_argument("--api-key-file", default=None, help="read the API key from this file (its first line)")
-    p.add_argument("--max-concurrent", type=int, default=16, help="requests admitted at once (running + queued); "
-                                                                  "more get 429")
+    p.add_argument("--max-concurrent", type=int, default=64,
+                   help="choices admitted at once, running and queued (a batch prompt counts each prompt times n); "
+                        "more get 429 (default: %(default)s)")
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together in one forward (rows); the "
                                                              "others wait for a free row (default: 8; each row holds "
                                                              "--max-prompt-tokens + --max-new-tokens of KV cache)")
@@ -34,13 +35,22 @@ def add_parser(sub) -> None:
     p.add_argument("--logprobs-mode", choices=("raw", "processed"), default="raw",
                    help="the distribution logprobs report: the model's (raw), or the one tokens are drawn from "
                         "(processed: after bias, penalties, temperature, truncation)")
+    p.add_argument("--allow-special-tokens", action="store_true",
+                   help="read control-token strings in prompts and chat messages (<eos>, <end_of_turn>) as control "
+                        "tokens; only for trusted clients: by default they are plain text, so that a message cannot "
+                        "end its turn and write the assistant's")
     p.add_argument("--max-body-bytes", type=int, default=RequestLimits.max_body_bytes,
                    help=f"largest request body accepted (default: {RequestLimits.max_body_bytes >> 20} MiB); larger "
                         "bodies get 413 before they are read")
     p.add_argument("--body-timeout", type=float, default=RequestLimits.body_timeout_s,
                    help="seconds a client has to send its whole body (default: %(default)s); slower ones get 408")
-    p.add_argument("--max-connections", type=int, default=256,
-                   help="open connections at most (uvicorn's limit_concurrency; more get 503; default: %(default)s)")
+    p.add_argument("--max-connections", type=int, default=4096,
+                   help="open connections at most; past it, connections still waiting for their headers are closed "
+                        "to make room, and only when every one is serving a request does a new one get 503 "
+                        "(default: %(default)s)")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a connection has to send a request's headers, from its opening and after each "
+                        "response (idle and trickling sockets are closed; default: %(default)s)")
     p.add_argument("--method", default=DEFAULT_METHOD, choices=sorted(METHODS),
                    help=f"speculation method when a request names none (default: {DEFAULT_METHOD}, lossless)")
     p.add_argument("--method-option", action="append", default=[], metavar="METHOD:KEY=VALUE",
@@ -140,7 +150,7 @@ def run(args) -> int:
         max_concurrent=args.max_concurrent, max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
         max_batch=args.max_batch, method_options=server_method_options(args.method_option),
         limits=RequestLimits(max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout), max_n=args.max_n,
-        logprobs_mode=args.logprobs_mode,
+        logprobs_mode=args.logprobs_mode, allow_special_tokens=args.allow_special_tokens,
     )
     for line in exposure_warnings(args.host, api_key):
         print(f"longspec serve: {line}", file=sys.stderr)
@@ -167,7 +177,9 @@ def run(args) -> int:
           file=sys.stderr, flush=True)
     if args.max_connections < 1:
         raise ValueError(f"--max-connections must be >= 1, got {args.max_connections}")
-    # Idle keep-alive connections close after 5 s; headers are capped at 64 KiB (h11).
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", limit_concurrency=args.max_connections,
-                timeout_keep_alive=5, h11_max_incomplete_event_size=64 << 10)
+    from longspec.serve.connections import raise_open_file_limit, uvicorn_config
+
+    raise_open_file_limit()  # idle sockets are open files: the default 1,024 would stall the accept loop first
+    uvicorn.Server(uvicorn_config(app, host=args.host, port=args.port, max_connections=args.max_connections,
+                                  header_timeout_s=args.header_timeout)).run()
     return 0

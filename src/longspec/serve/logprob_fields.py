@@ -43,6 +43,19 @@ class CompletionLogprobs:
         return {"tokens": chosen, "token_logprobs": [_finite(e.logprob) for e in entries], "top_logprobs": tops,
                 "text_offset": offsets}
 
+    def prompt_fields(self, first_token: int, entries: Sequence[TokenLogprob]) -> dict:
+        """An echoed prompt's fields: its first token has no log-probability (null, as
+        OpenAI writes it), the others are `entries`."""
+        first = self.token_strings([first_token])[0]
+        head = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [self.offset]}
+        self.offset += len(first)
+        return joined(head, self.fields(entries))
+
+
+def joined(*parts: dict) -> dict:
+    """Completion `logprobs` objects one after the other (an echoed prompt, then its completion)."""
+    return {key: [value for part in parts for value in part[key]] for key in parts[0]}
+
 
 def chat_logprobs(entries: Sequence[TokenLogprob], token_strings: TokenStrings) -> dict:
     strings = token_strings([e.token for e in entries] + [t for e in entries for t, _ in e.top])

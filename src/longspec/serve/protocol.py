@@ -1,8 +1,11 @@
 """The OpenAI-compatible request bodies the server accepts, validated by pydantic.
 
 Fields OpenAI defines but this server does not implement are accepted only at their
-neutral value (no `echo`, no `suffix`, ...) and refused otherwise with a message
-saying so; unknown fields are refused. Chat content may be a list of text parts, and
+neutral value (no `suffix`, `best_of` 1) and refused otherwise with a message saying
+so; unknown fields are refused. A completion's `prompt` takes OpenAI's four forms (a
+string, token ids, a batch of strings, a batch of token-id lists); `echo` returns the
+prompt before the completion, with its tokens' log-probabilities when `logprobs` is
+given (`max_tokens: 0` scores the prompt alone, as evaluation harnesses ask). Chat content may be a list of text parts, and
 the `developer` role is the system role. Extra fields: `top_k`, `min_p`, vLLM's
 `ignore_eos` and `structured_outputs` (json, regex, grammar, choice), and the
 speculation per request: `method` (a registered method name) and `method_options`
@@ -14,7 +17,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError, field_validator,
+                      model_validator)
 
 from longspec.speculation.grammar import OutputConstraint
 from longspec.speculation.logprobs import MAX_TOP
@@ -136,7 +140,7 @@ class GenerationFields(BaseModel):
     @classmethod
     def _bias_by_token_id(cls, bias):
         for key, value in (bias or {}).items():
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit()):  # str.isdigit alone takes "٣" and "²"
                 raise ValueError(f"keys are token ids (as strings, e.g. \"42\"), got {key!r}")
             if not -100 <= value <= 100:
                 raise ValueError(f"biases lie in [-100, 100], got {value} for token {key}")
@@ -168,16 +172,26 @@ class GenerationFields(BaseModel):
         raise NotImplementedError
 
     @property
+    def prompt_count(self) -> int:
+        """Prompts in the request (a batch of completion prompts; one otherwise)."""
+        return 1
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+Prompt = str | list[StrictInt] | list[str] | list[list[StrictInt]]
+PROMPT_FORMS = "a string, a list of token ids, a list of strings, or a list of token-id lists"
+
+
 class CompletionRequest(GenerationFields):
-    prompt: str | list[StrictInt]
-    max_tokens: StrictInt | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    # OpenAI's four forms; a list of strings or of token-id lists is a batch: one choice per prompt (times n).
+    prompt: Prompt
+    max_tokens: StrictInt | None = Field(default=16, ge=0)  # OpenAI's default; 0 only with echo
     # The log-probabilities of the chosen tokens and of the `logprobs` most likely at each position.
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP)
-    echo: Literal[False] = False
+    echo: StrictBool = False  # the prompt before the completion (and its log-probabilities, with logprobs)
     best_of: Literal[1] | None = None
     suffix: None = None
 
@@ -185,12 +199,37 @@ class CompletionRequest(GenerationFields):
     def logprob_alternatives(self) -> int | None:
         return self.logprobs
 
-    @field_validator("prompt")
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: each prompt as text or token ids."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]
+        return list(self.prompt)
+
+    @property
+    def prompt_count(self) -> int:
+        return len(self.prompts)
+
+    @field_validator("prompt", mode="wrap")
     @classmethod
-    def _prompt_non_empty(cls, prompt):
+    def _one_of_the_prompt_forms(cls, prompt, handler):
+        try:
+            prompt = handler(prompt)
+        except ValidationError:  # the union's own message lists every branch's error ("prompt.str: ...")
+            raise ValueError(f"the prompt must be {PROMPT_FORMS}") from None
         if not prompt:
             raise ValueError("the prompt is empty")
+        if isinstance(prompt, list) and not isinstance(prompt[0], int):
+            empty = next((i for i, item in enumerate(prompt) if not item), None)
+            if empty is not None:
+                raise ValueError(f"prompt {empty} of the batch is empty")
         return prompt
+
+    @model_validator(mode="after")
+    def _nothing_to_return(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 generates nothing; it is allowed with echo: true (to score the prompt)")
+        return self
 
 
 class TextPart(BaseModel):
@@ -248,9 +287,3 @@ class ChatCompletionRequest(GenerationFields):
     @property
     def logprob_alternatives(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
-
-
-def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
-    """OpenAI's error shape."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from longspec.api import LongSpecModel, PreparedRequest, RowStream
 from longspec.serve.metrics import ServerMetrics
 from longspec.speculation.batch_engine import BatchOptions
+from longspec.speculation.logprobs import PromptScorer, TokenLogprob
 from longspec.speculation.metrics import GenerationStats
 
 logger = logging.getLogger("longspec.serve")
@@ -45,6 +46,29 @@ class Job:
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
         except RuntimeError:  # the event loop is gone (server shutting down): nobody is listening
             self.cancelled.set()
+
+
+@dataclass(eq=False)
+class ScoreJob:
+    """A prompt to score (`PromptScorer`), a piece between two rounds of the batch."""
+
+    scorer: PromptScorer
+    loop: asyncio.AbstractEventLoop
+    result: asyncio.Future
+
+    def finish(self, entries: list[TokenLogprob] | None = None, error: BaseException | None = None) -> None:
+        def settle() -> None:
+            if self.result.done():  # its handler was cancelled (client gone)
+                return
+            if error is None:
+                self.result.set_result(entries)
+            else:
+                self.result.set_exception(error)
+
+        try:
+            self.loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the event loop is gone: nobody is listening
+            pass
 
 
 class CancelledRequest(Exception):
@@ -81,6 +105,7 @@ class GenerationWorker:
         self.engine = model.batch_engine(batch)
         self._incoming: queue.Queue[Job] = queue.Queue()
         self._jobs: list[Job] = []  # in the engine (this thread only)
+        self._scoring: list[ScoreJob] = []  # prompts being scored (this thread only)
         self._admitted = 0
         self._closing = threading.Event()
         self._lock = threading.Lock()
@@ -128,6 +153,17 @@ class GenerationWorker:
         self._incoming.put(job)
         return job
 
+    def score(self, ids, top: int) -> asyncio.Future:
+        """The log-probabilities of the prompt's tokens after the first (`PromptScorer`),
+        computed on the generation thread a piece between rounds, under the caller's
+        reservation; the future fails with WorkerUnavailable if the thread stops."""
+        if not self.alive:
+            raise WorkerUnavailable(f"the generation thread has stopped ({self.died}); restart the server")
+        loop = asyncio.get_running_loop()
+        job = ScoreJob(self.model.prompt_scorer(ids, top), loop, loop.create_future())
+        self._incoming.put(job)
+        return job.result
+
     def close(self) -> None:
         """Stop: running requests end before the next step, queued ones never start."""
         self._closing.set()
@@ -145,13 +181,20 @@ class GenerationWorker:
             unavailable = WorkerUnavailable("the generation thread has stopped; restart the server")
             for job in list(self._jobs):
                 job.emit("error", unavailable)
+            for scoring in self._scoring:
+                scoring.finish(error=unavailable)
             while not self._incoming.empty():
-                self._incoming.get_nowait().emit("error", unavailable)
+                waiting = self._incoming.get_nowait()
+                if isinstance(waiting, ScoreJob):
+                    waiting.finish(error=unavailable)
+                else:
+                    waiting.emit("error", unavailable)
 
     def _serve(self) -> None:
         while not self._closing.is_set():
-            self._admit(block=not self._jobs)
+            self._admit(block=not self._jobs and not self._scoring)
             self._drop_cancelled()
+            self._score_a_piece()
             self._publish()
             if not self.engine.has_work:
                 continue
@@ -170,8 +213,14 @@ class GenerationWorker:
             self._deliver()
         for job in list(self._jobs):
             self._leave(job, ("error", CancelledRequest("the server is stopping")), cancelled=True)
+        for scoring in self._scoring:
+            scoring.finish(error=CancelledRequest("the server is stopping"))
         while not self._incoming.empty():
-            self._refuse(self._incoming.get_nowait(), "the server is stopping")
+            waiting = self._incoming.get_nowait()
+            if isinstance(waiting, ScoreJob):
+                waiting.finish(error=CancelledRequest("the server is stopping"))
+            else:
+                self._refuse(waiting, "the server is stopping")
         self._publish()
 
     def _publish(self) -> None:
@@ -186,7 +235,9 @@ class GenerationWorker:
         except queue.Empty:
             return
         while True:
-            if job.cancelled.is_set():
+            if isinstance(job, ScoreJob):
+                self._scoring.append(job)
+            elif job.cancelled.is_set():
                 self._refuse(job, "the request was cancelled before it started")
             else:
                 try:
@@ -199,6 +250,26 @@ class GenerationWorker:
                 job = self._incoming.get_nowait()
             except queue.Empty:
                 return
+
+    def _score_a_piece(self) -> None:
+        """One piece of the oldest prompt being scored (a prompt of thousands of tokens
+        does not hold every stream for its whole forward)."""
+        if not self._scoring:
+            return
+        job = self._scoring[0]
+        if job.result.cancelled():
+            self._scoring.pop(0)
+            return
+        try:
+            done = job.scorer.step()
+        except Exception as error:  # noqa: BLE001 - this prompt's failure, not the server's
+            logger.exception("scoring a prompt failed")
+            self._scoring.pop(0)
+            job.finish(error=RequestFailed(error))
+            return
+        if done:
+            self._scoring.pop(0)
+            job.finish(job.scorer.entries)
 
     def _drop_cancelled(self) -> None:
         for job in list(self._jobs):
