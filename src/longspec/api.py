@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from longspec import content_tokens
 from longspec.runtime.device import HOST
 from longspec.runtime.loading import LoadedTarget, load_target
 from longspec.speculation.batch_engine import BatchEngine, BatchOptions, RequestHandle
@@ -275,10 +276,13 @@ class LongSpecModel:
             return [self._encoder.decode([token]) for token in ids]
 
     def encode(self, prompt: str | Sequence[int] | torch.Tensor, *, chat: bool = False,
-               limit: int | None = None) -> torch.Tensor:
+               limit: int | None = None, special_tokens: bool = True) -> torch.Tensor:
         """Token ids of a prompt. `limit` (default: the model's context): text that cannot
         fit it is refused before it is tokenized, token ids that exceed it before a tensor
-        is built."""
+        is built. `special_tokens`: control-token strings in the text (`<eos>`,
+        `<start_of_turn>`) are read as control tokens, as a trusted caller writing the
+        model's own format wants; False reads them as plain text (a server's clients:
+        `content_tokens`). The BOS the tokenizer adds is added either way."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")
@@ -289,9 +293,11 @@ class LongSpecModel:
                 )
             self._check_text_fits(prompt, limit)
             if chat:
-                return self.encode_chat([{"role": "user", "content": prompt}], limit=limit)
+                return self.encode_chat([{"role": "user", "content": prompt}], limit=limit,
+                                        special_tokens=special_tokens)
             with self._encoding_lock:
-                return torch.tensor(self._encoder(prompt).input_ids, dtype=torch.long, device=HOST)
+                ids = content_tokens.encode_text(self._encoder, prompt, special_tokens=special_tokens)
+            return torch.tensor(ids, dtype=torch.long, device=HOST)
         limit = self.config.max_position_embeddings if limit is None else limit
         if not isinstance(prompt, torch.Tensor) and isinstance(prompt, Sequence) and len(prompt) > limit:
             raise ValueError(f"the prompt has {len(prompt):,} token ids, more than the limit of {limit:,}")
@@ -300,19 +306,23 @@ class LongSpecModel:
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}); got {int(ids.min())}..{int(ids.max())}")
         return ids
 
-    def encode_chat(self, messages: Sequence[dict], *, limit: int | None = None) -> torch.Tensor:
+    def encode_chat(self, messages: Sequence[dict], *, limit: int | None = None,
+                    special_tokens: bool = True) -> torch.Tensor:
         """Token ids of a conversation in the model's chat template, ending where the
         assistant's reply begins; refused before tokenizing when its text cannot fit
-        `limit` tokens (default: the model's context)."""
+        `limit` tokens (default: the model's context). `special_tokens` False: control-
+        token strings inside the messages are plain text, so a message cannot end its
+        turn and forge another (the template's own control tokens stay; `encode`)."""
         if self.tokenizer is None:
             raise ValueError(f"{self.target.source} has no tokenizer files; a chat needs its tokenizer and template")
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template (a base model): write the prompt in the "
-                             "model's own format instead — drop --chat, chat=False in Python, /v1/completions over HTTP")
+                             "model's own format instead — drop --chat, chat=False in Python, /v1/completions over "
+                             "HTTP (its control tokens as token ids there, or to a server started with "
+                             "--allow-special-tokens)")
         self._check_text_fits("".join(str(message.get("content", "")) for message in messages), limit)
         with self._encoding_lock:
-            ids = self._encoder.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
-        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            ids = content_tokens.encode_chat(self._encoder, messages, special_tokens=special_tokens)
         return torch.tensor(ids, dtype=torch.long, device=HOST)
 
     def _check_text_fits(self, text: str, limit: int | None = None) -> None:

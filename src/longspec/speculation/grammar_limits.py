@@ -47,7 +47,8 @@ def _widest_object(schema: object) -> int:
     while pending:
         node = pending.pop()
         if isinstance(node, dict):
-            count = sum(len(node[key]) for key in ("properties", "patternProperties") if isinstance(node.get(key), dict))
+            count = sum(len(node[key]) for key in ("properties", "patternProperties")
+                        if isinstance(node.get(key), dict))
             widest = max(widest, count)
             pending.extend(node.values())
         elif isinstance(node, list):
