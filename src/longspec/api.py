@@ -21,7 +21,7 @@ from longspec.speculation.drafters.base import Drafter
 from longspec.speculation.engine import EngineOptions, SpeculativeEngine
 from longspec.speculation.grammar import GrammarState, GrammarVocabulary, OutputConstraint
 from longspec.speculation.logprobs import MODES as LOGPROBS_MODES
-from longspec.speculation.logprobs import LogprobRecorder, TokenLogprob
+from longspec.speculation.logprobs import LogprobRecorder, PromptScorer, TokenLogprob
 from longspec.speculation.methods import DEFAULT_METHOD, make_drafter
 from longspec.speculation.metrics import GenerationStats
 from longspec.speculation.processors import SamplingParams
@@ -274,6 +274,19 @@ class LongSpecModel:
             return [f"token_id:{token}" for token in ids]
         with self._encoding_lock:
             return [self._encoder.decode([token]) for token in ids]
+
+    def text_of(self, ids: Sequence[int]) -> str:
+        """The text of token ids as a whole (what `echo` returns for a prompt given as ids),
+        special tokens included; `token_id:N` pieces without a tokenizer."""
+        if self._encoder is None:
+            return "".join(f"token_id:{token}" for token in ids)
+        with self._encoding_lock:
+            return self._encoder.decode(list(ids))
+
+    def prompt_scorer(self, ids: torch.Tensor, top: int = 0) -> PromptScorer:
+        """Scores the prompt's tokens under the model, a piece per `step` (the log-probabilities
+        `echo` with `logprobs` reports); run it where the model's forwards run."""
+        return PromptScorer(self.model, ids.to(self.device), top=top)
 
     def encode(self, prompt: str | Sequence[int] | torch.Tensor, *, chat: bool = False,
                limit: int | None = None, special_tokens: bool = True) -> torch.Tensor:

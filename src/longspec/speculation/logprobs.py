@@ -66,3 +66,56 @@ class LogprobRecorder:
         else:
             tops = [()] * tokens.numel()
         self.entries.extend(TokenLogprob(int(t), lp, top) for t, lp, top in zip(tokens.tolist(), chosen, tops))
+
+
+class PromptScorer:
+    """The log-probability of each prompt token after the first, under the model's own
+    ("raw") distribution, as evaluation harnesses read them (`echo` with `logprobs`).
+
+    The prompt runs through a cache of its own as the engine reads a prompt (prefill's
+    products), a piece at a time (`step`), so that a server can interleave the pieces
+    with other requests' rounds. A prompt within one piece gets exactly the numbers of
+    one forward over it; a longer one, those of the same forward in pieces (attention
+    over the pieces before it), equal to the last bits only where the kernels' rows do
+    not depend on the piece. Logits exist a few rows at a time ([rows, V] for a whole
+    prompt would take gigabytes)."""
+
+    def __init__(self, model, ids: torch.Tensor, top: int = 0, piece: int = 1024) -> None:
+        if ids.dim() != 1 or not ids.numel():
+            raise ValueError("a prompt to score is a non-empty 1-D tensor of token ids")
+        self.model, self.ids, self.piece = model, ids, piece
+        self.recorder = LogprobRecorder(top=top, mode="raw")
+        self.cache = model.new_cache(ids.numel(), max_forward_tokens=piece)
+        self.scored = 0  # prompt positions run so far
+        self._rows = max(1, (1 << 24) // model.config.vocab_size)  # logits rows at once: ~64 MB in float32
+
+    @property
+    def done(self) -> bool:
+        return self.scored >= self.ids.numel() - 1
+
+    @property
+    def entries(self) -> list[TokenLogprob]:
+        """Entries for prompt tokens 1.. (token 0 has no prediction)."""
+        return self.recorder.entries
+
+    @torch.inference_mode()
+    def step(self) -> bool:
+        """Run the next piece; True when every token is scored."""
+        if self.done:
+            return True
+        begin = self.scored
+        end = min(begin + self.piece, self.ids.numel() - 1)  # the last token predicts nothing asked for
+        piece = self.ids[begin:end].unsqueeze(0)
+        hidden = self.model(piece, self.cache, positions=self.cache.next_positions(end - begin), with_logits=False,
+                            prefill=True).hidden[0]
+        self.cache.commit()
+        for row in range(0, end - begin, self._rows):
+            rows = slice(row, min(row + self._rows, end - begin))
+            self.recorder.record(self.model.logits(hidden[rows]), self.ids[begin + 1 + rows.start : begin + 1 + rows.stop])
+        self.scored = end
+        return self.done
+
+    def run(self) -> list[TokenLogprob]:
+        while not self.step():
+            pass
+        return self.entries
