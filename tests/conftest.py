@@ -33,8 +33,19 @@ def _cost_models_measured_by_tests_stay_out_of_the_users_cache(tmp_path_factory)
     measurement in the user's cache would price `auto`'s trees too cheap afterwards."""
     from longspec.speculation import cost_model
 
+    from longspec.runtime import head_cache
+
+    from longspec.speculation import cost_measurement
+
+    # Tests of `auto` decide from a measured curve, as before; the default curve has tests of its own.
+    cost_measurement.set_policy("now")
     directory = tmp_path_factory.mktemp("cost-model")
     original = cost_model.default_directory
     cost_model.default_directory = lambda: directory
+    # Tiny models' certified heads, too, stay out of the user's cache.
+    heads = tmp_path_factory.mktemp("prepared")
+    original_heads = head_cache.default_directory
+    head_cache.default_directory = lambda: heads
     yield
     cost_model.default_directory = original
+    head_cache.default_directory = original_heads

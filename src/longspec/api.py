@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from longspec.runtime import setup_time
 from longspec import content_tokens
 from longspec.runtime.device import HOST
 from longspec.runtime.loading import LoadedTarget, load_target
@@ -199,12 +200,18 @@ def load(
     weights and state and the sampling streams all live there.
     compile: run single-sequence decode steps and verification trees through
     compiled static-shape steps (CUDA graphs on a GPU; `runtime.static_step`)."""
+    mark = setup_time.snapshot()
     target = load_target(model, dtype=parse_dtype(dtype), device=device)
+    # Built now (memory-mapped from the model cache, or derived once per machine), not in the first decision.
+    _ = target.model.certified_head
     if compile:
         # Compiled now, against a cache shaped like the engine's (its rings hold the
         # window plus the largest forward a request makes), not inside a request.
-        target.model.compile_steps().static_steps.warm_up(max(engine.prefill_chunk, engine.max_tree_nodes + 1))
-    return LongSpecModel(target, engine)
+        with setup_time.one_time("compile"):
+            target.model.compile_steps().static_steps.warm_up(max(engine.prefill_chunk, engine.max_tree_nodes + 1))
+    loaded = LongSpecModel(target, engine)
+    loaded.load_setup = setup_time.since(mark)
+    return loaded
 
 
 class LongSpecModel:
@@ -219,6 +226,9 @@ class LongSpecModel:
         self._tokenizer_lock = threading.Lock()
         self._encoder, self._encoding_lock = self.tokenizer, self._tokenizer_lock  # `separate_encoding`
         self._grammar_vocabulary: GrammarVocabulary | None = None  # built on the first constrained request
+        # One-time work `load` paid, by part (runtime/setup_time.py); the first request's stats report it too.
+        self.load_setup: dict[str, float] = {}
+        self._load_setup_reported = False
         self._grammar_lock = threading.Lock()
 
     def grammar_vocabulary(self) -> GrammarVocabulary:
@@ -511,8 +521,11 @@ class LongSpecModel:
         # The verifier draws on the model's device; a seed reproduces a run on one device.
         generator = torch.Generator(device=self.device).manual_seed(seed)
         eos = () if ignore_eos else self.config.eos_token_ids
-        return PreparedRequest(ids, max_new_tokens, params, drafter, eos, stops, generator, GenerationStats(method=name),
-                               recorder, grammar)
+        stats = GenerationStats(method=name)
+        if not self._load_setup_reported:  # the load's one-time work, reported once
+            self._load_setup_reported = True
+            stats.add_setup(self.load_setup)
+        return PreparedRequest(ids, max_new_tokens, params, drafter, eos, stops, generator, stats, recorder, grammar)
 
     def generate(self, prompt, **kwargs) -> GenerationResult:
         stream = self.stream(prompt, **kwargs)

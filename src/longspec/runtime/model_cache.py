@@ -99,6 +99,15 @@ def cached_entry(root: Path, name: str, build: Callable[[Path], None], *, what: 
     return entry
 
 
+def discard_entry(entry: Path) -> None:
+    """Remove a complete entry found damaged by its reader (moved aside first, so no
+    reader sees it half-deleted); the next `cached_entry` builds it again."""
+    lock = FileLock(str(entry.parent / f".{entry.name}.lock"))
+    with lock:
+        if entry.exists():
+            _remove(entry)
+
+
 def ensure_free_space(directory: Path, needed_bytes: int, what: str) -> None:
     free = shutil.disk_usage(directory).free
     if needed_bytes > free:

@@ -19,6 +19,9 @@ from pathlib import Path
 
 import torch
 
+from longspec.runtime.progress import phase
+from longspec.runtime.setup_time import one_time
+
 log = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).with_name("kernels")
@@ -40,7 +43,7 @@ def native_ops():
     try:
         from torch.utils.cpp_extension import load
 
-        with _build_lock():
+        with one_time("kernels"), phase("building the native CPU kernels (once per machine)"), _build_lock():
             load(
                 name=LIBRARY,
                 sources=[str(source) for source in SOURCES],

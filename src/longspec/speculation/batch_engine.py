@@ -20,7 +20,6 @@ the rows share forwards and the round's code, never state.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,7 +29,8 @@ import torch
 from longspec.runtime.batch_cache import BatchKVCache, CacheRow
 from longspec.runtime.device import HOST
 from longspec.runtime.model import Decoder
-from longspec.speculation.cost_model import ForwardCost, batch_context_bucket, batch_forward_cost_at
+from longspec.runtime.setup_time import Stopwatch
+from longspec.speculation.cost_model import ForwardCost, batch_context_bucket, batch_forward_cost_at, is_default
 from longspec.speculation.decode_round import DecodingSequence
 from longspec.speculation.decode_round import checked_proposal, decode_round, prefill_piece
 from longspec.speculation.drafters.base import DraftContext, Drafter, TargetView
@@ -308,7 +308,7 @@ class BatchEngine:
         keep_hidden = row.prefill_hidden_rows
         keep_from = ids.numel() - keep_hidden if keep_hidden else ids.numel()
         chunk = self.prefill_chunk(self.options, self.batch)
-        start = time.perf_counter()
+        watch = Stopwatch()
         while not row.prefill_done and (budget is None or budget > 0):
             begin = row.prefilled
             # Pieces never cross the chunk boundaries a single run prefills at.
@@ -324,7 +324,8 @@ class BatchEngine:
             row.prefilled = end
             if budget is not None:
                 budget -= end - begin
-        row.stats.prefill_s += time.perf_counter() - start
+        row.stats.prefill_s += watch.stop()
+        row.stats.add_setup(watch.setup)
         return budget
 
     def _start_decoding(self, row: _Row) -> None:
@@ -337,9 +338,12 @@ class BatchEngine:
         row.prefill_hidden = []
         # With `fill_padding` every round asks the drafter: another row's wider tree
         # leaves padding that its proposals may fill.
+        watch = Stopwatch()
         row.start(TargetView(self.model, row.cache_row), prefill_hidden,
                   learns_while_verifying=learns_while_verifying(self.options, self.model.device),
                   plain_rounds=not self.batch.fill_padding)
+        watch.stop()
+        row.stats.add_setup(watch.setup)
 
     def _context(self, row: _Row) -> DraftContext:
         rows = max(len(self._decoding), 1)
@@ -359,11 +363,12 @@ class BatchEngine:
         for index, (row, tree) in enumerate(zip(rows, trees)):
             if row.drafter is None or tree.size - 1 >= width:
                 continue
-            t0 = time.perf_counter()
+            watch = Stopwatch()
             context = self._context(row)
             grown = checked_proposal(row.drafter, context, vocab, lambda c: row.drafter.widen(c, width) or tree)
             trees[index] = grown
-            row.stats.draft_s += time.perf_counter() - t0
+            row.stats.draft_s += watch.stop()
+            row.stats.add_setup(watch.setup)
 
     def forward_cost(self, rows: int, length: int) -> ForwardCost:
         """The measured cost of a verification forward over `rows` rows (rounded up to
@@ -385,6 +390,8 @@ class BatchEngine:
             width = 1
             while width <= self.options.max_tree_nodes and cost.seconds_for(width + 1) <= limit:
                 width += 1
+            if is_default(cost):  # the measurement may arrive later: not kept
+                return width - 1
             self._affordable[key] = width - 1
         return self._affordable[key]
 

@@ -18,17 +18,22 @@ import time
 import warnings
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from longspec.runtime.atomic_files import write_atomically
 from longspec.runtime.attention import NATIVE_ATTENTION_MAX_QUERIES
 from longspec.runtime.batch_cache import BatchKVCache
 from longspec.runtime.device import HOST, device_name, synchronize
 from longspec.runtime.machine import cores_busy_elsewhere, load_average, machine_identity
 from longspec.runtime.model import Decoder
 from longspec.runtime.native import kernels_identity
+from longspec.runtime.progress import phase
+from longspec.runtime.setup_time import one_time
+from longspec.speculation.cost_defaults import cpu_kind, default_seconds
 from longspec.speculation.tree import Tree
 
 # Every k up to 17, then sparser: a product's cost steps where its rows fill another
@@ -133,10 +138,11 @@ def measure_forward_cost(
     parents_for: Callable[[int], torch.Tensor] = binary_tree_parents,
     machine: dict | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    pause: Callable[[], bool] | None = None,
 ) -> ForwardCost:
     """Time one verification forward of k tokens (a tree of k - 1 nodes below a root,
     with every node's decision) over a cache of `context` committed positions; best of
-    `repeats` per k after one warm-up."""
+    `repeats` per k after one warm-up (`pause`: see `_best_time`)."""
     ks = tuple(sorted(set(int(k) for k in ks)))
     if not ks or ks[0] != 1:
         ks = (1, *ks)
@@ -154,7 +160,7 @@ def measure_forward_cost(
             mask = None if tree.is_chain() else tree.ancestor_mask()
             positions = cache.length + tree.depths
             seconds.append(_best_time(lambda: _verify_forward(model, tree.tokens.unsqueeze(0), cache, mask, positions),
-                                      cache.drop_pending, model.device, repeats, clock))
+                                      cache.drop_pending, model.device, repeats, clock, pause))
     return ForwardCost(cost_key(model, context, machine or machine_identity()), ks, tuple(seconds))
 
 
@@ -188,18 +194,23 @@ def commit_random_keys(model: Decoder, cache, context: int, *, chunk: int) -> No
 
 
 def _best_time(forward: Callable[[], object], reset: Callable[[], None], device, repeats: int,
-               clock: Callable[[], float]) -> float:
+               clock: Callable[[], float], pause: Callable[[], bool] | None = None) -> float:
     """Best wall time of `repeats` forwards after one warm-up (kernels, allocations),
-    the cache reset after each."""
-    best = float("inf")
-    for attempt in range(repeats + 1):
+    the cache reset after each. `pause()`, asked after each forward, True: this
+    process decoded meanwhile (a background measurement), so time them all again."""
+    best, attempt = float("inf"), 0
+    while attempt <= repeats:
         start = clock()
         forward()
         synchronize(device)
         elapsed = clock() - start
         reset()
+        if pause is not None and pause():
+            best, attempt = float("inf"), 0
+            continue
         if attempt:
             best = min(best, elapsed)
+        attempt += 1
     return best
 
 
@@ -212,6 +223,7 @@ def measure_batch_forward_cost(
     repeats: int = 3,
     machine: dict | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    pause: Callable[[], bool] | None = None,
 ) -> ForwardCost:
     """Time one batched verification forward: `rows` rows of `context` committed
     tokens each, every row a chain of w new tokens, all through the output layer (as
@@ -239,7 +251,7 @@ def measure_batch_forward_cost(
                 out = model(tokens, batch, positions=batch.next_positions(w), with_logits=False)
                 model.decide(out.hidden.reshape(-1, out.hidden.shape[-1]))
 
-            seconds.append(_best_time(verify, batch.drop_pending, model.device, repeats, clock))
+            seconds.append(_best_time(verify, batch.drop_pending, model.device, repeats, clock, pause))
     key = {**cost_key(model, context, machine or machine_identity()), "rows": rows}
     return ForwardCost(key, widths, tuple(seconds))
 
@@ -256,8 +268,16 @@ def cached_batch_forward_cost(model: Decoder, *, rows: int, context: int, direct
 
 def batch_forward_cost_at(model: Decoder, rows: int, length: int, widths: Sequence[int] = BATCH_WIDTHS) -> ForwardCost:
     """The cached batched measurement for `rows` rows of about `length` committed
-    tokens, at the smallest context bucket that holds them."""
-    return cached_batch_forward_cost(model, rows=rows, context=batch_context_bucket(model, length, widths), widths=widths)
+    tokens, at the smallest context bucket that holds them; where there is none yet,
+    as `forward_cost_at`."""
+    context = batch_context_bucket(model, length, widths)
+    machine = machine_identity()
+    key = {**cost_key(model, context, machine), "rows": rows}
+    return _measured_or_default(
+        key, widths, lambda: cached_batch_forward_cost(model, rows=rows, context=context, widths=widths,
+                                                       machine=machine, pause=_pause_while_decoding),
+        lambda: ForwardCost({**key, "default": cpu_kind(model)}, tuple(sorted(set(widths) | {1})),
+                            default_seconds(model, sorted(set(widths) | {1}), rows)))
 
 
 def batch_context_bucket(model: Decoder, length: int, widths: Sequence[int] = BATCH_WIDTHS) -> int:
@@ -281,9 +301,12 @@ def default_directory() -> Path:
     return cache_root() / CACHE_SUBDIR
 
 
-def _cached(key: dict, directory: Path | None, ks: Sequence[int] | None, measure: Callable[[], ForwardCost]) -> ForwardCost:
-    directory = directory or default_directory()
-    path = directory / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24] + ".json")
+def _path(key: dict, directory: Path) -> Path:
+    return directory / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24] + ".json")
+
+
+def _stored(key: dict, directory: Path, ks: Sequence[int] | None) -> ForwardCost | None:
+    path = _path(key, directory)
     if path.is_file():
         try:
             cost = ForwardCost.from_json(path.read_text())
@@ -291,13 +314,31 @@ def _cached(key: dict, directory: Path | None, ks: Sequence[int] | None, measure
                 return cost
         except (ValueError, KeyError, TypeError):
             pass  # unreadable or foreign: measure again and replace it
+    return None
+
+
+def _cached(key: dict, directory: Path | None, ks: Sequence[int] | None, measure: Callable[[], ForwardCost]) -> ForwardCost:
+    directory = directory or default_directory()
+    stored = _stored(key, directory, ks)
+    if stored is not None:
+        return stored
+    path = _path(key, directory)
+    from longspec.speculation import cost_measurement
+
     _warn_if_busy(path)
-    cost = measure()
-    directory.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(cost.to_json())
-    temporary.replace(path)
+    # The background measurement says nothing: its lines would land in the middle of a run's output.
+    said = nullcontext() if cost_measurement.in_background() else phase(
+        "measuring this machine's forward cost (once per machine, model and context)")
+    with one_time("forward_cost"), said:
+        cost = measure()
+    write_atomically(path, cost.to_json())
     return cost
+
+
+def _pause_while_decoding() -> bool:
+    from longspec.speculation import cost_measurement
+
+    return cost_measurement.pause_while_decoding()
 
 
 def _warn_if_busy(path: Path) -> None:
@@ -324,8 +365,36 @@ def _warn_if_busy(path: Path) -> None:
 
 def forward_cost_at(model: Decoder, length: int, ks: Sequence[int] = DEFAULT_KS) -> ForwardCost:
     """The cached measurement for a sequence of `length` committed tokens: at the
-    smallest context bucket that holds it (within the model's positions)."""
-    return cached_forward_cost(model, context=_bucket(model, length, max(ks)), ks=ks)
+    smallest context bucket that holds it (within the model's positions). Where this
+    machine has none yet: measured now under `measurement("now")`; else (the default)
+    a conservative curve for this kind of CPU (`cost_defaults`, `is_default`) while the
+    measurement waits for a quiet moment of this process (`cost_measurement.py`) or
+    for `longspec doctor`."""
+    context = _bucket(model, length, max(ks))
+    machine = machine_identity()
+    key = cost_key(model, context, machine)
+    ks = tuple(sorted(set(ks) | {1}))
+    return _measured_or_default(
+        key, ks, lambda: cached_forward_cost(model, context=context, ks=ks, machine=machine, pause=_pause_while_decoding),
+        lambda: ForwardCost({**key, "default": cpu_kind(model)}, ks, default_seconds(model, ks)))
+
+
+def is_default(cost: ForwardCost) -> bool:
+    """Whether `cost` is the default curve standing in for a measurement not made yet."""
+    return "default" in cost.key
+
+
+def _measured_or_default(key: dict, ks: Sequence[int], measure: Callable[[], ForwardCost],
+                         default: Callable[[], ForwardCost]) -> ForwardCost:
+    from longspec.speculation import cost_measurement
+
+    stored = _stored(key, default_directory(), ks)
+    if stored is not None:
+        return stored
+    if cost_measurement.policy() == "now":
+        return measure()
+    cost_measurement.request(json.dumps(key, sort_keys=True), measure)
+    return default()
 
 
 def _bucket(model: Decoder, length: int, widest: int) -> int:

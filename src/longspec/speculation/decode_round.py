@@ -17,7 +17,6 @@ single run's, token for token, by construction. Prefill is shared the same way
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -26,6 +25,8 @@ import torch
 
 from longspec.runtime.device import HOST
 from longspec.runtime.model import Decoder
+from longspec.runtime.setup_time import Stopwatch
+from longspec.speculation import cost_measurement
 from longspec.speculation.drafters.base import DraftContext, Drafter, TargetView, check_drafter
 from longspec.speculation.grammar import GrammarState
 from longspec.speculation.logprobs import LogprobRecorder
@@ -236,10 +237,13 @@ def decode_round(sequences: list[DecodingSequence], target: RoundTarget, *,
     sequences' shapes, and bits, are those of a round without the error. An exception
     in the shared forward or commit fails them all (it propagates). Without it, every
     exception propagates at once (a single sequence has no neighbours to protect)."""
+    cost_measurement.note_round()  # a background cost measurement waits while this process decodes
     results = [RoundResult() for _ in sequences]
     proposed = []
+    # One-time work inside a phase (a head or a cost built on first use) is reported as the
+    # setup of every sequence that waited for it, never as their decoding (runtime/setup_time.py).
     for sequence, result in zip(sequences, results):
-        t0 = time.perf_counter()
+        watch = Stopwatch()
         try:
             proposed.append(sequence.propose(target.context(sequence)))
         except Exception as error:
@@ -247,19 +251,22 @@ def decode_round(sequences: list[DecodingSequence], target: RoundTarget, *,
                 raise
             result.error = error
             proposed.append(Tree.chain(int(sequence.tokens[sequence.length - 1]), []))
-        sequence.stats.draft_s += time.perf_counter() - t0
+        sequence.stats.draft_s += watch.stop()
+        sequence.stats.add_setup(watch.setup)
     trees = target.shape(sequences, proposed)
 
-    t0 = time.perf_counter()
+    watch = Stopwatch()
     scores, hidden = target.forward(sequences, trees)
     for sequence in sequences:  # queued on a GPU, the forward runs meanwhile; its result is read below
         if sequence.learns_while_verifying:
             sequence.drafter.learn()
-    forward_s = (time.perf_counter() - t0) / len(sequences)  # the shared forward, split evenly
+    forward_s = watch.stop() / len(sequences)  # the shared forward, split evenly
+    for sequence in sequences:
+        sequence.stats.add_setup(watch.setup)
 
     verdicts: list[Verdict | None] = []
     for sequence, result, tree, tree_scores, tree_hidden in zip(sequences, results, trees, scores, hidden):
-        t1 = time.perf_counter()
+        watch = Stopwatch()
         verdict = None
         if result.error is None:
             try:
@@ -269,17 +276,18 @@ def decode_round(sequences: list[DecodingSequence], target: RoundTarget, *,
                     raise
                 result.error = error
         verdicts.append(verdict)
-        sequence.stats.verify_s += forward_s + time.perf_counter() - t1
-    t1 = time.perf_counter()
+        sequence.stats.verify_s += forward_s + watch.stop()
+        sequence.stats.add_setup(watch.setup)
+    watch = Stopwatch()
     root_only = torch.zeros(1, dtype=torch.long, device=HOST)
     target.commit([root_only if verdict is None else verdict.path for verdict in verdicts])
-    commit_s = (time.perf_counter() - t1) / len(sequences)
+    commit_s = watch.stop() / len(sequences)
 
     for sequence, result, whole, tree, verdict, tree_scores in zip(sequences, results, proposed, trees, verdicts,
                                                                    scores):
         if verdict is None:
             continue
-        t2 = time.perf_counter()
+        watch = Stopwatch()
         try:
             result.committed = sequence.advance(tree, verdict, tree_scores)
         except Exception as error:
@@ -287,7 +295,9 @@ def decode_round(sequences: list[DecodingSequence], target: RoundTarget, *,
                 raise
             result.error = error
         result.proposed, result.verified = whole, tree
-        sequence.stats.bookkeeping_s += commit_s + time.perf_counter() - t2
+        sequence.stats.bookkeeping_s += commit_s + watch.stop()
+        sequence.stats.add_setup(watch.setup)
+    cost_measurement.note_round()
     return results
 
 

@@ -4,7 +4,6 @@ its forward is one tree (through the compiled static steps where they exist)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -14,6 +13,7 @@ from tqdm.auto import tqdm
 from longspec.runtime.cache import KVCache
 from longspec.runtime.device import synchronize
 from longspec.runtime.model import Decoder
+from longspec.runtime.setup_time import Stopwatch
 from longspec.speculation.decode_round import DecodingSequence
 from longspec.speculation.decode_round import check_request, decode_round, prefill_piece
 from longspec.speculation.drafters.base import DraftContext, Drafter, TargetView
@@ -91,13 +91,17 @@ class SpeculativeEngine:
                                                                       sequence.tree_budget + 1))
         stats.kv_cache_bytes = cache.nbytes()
 
-        start = time.perf_counter()
+        watch = Stopwatch()
         prefill_hidden = self._prefill(sequence.prefill_ids, cache, sequence.prefill_hidden_rows)
         synchronize(self.model.device)  # a GPU queues the prefill: wait, so prefill_s measures it
-        stats.prefill_s = time.perf_counter() - start
+        stats.prefill_s = watch.stop()
+        stats.add_setup(watch.setup)
 
+        watch = Stopwatch()  # a drafter's begin is no round's; its one-time work is still reported
         sequence.start(TargetView(self.model, cache), prefill_hidden,
                        learns_while_verifying=learns_while_verifying(self.options, self.model.device))
+        watch.stop()
+        stats.add_setup(watch.setup)
         target = _OneSequence(self.model, cache)
         while True:
             (result,) = decode_round([sequence], target)

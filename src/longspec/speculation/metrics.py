@@ -42,10 +42,23 @@ class GenerationStats:
     # A controlling drafter's own account (`auto`: rounds with speculation off, nodes
     # chosen, predicted vs realised acceptance, calls and credit per component).
     controller: dict = field(default_factory=dict)
+    # One-time work this generation waited for, by part ("kernels", "packing", "certified_head",
+    # "forward_cost", "conversion", "compile"; runtime/setup_time.py): never in the times above,
+    # so the first run's tokens per second are the decoding's. A model's first generation also
+    # reports what its load paid.
+    setup: dict = field(default_factory=dict)
 
     @property
     def decode_s(self) -> float:
         return self.draft_s + self.verify_s + self.bookkeeping_s
+
+    @property
+    def setup_s(self) -> float:
+        return sum(self.setup.values())
+
+    def add_setup(self, parts: dict[str, float]) -> None:
+        for part, seconds in parts.items():
+            self.setup[part] = self.setup.get(part, 0.0) + seconds
 
     @property
     def tau(self) -> float:
@@ -85,6 +98,7 @@ class GenerationStats:
         data = asdict(self)
         data.update(
             decode_s=self.decode_s,
+            setup_s=self.setup_s,
             tau=self.tau,
             decode_tokens_per_s=self.decode_tokens_per_s,
             prefill_tokens_per_s=self.prefill_tokens_per_s,

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from longspec.speculation.cost_model import ForwardCost, forward_cost_at
+from longspec.speculation.cost_model import ForwardCost, forward_cost_at, is_default
 from longspec.speculation.drafters.adaptive.acceptance import CrossFittedAcceptance
 from longspec.speculation.drafters.adaptive.cost_fit import RealisedCostScale
 from longspec.speculation.drafters.adaptive.merge import MergedTree, merge_trees, subtree
@@ -194,7 +194,7 @@ class AdaptiveDrafter(Drafter):
         self.table.expect_sampling(context.sampled)
         for component in self.components:
             component.drafter.begin(context)
-        if self.forward_cost is None:
+        if self.forward_cost is None or is_default(self.forward_cost):  # a default: the measurement may exist now
             if context.target is None:
                 raise ValueError("auto needs the target view to measure its forward cost (or pass forward_cost)")
             self.forward_cost = self._measured_cost(context)
@@ -392,7 +392,9 @@ class AdaptiveDrafter(Drafter):
         t = self.telemetry_state
         t.calls = {c.name: c.calls for c in self.components}
         t.credited_tokens = {c.name: c.credited for c in self.components}
-        t.cost = self._cost_fit.telemetry()
+        t.cost = {**self._cost_fit.telemetry(),
+                  "cost_curve": "default" if self.forward_cost is not None and is_default(self.forward_cost)
+                  else "measured"}
         return t.as_dict()
 
     def state_nbytes(self) -> int:

@@ -1,0 +1,131 @@
+"""The certified head's int8 copy, built once per machine and kept in the model cache.
+
+Deriving it (`certified_head.quantize_head`) reads the whole head in float64: seconds
+for a large vocabulary (Gemma's 262,144 rows), paid by every process before its first
+decision. Here it is built once, written as one safetensors file in an entry of the
+model cache (`model_cache.cached_entry`: locked, built in a temporary directory,
+renamed into place, so concurrent or killed builders leave nothing half-written), and
+memory-mapped by later loads.
+
+The entry's name digests everything its bytes depend on: the head weight's own bytes
+(xxh3, ~10 ms for Gemma's), its shape, the group, the array format, and the native
+kernels' identity (the kernel that reads the layout). The file records each array's
+xxh3, checked at every load: a copy whose bytes changed is discarded and rebuilt,
+because a wrong bound would certify a wrong token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import torch
+import xxhash
+
+from longspec.runtime.model_cache import CacheWriteError, cached_entry, discard_entry, entry_problem
+from longspec.runtime.native import kernels_identity
+from longspec.runtime.progress import phase
+
+FORMAT = "longspec-certified-head/1"
+CACHE_SUBDIR = "prepared"
+FILE = "certified-head.safetensors"
+
+log = logging.getLogger("longspec")
+
+
+def default_directory() -> Path:
+    """Where prepared copies are kept unless a caller names a directory."""
+    from longspec.runtime.default_model import cache_root
+
+    return cache_root() / CACHE_SUBDIR
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """xxh3-128 of a tensor's bytes (contiguous, on the host)."""
+    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    return xxhash.xxh3_128(memoryview(flat.numpy())).hexdigest()
+
+
+def entry_name(weight: torch.Tensor, group: int) -> str:
+    key = {"format": FORMAT, "source": tensor_digest(weight), "shape": list(weight.shape), "dtype": str(weight.dtype),
+           "group": group, "kernels": kernels_identity()}
+    return "certified-head-" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def cached_head_arrays(weight: torch.Tensor, group: int, directory: Path | None = None) -> dict[str, torch.Tensor]:
+    """`quantize_head(weight, group)`, from the cache (memory-mapped) or built and stored
+    there. A cache that cannot be written (read-only, full) costs the build every time,
+    with one warning naming why."""
+    from longspec.runtime.certified_head import quantize_head
+
+    root = directory or default_directory()
+    name = entry_name(weight, group)
+
+    def build(temporary: Path) -> None:
+        with phase("building the certified head's int8 copy (once per machine)"):
+            arrays = quantize_head(weight, group)
+        _save(arrays, temporary / FILE)
+
+    for attempt in range(2):
+        try:
+            entry = cached_entry(root, name, build, what="the certified head's int8 copy",
+                                 needed_bytes=_estimated_bytes(weight, group))
+        except CacheWriteError as error:
+            log.warning("%s; the certified head's int8 copy is built in memory this time", error)
+            return quantize_head(weight, group)
+        arrays, problem = _load(entry / FILE)
+        if problem is None:
+            return arrays
+        log.warning("the cached certified head at %s is damaged (%s); rebuilding it", entry, problem)
+        discard_entry(entry)
+    raise RuntimeError(f"the certified head's copy in {root} was damaged twice in a row; delete that directory")
+
+
+def _estimated_bytes(weight: torch.Tensor, group: int) -> int:
+    V, H = weight.shape
+    return V * H + V * (-(-H // group)) * 4 + 3 * V * 4  # codes, scales, three row constants
+
+
+def _save(arrays: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    metadata = {"format": FORMAT, "xxh3": json.dumps({name: tensor_digest(t) for name, t in arrays.items()})}
+    save_file({name: t.contiguous() for name, t in arrays.items()}, str(path), metadata=metadata)
+
+
+def _load(path: Path) -> tuple[dict[str, torch.Tensor], str | None]:
+    """The arrays, memory-mapped (safetensors maps the file), and what is wrong with
+    them (None: each array's bytes hash to what the build recorded)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+        arrays = load_file(str(path))
+        recorded = json.loads(metadata.get("xxh3", "{}"))
+    except Exception as error:  # safetensors raises its own error type for a bad header or short file
+        return {}, f"unreadable: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
+    if metadata.get("format") != FORMAT:
+        return {}, f"format {metadata.get('format')!r}, expected {FORMAT!r}"
+    for name, tensor in arrays.items():
+        if recorded.get(name) != tensor_digest(tensor):
+            return {}, f"{name} does not hash to the value recorded when it was built"
+    if set(recorded) != set(arrays):
+        return {}, "its arrays differ from those recorded"
+    return arrays, None
+
+
+def cached_entries(directory: Path | None = None) -> list[tuple[Path, int, str | None]]:
+    """Every certified-head entry under the cache: path, bytes, and what is wrong with it."""
+    root = directory or default_directory()
+    if not root.is_dir():
+        return []
+    entries = []
+    for entry in sorted(root.glob("certified-head-*")):
+        if entry.is_dir():
+            size = sum(p.stat().st_size for p in entry.iterdir() if p.is_file())
+            entries.append((entry, size, entry_problem(entry)))
+    return entries

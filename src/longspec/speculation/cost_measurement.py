@@ -1,0 +1,136 @@
+"""When the forward cost is measured: never before a first token, never during decoding.
+
+A machine's forward-cost curve (`cost_model`) is measured once and cached. Where it
+is missing, the policy says what a lookup does:
+
+- "background" (the default): the lookup returns the conservative default curve
+  (`cost_defaults`) and queues the measurement. One daemon thread runs the queue at
+  this process's quiet moments: when no decoding round has run for `QUIET_S`. A
+  round that starts while it measures makes it wait for quiet again and time the
+  current size anew (`pause_while_decoding`), so a request waits for at most one
+  measured forward, and a curve timed beside decoding is never kept. A CLI run decodes
+  without pause and exits: there the queue waits for `longspec doctor`.
+- "now": the lookup measures before returning (benchmarks, which time after their
+  warm-up; `longspec doctor`; the test suite). Also `LONGSPEC_COST_MEASUREMENT=now`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+POLICIES = ("background", "now")
+VARIABLE = "LONGSPEC_COST_MEASUREMENT"
+QUIET_S = 0.5  # no round for this long: the process is idle, the measurement may run
+
+log = logging.getLogger("longspec")
+
+_policy: str | None = None
+_lock = threading.Lock()
+_pending: dict[str, Callable[[], object]] = {}  # key -> measurement, in request order
+_wake = threading.Event()
+_thread: threading.Thread | None = None
+_last_round = 0.0  # time.monotonic() of the latest decoding round in this process
+_slice_start = 0.0
+
+
+def policy() -> str:
+    if _policy is not None:
+        return _policy
+    chosen = os.environ.get(VARIABLE, "background")
+    if chosen not in POLICIES:
+        raise ValueError(f"{VARIABLE}={chosen!r}: choose one of {', '.join(POLICIES)}")
+    return chosen
+
+
+def set_policy(chosen: str | None) -> None:
+    """"background" or "now" for this process; None: back to the environment's."""
+    global _policy
+    if chosen is not None and chosen not in POLICIES:
+        raise ValueError(f"the cost-measurement policy must be one of {', '.join(POLICIES)}, got {chosen!r}")
+    _policy = chosen
+
+
+def note_round() -> None:
+    """A decoding round ran (called by every round): measurements wait for quiet."""
+    global _last_round
+    _last_round = time.monotonic()
+
+
+def pending() -> int:
+    with _lock:
+        return len(_pending)
+
+
+def request(key: str, measure: Callable[[], object]) -> None:
+    """Queue a measurement (once per key) for the background thread."""
+    global _thread
+    with _lock:
+        if key in _pending:
+            return
+        _pending[key] = measure
+        if _thread is None or not _thread.is_alive():
+            _thread = threading.Thread(target=_run, name="longspec-cost-measurement", daemon=True)
+            _thread.start()
+    _wake.set()
+
+
+def measure_pending() -> int:
+    """Run every queued measurement now, on this thread (`longspec doctor`); how many ran."""
+    done = 0
+    while True:
+        with _lock:
+            if not _pending:
+                return done
+            key, measure = next(iter(_pending.items()))
+        measure()
+        with _lock:
+            _pending.pop(key, None)
+        done += 1
+
+
+def in_background() -> bool:
+    """Whether this thread is the background measurement's."""
+    return _thread is not None and threading.current_thread() is _thread
+
+
+def pause_while_decoding() -> bool:
+    """Asked between a measurement's forwards: True (after waiting for quiet) when a
+    round ran since the last ask, so the forwards of this size are timed again."""
+    global _slice_start
+    if threading.current_thread() is not _thread:
+        return False  # measured on the caller's thread ("now", doctor): nothing competes
+    if _last_round < _slice_start:
+        _slice_start = time.monotonic()
+        return False
+    _wait_for_quiet()
+    _slice_start = time.monotonic()
+    return True
+
+
+def _wait_for_quiet() -> None:
+    while (quiet_for := time.monotonic() - _last_round) < QUIET_S:
+        time.sleep(QUIET_S - quiet_for)
+
+
+def _run() -> None:
+    global _slice_start
+    while True:
+        _wake.wait()
+        with _lock:
+            if not _pending:
+                _wake.clear()
+                continue
+            key, measure = next(iter(_pending.items()))
+        _wait_for_quiet()
+        _slice_start = time.monotonic()
+        try:
+            measure()
+        except Exception as error:  # noqa: BLE001 - a failed measurement leaves the default in use
+            log.warning("measuring the forward cost in the background failed (%s); the default curve stays in use",
+                        error)
+        with _lock:
+            _pending.pop(key, None)
