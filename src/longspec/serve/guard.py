@@ -36,7 +36,7 @@ class RequestGuard:
         size = sum(len(name) + len(value) + 4 for name, value in headers)  # "name: value\r\n"
         if size > MAX_HEADER_BYTES:
             return 431, error_body(f"the request's headers take {size:,} bytes, more than this server's limit of "
-                                   f"{MAX_HEADER_BYTES:,}", code="headers_too_large")
+                                   f"{MAX_HEADER_BYTES >> 10} KiB", code="headers_too_large")
         given = [value for name, value in headers if name == b"authorization"]
         if len(given) > 1:
             return 400, error_body(f"the request has {len(given)} Authorization headers: send one",
