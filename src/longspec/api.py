@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from longspec.runtime import setup_time
 from longspec import content_tokens
+from longspec.runtime import setup_time
 from longspec.runtime.device import HOST
 from longspec.runtime.loading import LoadedTarget, load_target
 from longspec.speculation.batch_engine import BatchEngine, BatchOptions, RequestHandle

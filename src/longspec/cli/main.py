@@ -8,7 +8,7 @@ import platform
 import sys
 from pathlib import Path
 
-from longspec.cli import bench, serve, train
+from longspec.cli import bench, doctor, serve, train
 from longspec.cli.faults import run_reporting_faults
 from longspec.cli.options import add_compile_argument, add_device_argument
 from longspec.cli.paths import read_prompt_file
@@ -204,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _info_parser(sub)
+    doctor.add_parser(sub)
     bench.add_parser(sub)
     train.add_parser(sub)
     serve.add_parser(sub)
@@ -212,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 COMMANDS = {"generate": _cmd_generate, "info": _cmd_info, "train": train.run}
 COMMANDS["bench"] = bench.run
+COMMANDS["doctor"] = doctor.run
 COMMANDS["serve"] = serve.run
 
 

@@ -244,13 +244,12 @@ class CertifiedHead:
             return None
         if model.config.final_logit_softcapping or native_ops() is None:
             return None
-        if not bool(torch.isfinite(model.head_weight).all()):
-            return None
         from longspec.runtime.head_cache import cached_head_arrays
 
         weight = model.head_weight.detach()
         with one_time("certified_head"):
-            return cls(weight, arrays=cached_head_arrays(weight, GROUP))
+            arrays = cached_head_arrays(weight, GROUP)  # None: a non-finite weight
+            return None if arrays is None else cls(weight, arrays=arrays)
 
     @property
     def nbytes(self) -> int:

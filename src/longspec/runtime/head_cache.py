@@ -54,14 +54,18 @@ def entry_name(weight: torch.Tensor, group: int) -> str:
     return "certified-head-" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def cached_head_arrays(weight: torch.Tensor, group: int, directory: Path | None = None) -> dict[str, torch.Tensor]:
+def cached_head_arrays(weight: torch.Tensor, group: int, directory: Path | None = None) -> dict[str, torch.Tensor] | None:
     """`quantize_head(weight, group)`, from the cache (memory-mapped) or built and stored
-    there. A cache that cannot be written (read-only, full) costs the build every time,
-    with one warning naming why."""
+    there; None where the weight is not finite (no bound holds: no head). A cache that
+    cannot be written (read-only, full) costs the build every time, with one warning
+    naming why."""
     from longspec.runtime.certified_head import quantize_head
 
     root = directory or default_directory()
     name = entry_name(weight, group)
+    # Checked before a build only (a second for Gemma's head): an entry exists only for a finite weight.
+    if entry_problem(root / name) is not None and not bool(torch.isfinite(weight).all()):
+        return None
 
     def build(temporary: Path) -> None:
         with phase("building the certified head's int8 copy (once per machine)"):

@@ -473,10 +473,6 @@ class Decoder(nn.Module):
 
     def _prepare(self, native_kernels: bool) -> "Decoder":
         huge_pages = native_kernels and self.device.type == "cpu" and self.dtype == torch.bfloat16
-        if huge_pages and not self.on_huge_pages:
-            # The embedding and the F.linear / oneDNN paths read these; the products stream the packed copies below.
-            large = [p for p in self.parameters() if p.numel() * p.element_size() >= HUGE_PAGE_BYTES]
-            self.on_huge_pages = move_to_huge_pages(large)
         bulk = None if prefill_copies_fit(self) else False
         for layer in self.layers:
             layer.prepare(native_kernels, bulk)
@@ -484,9 +480,12 @@ class Decoder(nn.Module):
         self.native_kernels = native_kernels
         self._packed_head = prepack(self.head_weight, native_kernels=native_kernels)
         self._certified_head = False  # built again from the prepared head on first use
-        if huge_pages:  # and so are the large packed copies, made anew by every prepare
+        if huge_pages:
+            # Only the packed copies, which every product streams: the plain weights are read a row at a time
+            # (the embedding, a certified head's candidates) or not at all, and moving them took a second
+            # of every load (docs/lab-notes/startup.md).
             tiles = [packed.tiles for packed in self._packed_weights() if packed.tiles is not None]
-            move_to_huge_pages([t for t in tiles if t.numel() * t.element_size() >= HUGE_PAGE_BYTES])
+            self.on_huge_pages = move_to_huge_pages([t for t in tiles if t.numel() * t.element_size() >= HUGE_PAGE_BYTES])
         if self.attention in (fused_attention, flash_attention):
             cpu_without_native = self.device.type == "cpu" and not native_kernels
             self.attention = flash_attention if cpu_without_native else fused_attention

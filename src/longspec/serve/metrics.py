@@ -6,7 +6,9 @@ under the `longspec:` prefix."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
+from longspec.runtime import setup_time
 from longspec.speculation.metrics import GenerationStats
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -43,6 +45,7 @@ class ServerMetrics:
         self.accepted_per_position = Counter("longspec:spec_decode_num_accepted_tokens_per_pos",
                                              "Accepted speculative tokens by depth in the tree", ["position"],
                                              registry=r)
+        r.register(_SetupSeconds())
 
     def record_finished(self, stats: GenerationStats, finish_reason: str) -> None:
         self.requests.labels(finish_reason=finish_reason).inc()
@@ -63,3 +66,17 @@ class ServerMetrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _SetupSeconds:
+    """`longspec:setup_seconds_total{part}`: the process's one-time work so far (the load's
+    conversion, kernels, packing and certified head; forward-cost measurements, the
+    background's included), read at each scrape (runtime/setup_time.py). No request's
+    decoding time holds any of it."""
+
+    def collect(self):
+        family = CounterMetricFamily("longspec:setup_seconds", "One-time work of this process by part, in seconds",
+                                     labels=["part"])
+        for part, seconds in sorted(setup_time.process_totals().items()):
+            family.add_metric([part], seconds)
+        yield family

@@ -16,6 +16,7 @@ is missing, the policy says what a lookup does:
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -33,6 +34,12 @@ _lock = threading.Lock()
 _pending: dict[str, Callable[[], object]] = {}  # key -> measurement, in request order
 _wake = threading.Event()
 _thread: threading.Thread | None = None
+_autostart = True  # False: requests only queue (tests that run the queue themselves)
+_stopping = threading.Event()
+
+
+class _Stopped(Exception):
+    """The process is ending: the measurement in progress is dropped."""
 _last_round = 0.0  # time.monotonic() of the latest decoding round in this process
 _slice_start = 0.0
 
@@ -72,7 +79,7 @@ def request(key: str, measure: Callable[[], object]) -> None:
         if key in _pending:
             return
         _pending[key] = measure
-        if _thread is None or not _thread.is_alive():
+        if _autostart and (_thread is None or not _thread.is_alive()):
             _thread = threading.Thread(target=_run, name="longspec-cost-measurement", daemon=True)
             _thread.start()
     _wake.set()
@@ -103,6 +110,8 @@ def pause_while_decoding() -> bool:
     global _slice_start
     if threading.current_thread() is not _thread:
         return False  # measured on the caller's thread ("now", doctor): nothing competes
+    if _stopping.is_set():
+        raise _Stopped
     if _last_round < _slice_start:
         _slice_start = time.monotonic()
         return False
@@ -113,22 +122,42 @@ def pause_while_decoding() -> bool:
 
 def _wait_for_quiet() -> None:
     while (quiet_for := time.monotonic() - _last_round) < QUIET_S:
-        time.sleep(QUIET_S - quiet_for)
+        if _stopping.wait(QUIET_S - quiet_for):
+            raise _Stopped
+
+
+def stop(timeout_s: float = 5.0) -> None:
+    """End the background thread (at exit: a thread killed inside a native forward
+    aborts the process), dropping the measurement in progress; the queue stays."""
+    global _thread
+    thread = _thread
+    if thread is None or thread is threading.current_thread():
+        return
+    _stopping.set()
+    _wake.set()
+    thread.join(timeout_s)
+    _thread = None
+    _stopping.clear()
+
+
+atexit.register(stop)
 
 
 def _run() -> None:
     global _slice_start
-    while True:
+    while not _stopping.is_set():
         _wake.wait()
         with _lock:
             if not _pending:
                 _wake.clear()
                 continue
             key, measure = next(iter(_pending.items()))
-        _wait_for_quiet()
-        _slice_start = time.monotonic()
         try:
+            _wait_for_quiet()
+            _slice_start = time.monotonic()
             measure()
+        except _Stopped:
+            return
         except Exception as error:  # noqa: BLE001 - a failed measurement leaves the default in use
             log.warning("measuring the forward cost in the background failed (%s); the default curve stays in use",
                         error)

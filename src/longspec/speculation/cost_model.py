@@ -273,9 +273,11 @@ def batch_forward_cost_at(model: Decoder, rows: int, length: int, widths: Sequen
     context = batch_context_bucket(model, length, widths)
     machine = machine_identity()
     key = {**cost_key(model, context, machine), "rows": rows}
+    directory = default_directory()  # now: a queued measurement lands where this lookup looked
     return _measured_or_default(
         key, widths, lambda: cached_batch_forward_cost(model, rows=rows, context=context, widths=widths,
-                                                       machine=machine, pause=_pause_while_decoding),
+                                                       directory=directory, machine=machine,
+                                                       pause=_pause_while_decoding),
         lambda: ForwardCost({**key, "default": cpu_kind(model)}, tuple(sorted(set(widths) | {1})),
                             default_seconds(model, sorted(set(widths) | {1}), rows)))
 
@@ -374,8 +376,10 @@ def forward_cost_at(model: Decoder, length: int, ks: Sequence[int] = DEFAULT_KS)
     machine = machine_identity()
     key = cost_key(model, context, machine)
     ks = tuple(sorted(set(ks) | {1}))
+    directory = default_directory()  # now: a queued measurement lands where this lookup looked
     return _measured_or_default(
-        key, ks, lambda: cached_forward_cost(model, context=context, ks=ks, machine=machine, pause=_pause_while_decoding),
+        key, ks, lambda: cached_forward_cost(model, context=context, ks=ks, directory=directory, machine=machine,
+                                             pause=_pause_while_decoding),
         lambda: ForwardCost({**key, "default": cpu_kind(model)}, ks, default_seconds(model, ks)))
 
 

@@ -1,0 +1,216 @@
+"""The first run's numbers are decoding's own, and nothing is measured before a first
+token: one-time work (the load's, a head built inside a round, a forward-cost
+measurement) is reported as `setup` by part and never inside the decode times; a
+machine without a forward-cost curve decides with the default one while the
+measurement waits for a quiet moment, off the decoding thread (issue 64, defect 6).
+
+The clocks are fake where a duration is asserted: no test depends on how fast this
+machine is."""
+
+from __future__ import annotations
+
+import json
+import threading
+import types
+
+import pytest
+import torch
+
+import longspec
+from longspec.runtime import setup_time
+from longspec.runtime.native import bf16_linear_ops
+from longspec.speculation import cost_measurement, cost_model
+from longspec.speculation.cost_defaults import SLOPES, cpu_kind
+from tiny_models import save_checkpoint, tiny_decoder
+
+ONE_TIME_S = 1000.0  # what the fake one-time work takes on the fake clock
+
+
+class FakeClock:
+    """`time` for setup_time: stands still unless a test's one-time work advances it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def fake_clock(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(setup_time, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    return clock
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_checkpoint(tmp_path_factory.mktemp("tiny-gemma3") / "model", family="gemma3", tokenizer_size=None)
+
+
+@pytest.fixture
+def background(monkeypatch):
+    """The default policy, as a user's process has it (the suite measures first)."""
+    monkeypatch.setattr(cost_measurement, "_policy", "background")
+    monkeypatch.setattr(cost_measurement, "_pending", {})
+    yield
+    cost_measurement.stop()  # no thread outlives the test (it would measure into another test's directory)
+
+
+def test_one_time_work_inside_a_round_is_setup_not_decoding(checkpoint, fake_clock, monkeypatch):
+    """The certified head built at the first decision (as it was before this issue): the
+    stats' decode and verify seconds exclude it, `setup` names it."""
+    model = longspec.load(checkpoint, dtype="bfloat16")
+    model.generate([1, 2, 3], max_new_tokens=2, method="ar")  # the load's setup reported and done with
+    model.model._certified_head = False  # built again, this time inside the first round's decision
+    original = model.model.__class__.certified_head.fget
+
+    def slow_head(decoder):
+        if decoder._certified_head is not False:  # built: a plain read
+            return original(decoder)
+        with setup_time.one_time("certified_head"):
+            fake_clock.now += ONE_TIME_S
+            return original(decoder)
+
+    monkeypatch.setattr(type(model.model), "certified_head", property(slow_head))
+    result = model.generate([1, 2, 3, 4], max_new_tokens=4, method="ar")
+    stats = result.stats
+    assert stats.setup["certified_head"] == pytest.approx(ONE_TIME_S)
+    assert stats.decode_s == pytest.approx(0.0) and stats.verify_s == pytest.approx(0.0)
+    assert stats.to_dict()["setup_s"] == pytest.approx(ONE_TIME_S)
+
+
+def test_the_loads_one_time_work_is_reported_once_by_the_first_request(checkpoint):
+    model = longspec.load(checkpoint, dtype="bfloat16")
+    assert "packing" in model.load_setup  # the packed copies, made by every load
+    first = model.generate([1, 2, 3], max_new_tokens=2, method="ar").stats
+    second = model.generate([1, 2, 3], max_new_tokens=2, method="ar").stats
+    assert set(model.load_setup) <= set(first.setup)
+    assert not set(model.load_setup) & set(second.setup)
+
+
+def test_nested_one_time_work_counts_once_under_the_inner_part(fake_clock):
+    mark = setup_time.snapshot()
+    with setup_time.one_time("outer"):
+        fake_clock.now += 2.0
+        with setup_time.one_time("inner"):
+            fake_clock.now += 3.0
+    assert setup_time.since(mark) == {"outer": 2.0, "inner": 3.0}
+
+
+def test_a_missing_curve_gives_the_default_at_once_and_queues_the_measurement(background, monkeypatch):
+    model = tiny_decoder("gemma3", dtype=torch.bfloat16)
+    measured_on = []
+    real = cost_model.measure_forward_cost
+
+    def measure(*args, **kwargs):
+        measured_on.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cost_model, "measure_forward_cost", measure)
+    monkeypatch.setattr(cost_measurement, "_autostart", False)  # the queue is run below, on this thread
+    cost = cost_model.forward_cost_at(model, 40, ks=(1, 2, 4))
+    assert cost_model.is_default(cost) and cost.key["default"] == cpu_kind(model)
+    assert measured_on == [] and cost_measurement.pending() == 1
+    slope = SLOPES[cpu_kind(model)]
+    assert cost.relative(4) == pytest.approx(1 + 3 * slope)
+    # A second lookup queues nothing more; `longspec doctor` runs the queue on its own thread.
+    cost_model.forward_cost_at(model, 40, ks=(1, 2, 4))
+    assert cost_measurement.pending() == 1
+    assert cost_measurement.measure_pending() == 1 and len(measured_on) == 1
+    assert not cost_model.is_default(cost_model.forward_cost_at(model, 40, ks=(1, 2, 4)))
+
+
+def test_the_background_thread_measures_and_the_next_lookup_uses_it(background):
+    model = tiny_decoder("qwen3", dtype=torch.bfloat16)
+    assert cost_model.is_default(cost_model.forward_cost_at(model, 50, ks=(1, 3)))
+    thread = cost_measurement._thread
+    assert thread is not None and thread is not threading.current_thread()
+    for _ in range(600):  # bounded: the measurement of a tiny model takes well under a second
+        if cost_measurement.pending() == 0:
+            break
+        threading.Event().wait(0.1)
+    assert cost_measurement.pending() == 0
+    assert not cost_model.is_default(cost_model.forward_cost_at(model, 50, ks=(1, 3)))
+
+
+def test_a_round_during_a_background_measurement_times_that_size_again(monkeypatch):
+    """A decoding round between two of the measurement's forwards: the forwards of that
+    size are timed again once the process is quiet, so a curve timed beside decoding is
+    never kept."""
+    forwards, asked = [], []
+    answers = iter([False, True, False, False, False])
+
+    def pause() -> bool:
+        asked.append(len(forwards))
+        return next(answers)
+
+    best = cost_model._best_time(lambda: forwards.append(1), lambda: None, torch.device("cpu"), repeats=2,
+                                 clock=iter(range(100)).__next__, pause=pause)
+    assert len(forwards) == 5  # 2 before the round (discarded), then a warm-up and 2 repeats
+    assert best == 1
+
+
+def test_pausing_waits_only_on_the_background_thread():
+    cost_measurement.note_round()
+    assert cost_measurement.pause_while_decoding() is False  # the caller's own measurement ("now", doctor)
+
+
+@pytest.mark.skipif(bf16_linear_ops() is None, reason="the certified head needs the native bf16 kernels")
+def test_a_batch_with_a_new_row_count_measures_nothing_on_the_decoding_thread(checkpoint, background, monkeypatch):
+    """Issue 64, defect 6: the first request with n = 8 measured the batched forward cost
+    on the generation thread (48 s on a fresh cache). Now the batch decides with the
+    default and the measurement is left to the background thread."""
+    model = longspec.load(checkpoint, dtype="bfloat16")
+    calls = []
+    monkeypatch.setattr(cost_model, "measure_batch_forward_cost",
+                        lambda *a, **k: calls.append(threading.current_thread().name) or pytest.fail("measured"))
+    monkeypatch.setattr(cost_model, "measure_forward_cost",
+                        lambda *a, **k: calls.append(threading.current_thread().name) or pytest.fail("measured"))
+    monkeypatch.setattr(cost_measurement, "_autostart", False)  # nothing measures: the queue is only looked at
+    results = model.generate_batch([[1, 2, 3, 1, 2, 3]] * 4, max_rows=4, max_new_tokens=6, method="auto", seed=0)
+    assert calls == []
+    assert cost_measurement.pending() >= 1
+    single = model.generate([1, 2, 3, 1, 2, 3], max_new_tokens=6, method="ar")
+    assert all(r.token_ids == single.token_ids for r in results)  # greedy rows: exact whatever the curve
+
+
+def test_the_servers_metrics_show_the_processes_one_time_work():
+    pytest.importorskip("prometheus_client")
+    from longspec.serve.metrics import ServerMetrics
+
+    with setup_time.one_time("a_test_part"):
+        pass
+    text = ServerMetrics().exposition().decode()
+    assert 'longspec:setup_seconds_total{part="a_test_part"}' in text
+
+
+@pytest.fixture(scope="module")
+def checkpoint_with_tokenizer(tmp_path_factory):
+    return save_checkpoint(tmp_path_factory.mktemp("tiny-gemma3-text") / "model", family="gemma3")
+
+
+def test_generate_reports_setup_apart_in_json_and_in_its_line(checkpoint_with_tokenizer, capsys):
+    from longspec.cli.main import main
+
+    args = ["generate", "abcabc", "--model", str(checkpoint_with_tokenizer), "--max-new-tokens", "4", "--method", "ar"]
+    assert main(args + ["--json"]) == 0
+    out = capsys.readouterr()
+    stats = json.loads(out.out)["stats"]
+    assert stats["setup_s"] == pytest.approx(sum(stats["setup"].values())) and "packing" in stats["setup"]
+    assert out.err == ""  # nothing but the JSON under --json
+    assert main(args) == 0
+    assert "| setup " in capsys.readouterr().err
+    assert main(args + ["--quiet"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_doctor_reports_what_this_machine_uses_and_measures_what_is_missing(checkpoint, capsys):
+    from longspec.cli.main import main
+
+    assert main(["doctor", "--model", str(checkpoint), "--rows", "2", "--context", "32"]) == 0
+    out = capsys.readouterr().out
+    for line in ("instruction sets:", "kernels:", "certified head:", "forward cost (measured", "2 rows", "cache:"):
+        assert line in out, out
+    assert main(["doctor", "--no-build"]) == 0
+    assert "cache:" in capsys.readouterr().out
