@@ -30,7 +30,7 @@ class Case:
     body: object = None  # JSON-able, or raw bytes
     path: str = "/v1/completions"
     method: str = "POST"
-    headers: dict | None = None
+    headers: dict | list | None = None  # a list of pairs may repeat a header
     send: Callable[[str, "Case"], tuple[int, str]] | None = None  # a custom client (slow, vanishing)
 
 
@@ -113,6 +113,34 @@ def control_strings_prompt(url: str, case: Case) -> tuple[int, str]:
     return 200, "control strings read as plain text"
 
 
+# Bodies built to make a parser slow or to reach Python's internals (issue 64): each a 400.
+HOSTILE_BODIES = {
+    # An unterminated string of escaped quotes: a backtracking pattern took 57 s on 96 KB.
+    "unterminated string of escaped quotes": b'{"model": "tiny", "prompt": "' + b'ab\\"' * 24_000,
+    "800,000 brackets, balanced": b'{"model": "tiny", "prompt": "hi", "x": ' + b"[]" * 400_000 + b"}",
+    "an integer of 5,000 digits": b'{"model": "tiny", "prompt": "hi", "seed": ' + b"7" * 5000 + b"}",
+    "a lone surrogate": b'{"model": "tiny", "prompt": "hi \\ud800 there"}',
+}
+
+
+def idle_sockets(url: str, case: Case, count: int = 1000) -> tuple[int, str]:
+    """A thousand connections that send nothing or half a request line, held open while a
+    good request is sent: it must be served."""
+    host, port = url.removeprefix("http://").split(":")
+    sockets = []
+    try:
+        for index in range(count):
+            sock = socket.create_connection((host, int(port)), timeout=30)
+            if index % 2:
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            sockets.append(sock)
+        response = httpx.post(url + "/v1/completions", json=completion(), timeout=60)
+        return response.status_code, f"served beside {count} idle sockets: {response.text}"
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
 CASES: list[Case] = [
     # Drafter options that name files or models are the server's, never a request's.
     Case("checkpoint path", 400, "set by the server's configuration", option("longspec", checkpoint="/etc/passwd")),
@@ -177,6 +205,14 @@ CASES: list[Case] = [
              "$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}}})),
     # Control-token strings in a prompt are plain text (a forged turn, an early <eos>).
     Case("control-token strings in a prompt", 200, "read as plain text", send=control_strings_prompt),
+    # Below the request: parsers, headers, sockets (issue 64).
+    *[Case(name, 400, fragment, body) for (name, body), fragment in zip(HOSTILE_BODIES.items(), (
+        "not valid JSON", "not valid JSON", "5,000 digits", "lone UTF-16 surrogate"))],
+    Case("headers of 70 KB", 431, "64 KiB", completion(), headers={"content-type": "application/json",
+                                                                  "x-padding": "p" * (70 << 10)}),
+    Case("two Authorization headers", 400, "Authorization headers", completion(),
+         headers=[("content-type", "application/json"), ("authorization", "Bearer a"), ("authorization", "Bearer b")]),
+    Case("a thousand idle sockets beside a good request", 200, "served beside", send=idle_sockets),
     # Clients that stall.
     Case("body that never finishes", 408, "did not arrive", send=slow_body),
 ]

@@ -17,6 +17,7 @@ from longspec.api import LongSpecModel
 from longspec.runtime.loading import load_target
 from longspec.serve import ServeOptions
 from longspec.speculation.engine import EngineOptions
+from hostile import HOSTILE_BODIES
 from live_server import DEADLINE_S, KEY, Server
 from tiny_models import save_checkpoint
 
@@ -104,13 +105,6 @@ def _health_latencies(url: str, stop_at: float) -> list[float]:
     return latencies
 
 
-HOSTILE_BODIES = {
-    # An unterminated string of escaped quotes: a backtracking pattern took 57 s on 96 KB.
-    "unterminated string of escaped quotes": b'{"model": "tiny", "prompt": "' + b'ab\\"' * 24_000,
-    "two million brackets, balanced": b'{"model": "tiny", "prompt": "hi", "x": ' + b"[]" * 1_000_000 + b"}",
-    "an integer of 5,000 digits": b'{"model": "tiny", "prompt": "hi", "seed": ' + b"7" * 5000 + b"}",
-    "a lone surrogate": b'{"model": "tiny", "prompt": "hi \\ud800 there"}',
-}
 
 
 @pytest.mark.parametrize("name", list(HOSTILE_BODIES))
