@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,17 +140,22 @@ def load_checkpoint_dir(directory: str | os.PathLike, *, dtype: torch.dtype = to
     shards = sorted(directory.glob("*.safetensors"))
     if not shards:
         raise FileNotFoundError(f"{directory} holds no *.safetensors weights (PyTorch .bin files are not loaded)")
-    state_dict: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        try:
-            state_dict.update(load_file(str(shard)))
-        except Exception as error:  # safetensors raises its own error type for a bad header or short file
-            raise ValueError(f"{shard} is truncated or corrupt ({_first_line(error)}); copy or convert the "
-                             "checkpoint again") from None
-    model = decoder_from_state_dict(hf_config, state_dict, dtype)
-    tokenizer = None
-    if any((directory / name).is_file() for name in _TOKENIZER_FILES):
-        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    # The tokenizer is read beside the weights: a large vocabulary's (Gemma's 262k) takes seconds of
+    # parsing that overlap the weights' conversion and packing (docs/lab-notes/startup.md).
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="longspec-tokenizer") as pool:
+        tokenizer_loaded = None
+        if any((directory / name).is_file() for name in _TOKENIZER_FILES):
+            tokenizer_loaded = pool.submit(AutoTokenizer.from_pretrained, directory, local_files_only=True)
+        state_dict: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            try:
+                state_dict.update(load_file(str(shard)))
+            except Exception as error:  # safetensors raises its own error type for a bad header or short file
+                raise ValueError(f"{shard} is truncated or corrupt ({_first_line(error)}); copy or convert the "
+                                 "checkpoint again") from None
+        model = decoder_from_state_dict(hf_config, state_dict, dtype)
+        tokenizer = None if tokenizer_loaded is None else tokenizer_loaded.result()
+    if tokenizer is not None:
         check_tokenizer_fits(tokenizer, model.config.vocab_size, str(directory))
     return LoadedTarget(model, tokenizer, hf_config, str(directory))
 

@@ -30,6 +30,7 @@ from longspec.serve.protocol import ChatCompletionRequest, CompletionRequest
 from longspec.serve.render import ResponseWriter
 from longspec.serve.service import CompletionService
 from longspec.serve.worker import GenerationWorker
+from longspec.speculation.cost_model import queue_forward_costs
 from longspec.speculation.methods import make_drafter
 
 __all__ = ["ServeOptions", "create_app"]
@@ -44,6 +45,7 @@ def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
         make_drafter(method, **configured)  # a wrong path or option fails at startup, not in a request
     model.separate_encoding()  # prompts are tokenized beside the generation thread's detokenizing
     _ = model.model.certified_head  # built now (seconds for a large vocabulary), not in the first request
+    queue_forward_costs(model.model, service.batch.max_rows)  # measured while the server idles, never in a request
     if model.tokenizer is not None and model.config.eos_token_ids:
         # Seconds for a large vocabulary: built beside startup; a structured request waits for it.
         threading.Thread(target=_build_grammar_vocabulary, args=(model,), daemon=True,

@@ -383,6 +383,23 @@ def forward_cost_at(model: Decoder, length: int, ks: Sequence[int] = DEFAULT_KS)
         lambda: ForwardCost({**key, "default": cpu_kind(model)}, ks, default_seconds(model, ks)))
 
 
+def queue_forward_costs(model: Decoder, max_rows: int) -> None:
+    """Queue the curves a server's first requests look up (one sequence, and every batch
+    row count up to `max_rows`, at the smallest context), so that an idle server measures
+    them before they are needed; nothing under the "now" policy, whose lookups measure."""
+    from longspec.speculation import cost_measurement
+
+    if cost_measurement.policy() == "now":
+        return
+    forward_cost_at(model, 1)
+    rows = 2
+    while rows <= max_rows:
+        batch_forward_cost_at(model, rows, 1)
+        rows *= 2
+    if max_rows > 1 and max_rows & (max_rows - 1):  # the batch engine measures at most max_rows rows
+        batch_forward_cost_at(model, max_rows, 1)
+
+
 def is_default(cost: ForwardCost) -> bool:
     """Whether `cost` is the default curve standing in for a measurement not made yet."""
     return "default" in cost.key

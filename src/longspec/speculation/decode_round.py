@@ -304,6 +304,7 @@ def decode_round(sequences: list[DecodingSequence], target: RoundTarget, *,
 def prefill_piece(model: Decoder, cache, ids: torch.Tensor, begin: int, end: int, keep_from: int) -> torch.Tensor | None:
     """Prefill ids[begin:end] into `cache` (a sequence's cache or a batch row's view) and
     commit it; the final hidden states of the tokens at `keep_from` and after, if any."""
+    cost_measurement.note_round()  # a prefill, too, keeps a background cost measurement waiting
     piece = ids[begin:end]
     kept = slice(max(0, keep_from - begin), None) if end > keep_from else slice(0, 0)
     out = model(piece.unsqueeze(0), cache, positions=cache.next_positions(piece.numel()), logits_rows=kept,
