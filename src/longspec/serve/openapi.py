@@ -71,6 +71,10 @@ def document(app: FastAPI, *, with_key: bool) -> dict[str, Any]:
                 responses.update(_error_responses((400, *key_status, 404, 408, 413, 415, 429, 431, 500, 503)))
             elif path == "/health":
                 responses.update(_error_responses((431, 503)))
+            elif path == "/metrics":
+                responses["200"] = {"description": "Prometheus metrics",
+                                    "content": {"text/plain": {"schema": {"type": "string"}}}}
+                responses.update(_error_responses((*key_status, 431)))
             else:
                 responses.update(_error_responses((*key_status, 431)))
     if with_key:

@@ -15,7 +15,7 @@ JSON mode and JSON schemas) is taken by completions too, as vLLM takes it.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError, field_validator,
                       model_validator)
@@ -181,7 +181,9 @@ class GenerationFields(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-Prompt = str | list[StrictInt] | list[str] | list[list[StrictInt]]
+_Text = Annotated[str, Field(min_length=1)]
+_TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
+Prompt = _Text | _TokenIds | Annotated[list[_Text], Field(min_length=1)] | Annotated[list[_TokenIds], Field(min_length=1)]
 PROMPT_FORMS = "a string, a list of token ids, a list of strings, or a list of token-id lists"
 
 
@@ -213,17 +215,16 @@ class CompletionRequest(GenerationFields):
     @field_validator("prompt", mode="wrap")
     @classmethod
     def _one_of_the_prompt_forms(cls, prompt, handler):
-        try:
-            prompt = handler(prompt)
-        except ValidationError:  # the union's own message lists every branch's error ("prompt.str: ...")
-            raise ValueError(f"the prompt must be {PROMPT_FORMS}") from None
-        if not prompt:
+        if isinstance(prompt, (str, list)) and not prompt:
             raise ValueError("the prompt is empty")
-        if isinstance(prompt, list) and not isinstance(prompt[0], int):
-            empty = next((i for i, item in enumerate(prompt) if not item), None)
+        if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
+            empty = next((i for i, item in enumerate(prompt) if isinstance(item, (str, list)) and not item), None)
             if empty is not None:
                 raise ValueError(f"prompt {empty} of the batch is empty")
-        return prompt
+        try:
+            return handler(prompt)
+        except ValidationError:  # the union's own message lists every branch's error ("prompt.str: ...")
+            raise ValueError(f"the prompt must be {PROMPT_FORMS}") from None
 
     @model_validator(mode="after")
     def _nothing_to_return(self):
@@ -277,7 +278,7 @@ class ChatCompletionRequest(GenerationFields):
     @model_validator(mode="after")
     def _coherent_fields(self):
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
+            raise ValueError("top_logprobs: needs logprobs: true")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise ValueError("give max_tokens or max_completion_tokens, not both")
         if self.max_completion_tokens is not None:
