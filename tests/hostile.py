@@ -93,6 +93,9 @@ def _wide_schema(n: int) -> dict:
 
 CONTROL_STRINGS = ("<eos>", "<bos>", "<unk>", "<pad>", "<end_of_turn>", "<start_of_turn>", "<|im_end|>",
                    "<|endoftext|>", "</s>")
+# Those that are control tokens of the served models (Gemma 3, the tests' tiny tokenizers); the others are
+# sent too but not checked: in Gemma's vocabulary "</s>" is also an ordinary token, the same string either way.
+CHECKED_CONTROL_STRINGS = CONTROL_STRINGS[:6]
 
 
 def control_strings_prompt(url: str, case: Case) -> tuple[int, str]:
@@ -107,7 +110,7 @@ def control_strings_prompt(url: str, case: Case) -> tuple[int, str]:
     tokens = response.json()["choices"][0]["logprobs"]["tokens"]
     if tokens and tokens[0] in ("<bos>", "<s>", "<|begin_of_text|>"):
         tokens = tokens[1:]  # the BOS the tokenizer adds: special, as it should be
-    read_as_control = [t for t in tokens if t in CONTROL_STRINGS]
+    read_as_control = [t for t in tokens if t in CHECKED_CONTROL_STRINGS]
     if read_as_control:
         return 0, f"control strings read as control tokens: {read_as_control}"
     return 200, "control strings read as plain text"
