@@ -205,12 +205,42 @@ def test_generate_reports_setup_apart_in_json_and_in_its_line(checkpoint_with_to
     assert capsys.readouterr().err == ""
 
 
-def test_doctor_reports_what_this_machine_uses_and_measures_what_is_missing(checkpoint, capsys):
+def test_doctor_reports_what_this_machine_uses_and_measures_what_is_missing(checkpoint, capsys, tmp_path,
+                                                                             monkeypatch):
     from longspec.cli.main import main
 
+    # Its own curves: the head's measured choice must not reach other tests' loads of this model.
+    monkeypatch.setattr(cost_model, "default_directory", lambda: tmp_path)
     assert main(["doctor", "--model", str(checkpoint), "--rows", "2", "--context", "32"]) == 0
     out = capsys.readouterr().out
     for line in ("instruction sets:", "kernels:", "certified head:", "forward cost (measured", "2 rows", "cache:"):
         assert line in out, out
+    if bf16_linear_ops() is not None:
+        assert "measured here: a decode step" in out  # the head's choice, from both curves
     assert main(["doctor", "--no-build"]) == 0
     assert "cache:" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(bf16_linear_ops() is None, reason="the certified head needs the native bf16 kernels")
+@pytest.mark.parametrize("full_over_certified,forced,on", [(0.5, None, False), (1.2, None, True), (0.5, "1", True)])
+def test_the_certified_head_is_on_where_it_measured_faster(checkpoint, tmp_path, monkeypatch, full_over_certified,
+                                                            forced, on):
+    """Both heads give the same tokens; the load keeps the one this machine measured faster
+    (the curves `longspec doctor` caches), unless LONGSPEC_CERTIFIED_HEAD says otherwise."""
+    from longspec.runtime.certified_head import DISABLE_VARIABLE, GROUP
+    from longspec.runtime.machine import machine_identity
+
+    monkeypatch.setattr(cost_model, "default_directory", lambda: tmp_path)
+    if forced is None:
+        monkeypatch.delenv(DISABLE_VARIABLE, raising=False)
+    else:
+        monkeypatch.setenv(DISABLE_VARIABLE, forced)
+    decoder = longspec.load(checkpoint, dtype="bfloat16").model
+    assert decoder.certified_head is not None
+    bucket = cost_model._bucket(decoder, 1, max(cost_model.DEFAULT_KS))
+    key = cost_model.cost_key(decoder, bucket, machine_identity())
+    for head, seconds in ((f"certified/{GROUP}", 1.0), ("full", full_over_certified)):
+        cost = cost_model.ForwardCost({**key, "head": head}, (1, 2), (seconds, 2 * seconds))
+        cost_model._path(cost.key, tmp_path).write_text(cost.to_json())
+    assert cost_model.certified_head_gain(decoder) == pytest.approx(full_over_certified)
+    assert (longspec.load(checkpoint, dtype="bfloat16").model.certified_head is not None) == on

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import threading
 from collections.abc import Iterator, Sequence
@@ -204,6 +205,7 @@ def load(
     target = load_target(model, dtype=parse_dtype(dtype), device=device)
     # Built now (memory-mapped from the model cache, or derived once per machine), not in the first decision.
     _ = target.model.certified_head
+    choose_certified_head(target.model)
     if compile:
         # Compiled now, against a cache shaped like the engine's (its rings hold the
         # window plus the largest forward a request makes), not inside a request.
@@ -212,6 +214,20 @@ def load(
     loaded = LongSpecModel(target, engine)
     loaded.load_setup = setup_time.since(mark)
     return loaded
+
+
+def choose_certified_head(model) -> None:
+    """Turn the certified head off where `longspec doctor` measured the full head faster on this
+    machine (both give the same tokens); LONGSPEC_CERTIFIED_HEAD=1 keeps it on regardless."""
+    from longspec.runtime.certified_head import DISABLE_VARIABLE
+    from longspec.speculation.cost_model import HEAD_OFF_BELOW, certified_head_gain
+
+    if os.environ.get(DISABLE_VARIABLE) == "1":
+        return
+    gain = certified_head_gain(model)
+    if gain is not None and gain < HEAD_OFF_BELOW:
+        logging.getLogger("longspec").info("certified head off: the full head measured %.2fx faster here", 1 / gain)
+        model._certified_head = None
 
 
 class LongSpecModel:

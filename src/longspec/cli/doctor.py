@@ -42,6 +42,7 @@ def run(args) -> int:
     import torch
 
     import longspec
+    from longspec.api import choose_certified_head
     from longspec.runtime import progress
     from longspec.runtime.default_model import cache_root
     from longspec.runtime.linear import cpu_flags
@@ -66,11 +67,16 @@ def run(args) -> int:
     decoder = model.model
     kind = cpu_kind(decoder)
     print(f"kernels: {_kernels_line()}; products on this CPU: {kind}")
-    print(f"certified head: {_head_line(decoder)}")
 
     cost_measurement.set_policy("now")
     if args.remeasure:
         _forget_costs(decoder, args.context, args.rows)
+    decoder._certified_head = False  # as it applies, whatever an earlier measurement decided: measured again below
+    if decoder.certified_head is not None:
+        cost_model.forward_cost_at(decoder, 1)  # the two curves the load's choice reads, at the smallest context
+        cost_model.measure_full_head(decoder)
+        choose_certified_head(decoder)
+    print(f"certified head: {_head_line(decoder)}")
     cost = cost_model.forward_cost_at(decoder, args.context)
     print(f"forward cost ({'default' if cost_model.is_default(cost) else 'measured'}, context {cost.key['context']}): "
           + _curve(cost))
@@ -95,13 +101,18 @@ def _kernels_line() -> str:
 def _head_line(decoder) -> str:
     """On, or off with the reason `CertifiedHead.for_model` had."""
     from longspec.runtime.certified_head import DISABLE_VARIABLE
+    from longspec.speculation.cost_model import certified_head_gain
 
+    gain = certified_head_gain(decoder)
+    measured = "" if gain is None else f"; measured here: a decode step {gain:.2f}x as fast with it as without"
     head = decoder.certified_head
     if head is not None:
         return (f"on: decisions read an int8 copy of the {head.vocab:,} x {head.hidden} head ({head.nbytes / 2**20:.0f} "
-                f"MiB) and recompute the few rows that can matter; {DISABLE_VARIABLE}=0 turns it off")
+                f"MiB) and recompute the few rows that can matter{measured}; {DISABLE_VARIABLE}=0 turns it off")
     if os.environ.get(DISABLE_VARIABLE, "1") == "0":
         return f"off ({DISABLE_VARIABLE}=0)"
+    if gain is not None and decoder._packed_head is not None and decoder._packed_head.tiles is not None:
+        return f"off: the full head is faster on this machine{measured}; {DISABLE_VARIABLE}=1 turns it on"
     if decoder._packed_head is None or decoder._packed_head.tiles is None:
         return "off: the head is not on the native packed bf16 kernel (another dtype or device, or no kernels)"
     if decoder.config.final_logit_softcapping:

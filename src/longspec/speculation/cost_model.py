@@ -400,6 +400,37 @@ def queue_forward_costs(model: Decoder, max_rows: int) -> None:
         batch_forward_cost_at(model, max_rows, 1)
 
 
+# The certified head stays on unless the full head measured this much faster per decode step:
+# within it, the two are noise apart (docs/lab-notes/startup.md).
+HEAD_OFF_BELOW = 0.97
+
+
+def certified_head_gain(model: Decoder, context: int = CONTEXT_BUCKETS[0]) -> float | None:
+    """A decode step's time with the full head over its time with the certified head, as
+    measured on this machine (`longspec doctor` measures both), or None where either
+    curve is missing."""
+    from longspec.runtime.certified_head import GROUP
+
+    machine = machine_identity()
+    bucket = _bucket(model, context, max(DEFAULT_KS))
+    key = cost_key(model, bucket, machine)
+    certified = _stored({**key, "head": f"certified/{GROUP}"}, default_directory(), None)
+    full = _stored({**key, "head": "full"}, default_directory(), None)
+    if certified is None or full is None:
+        return None
+    return full.seconds_for(1) / certified.seconds_for(1)
+
+
+def measure_full_head(model: Decoder, context: int = CONTEXT_BUCKETS[0]) -> ForwardCost:
+    """This machine's forward cost without the certified head (cached), for `certified_head_gain`."""
+    head = model.certified_head
+    model._certified_head = None
+    try:
+        return cached_forward_cost(model, context=_bucket(model, context, max(DEFAULT_KS)))
+    finally:
+        model._certified_head = head
+
+
 def is_default(cost: ForwardCost) -> bool:
     """Whether `cost` is the default curve standing in for a measurement not made yet."""
     return "default" in cost.key
