@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -186,12 +187,41 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0]
 
 
+@contextmanager
+def _gguf_parsed_once():
+    """transformers parses a GGUF file's metadata once for the config, once for the tensors and
+    once for the tokenizer, each in Python field by field: 17 s each for Gemma's 262k-entry
+    vocabulary on a 2-core CPU (docs/lab-notes/startup.md). Inside this block one reader per
+    file serves all three; they only read it."""
+    import gguf
+
+    original = gguf.GGUFReader
+    readers: dict = {}
+
+    def reader(path, *args, **kwargs):
+        key = (str(Path(path).resolve()), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = original(path, *args, **kwargs)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+
+
 def load_gguf(path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16) -> LoadedTarget:
     """Dequantize a GGUF file through `transformers`' converter."""
+    path = Path(path)
+    with _gguf_parsed_once():
+        return _load_gguf(path, dtype)
+
+
+def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedTarget:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    path = Path(path)
     try:
         hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
     except Exception as error:  # the GGUF reader raises assorted errors on a bad or short file
@@ -216,6 +246,11 @@ def write_checkpoint_from_gguf(gguf_path: Path, directory: Path) -> None:
     """Write a GGUF file as an HF checkpoint (config.json, float32 safetensors,
     tokenizer) into the existing `directory`, so later loads skip dequantization.
     The caller makes it atomic (see `model_cache.cached_entry`)."""
+    with _gguf_parsed_once():
+        _write_checkpoint_from_gguf(gguf_path, directory)
+
+
+def _write_checkpoint_from_gguf(gguf_path: Path, directory: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
