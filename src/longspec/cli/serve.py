@@ -6,6 +6,7 @@ import ipaddress
 import sys
 from pathlib import Path
 
+from longspec.cli import serve_ray
 from longspec.cli.options import add_device_argument, parse_option
 from longspec.serve.limits import RequestLimits
 from longspec.speculation.methods import DEFAULT_METHOD, METHODS
@@ -62,7 +63,8 @@ def add_parser(sub) -> None:
                         "embedded Gemma 3 270M)")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) | float32 | float64")
     add_device_argument(p)
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (with --ray: per replica)")
+    serve_ray.add_arguments(p)
 
 
 def is_loopback(host: str) -> bool:
@@ -144,6 +146,7 @@ def run(args) -> int:
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     parse_dtype(args.dtype)
+    serve_ray.check_arguments(args)
     api_key = resolve_api_key(args.api_key, args.api_key_file)
     options = ServeOptions(
         model_name=args.served_model_name or served_name(args.model), method=args.method, api_key=api_key,
@@ -166,6 +169,8 @@ def run(args) -> int:
             template = Path(args.chat_template).read_text()
         except OSError as error:
             raise ValueError(f"--chat-template {args.chat_template}: {error.strerror}") from None
+    if args.ray:
+        return serve_ray.run(args, options, template)
     model = longspec.load(args.model, dtype=args.dtype, engine=EngineOptions(progress=False), device=args.device)
     if template is not None:
         model.set_chat_template(template)
