@@ -5,8 +5,11 @@ Verifying a tree of k nodes costs about one forward while the forward is bound b
 reading the weights, and grows once the matrix products become compute-bound; where
 that knee lies depends on the machine, the model, its dtype and the context. Drafters
 and controllers size their trees from this measurement, never from a paper's GPU
-default. Measuring takes seconds; results are cached per machine, model, dtype,
-context, thread count and torch version under the longspec cache directory.
+default. Measuring takes seconds to a minute; results are cached per machine, model,
+dtype, context, thread count, kernels and torch version under the longspec cache
+directory. Where this machine has none yet, lookups (`forward_cost_at`,
+`batch_forward_cost_at`) answer with a conservative default at once and leave the
+measurement to a quiet moment (`cost_measurement.py`).
 """
 
 from __future__ import annotations
