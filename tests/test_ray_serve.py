@@ -125,7 +125,7 @@ def replica_names() -> set[str]:
 
 def test_killed_replica_fails_its_requests_cleanly_and_is_replaced(ray_url, model):
     prompts = [f"{p} {i}" for i in range(3) for p in PROMPTS[:2]]
-    started = concurrent.futures.ThreadPoolExecutor(len(prompts))
+    started = concurrent.futures.ThreadPoolExecutor(len(prompts) + 2)
     first_chunk = {p: concurrent.futures.Future() for p in prompts}
 
     def one(prompt: str):
@@ -150,8 +150,19 @@ def test_killed_replica_fails_its_requests_cleanly_and_is_replaced(ray_url, mode
         finally:
             first_chunk[prompt].done() or first_chunk[prompt].set_result(None)
 
+    def unary(prompt: str):  # not streamed: a 200 or an error status
+        body = {"model": NAME, "prompt": prompt, "max_tokens": LONG, "temperature": 0, "ignore_eos": True}
+        try:
+            reply = httpx.post(ray_url + "/v1/completions", json=body, timeout=DEADLINE_S)
+        except httpx.TransportError as error:
+            assert not isinstance(error, httpx.TimeoutException), "a request hung"
+            return ("dropped", "")
+        return ("done", reply.json()["choices"][0]["text"]) if reply.status_code == 200 else ("status", reply.status_code)
+
     before = replica_names()
-    futures = [started.submit(one, p) for p in prompts]
+    whole = [f"{PROMPTS[2]} {i}" for i in range(2)]
+    futures = [started.submit(unary, p) for p in whole] + [started.submit(one, p) for p in prompts]
+    prompts = whole + prompts
     concurrent.futures.wait(first_chunk.values(), timeout=DEADLINE_S)
     victim = sorted(before)[0]
     ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
