@@ -15,6 +15,7 @@ import torch
 from longspec.runtime.config import DecoderConfig, rope_tables
 from longspec.runtime.device import HOST, check_dtype_on_device, resolve_device
 from longspec.runtime.model import Decoder
+from longspec.runtime.native import prebuild
 
 
 # Any of these marks a directory that carries its tokenizer.
@@ -91,6 +92,8 @@ def load_target(source: str | os.PathLike | None = None, *, dtype: torch.dtype =
     """
     device = resolve_device(device)
     check_dtype_on_device(dtype, device)
+    if dtype == torch.bfloat16 and device == HOST:
+        prebuild()  # on a fresh machine the kernels compile while the model converts and loads
     target = _load_on_host(source, dtype)
     if device != HOST:
         target.model.place(device)

@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import platform
+import threading
 from pathlib import Path
 
 import torch
@@ -43,7 +44,8 @@ def native_ops():
     try:
         from torch.utils.cpp_extension import load
 
-        with one_time("kernels"), phase("building the native CPU kernels (once per machine)"), _build_lock():
+        # The lock before the progress line: a thread waiting for another's build (`prebuild`) says nothing.
+        with one_time("kernels"), _build_lock(), phase("building the native CPU kernels (once per machine)"):
             load(
                 name=LIBRARY,
                 sources=[str(source) for source in SOURCES],
@@ -58,6 +60,13 @@ def native_ops():
         log.warning("native CPU kernels could not be built (%s); PyTorch and oneDNN run instead, decode is slower", reason)
         return None
     return getattr(torch.ops, LIBRARY)
+
+
+def prebuild() -> None:
+    """Build or load the library on a thread of its own: the compiler runs in other processes,
+    so on a fresh machine the build overlaps a load's conversion and reading (`load_target`);
+    the first `native_ops()` on another thread then waits for it (its lock), counted as kernels."""
+    threading.Thread(target=native_ops, name="longspec-native-kernels", daemon=True).start()
 
 
 @contextlib.contextmanager
