@@ -190,19 +190,22 @@ class RowStream:
 def load(
     model: str | os.PathLike | None = None,
     *,
-    dtype: str | torch.dtype = "bfloat16",
+    dtype: str | torch.dtype | None = None,
     engine: EngineOptions = EngineOptions(),
     device: str | torch.device | None = None,
     compile: bool = False,
 ) -> "LongSpecModel":
     """Load a target: None for the embedded Gemma 3 270M, an HF checkpoint
     directory, a .gguf file, or a model id already in the local HF cache.
+    dtype: None (default) computes in bfloat16 and keeps a .gguf file's quantization for
+    the layer weights on the CPU (outputs are then plain decoding's of that quantized
+    model); a dtype given dequantizes every tensor to it.
     device: "cpu" (default), "cuda" or "cuda:N"; the model, its caches, the drafters'
     weights and state and the sampling streams all live there.
     compile: run single-sequence decode steps and verification trees through
     compiled static-shape steps (CUDA graphs on a GPU; `runtime.static_step`)."""
     mark = setup_time.snapshot()
-    target = load_target(model, dtype=parse_dtype(dtype), device=device)
+    target = load_target(model, dtype=None if dtype is None else parse_dtype(dtype), device=device)
     # Built now (memory-mapped from the model cache, or derived once per machine), not in the first decision.
     _ = target.model.certified_head
     choose_certified_head(target.model)

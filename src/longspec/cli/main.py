@@ -49,7 +49,8 @@ def _generate_parser(sub) -> None:
     structured.add_argument("--grammar", type=Path, metavar="FILE", help="the output follows this Lark or GBNF grammar")
     structured.add_argument("--choice", action="append", metavar="TEXT", help="the output is one of these strings "
                                                                               "(repeatable)")
-    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default, fastest on CPU) | float32 | float64")
+    p.add_argument("--dtype", default=None,
+                   help="bfloat16 | float32 | float64 (default: bfloat16, a .gguf file's quantization kept for its layers)")
     add_device_argument(p)
     add_compile_argument(p)
     p.add_argument("--max-tree-nodes", type=int, default=None, help="speculative nodes per verification forward")
@@ -103,7 +104,8 @@ def _cmd_generate(args) -> int:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.seed is not None and not 0 <= args.seed <= MAX_SEED:
         raise ValueError(f"--seed must be in [0, 2^64 - 1] (an unsigned 64-bit integer), got {args.seed}")
-    parse_dtype(args.dtype)
+    if args.dtype is not None:
+        parse_dtype(args.dtype)
 
     from longspec.runtime import progress
 

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from longspec.runtime.native import bf16_linear_ops
+from longspec.runtime.quantized import QuantizedWeight
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class PackedWeight:
     onednn: torch.Tensor | None  # oneDNN's blocked copy, where the native kernel cannot run
     tiles: torch.Tensor | None = None  # the native kernel's packed copy
     bulk: torch.Tensor | None = None  # oneDNN's blocked copy for prefill, beside the tiles (AMX CPUs)
+    quantized: QuantizedWeight | None = None  # a GGUF file's own quantization (`runtime.quantized`), for every product
 
 
 def prepack(weight: torch.Tensor, *, native_kernels: bool = True, bulk: bool | None = False) -> PackedWeight | None:
@@ -71,6 +73,8 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | 
     # The prepared forms have no backward: a product that needs gradients stays on F.linear.
     if packed is None or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         return F.linear(x, weight, bias)
+    if packed.quantized is not None:
+        return packed.quantized.linear(x, bias)
     if bulk and packed.bulk is not None:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed.bulk, bias, "none", [], "")
     if packed.tiles is not None:

@@ -30,8 +30,10 @@ class LoadedTarget:
     source: str
 
 
-def decoder_from_state_dict(hf_config, state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> Decoder:
-    """Map `transformers` parameter names onto our fused layout."""
+def decoder_from_state_dict(hf_config, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
+                            quantized: list[dict] | None = None) -> Decoder:
+    """Map `transformers` parameter names onto our fused layout. quantized: per layer, the
+    products kept in a GGUF file's quantization (`runtime.gguf_layers`)."""
     config = DecoderConfig.from_hf(hf_config)
     # Outside the meta-device context: RoPE initialisers must compute real tensors.
     tables = rope_tables(hf_config, config)
@@ -76,11 +78,13 @@ def decoder_from_state_dict(hf_config, state_dict: dict[str, torch.Tensor], dtyp
     missing = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if missing:
         raise KeyError(f"parameters not loaded: {missing[:5]}")
+    for layer, kept in zip(model.layers, quantized or []):
+        layer.quantized = dict(kept)
     # Parameters default to requires_grad=False already; keep them frozen.
     return model.eval().prepare()
 
 
-def load_target(source: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.bfloat16,
+def load_target(source: str | os.PathLike | None = None, *, dtype: torch.dtype | None = None,
                 device: str | torch.device | None = None) -> LoadedTarget:
     """Load a target model and its tokenizer.
 
@@ -89,18 +93,23 @@ def load_target(source: str | os.PathLike | None = None, *, dtype: torch.dtype =
     cache (no network is used).
     device: where the model computes ("cpu", "cuda", "cuda:N"; None: the CPU). A device
     that is missing or cannot compute in `dtype` is refused before any weight is read.
+    dtype: None computes in bf16 and, on the CPU, keeps a GGUF file's quantization for the
+    layer weights (`runtime.gguf_layers`): the target is then that quantized model. A dtype
+    given dequantizes every tensor to it.
     """
     device = resolve_device(device)
+    keep_quantization = dtype is None and device == HOST
+    dtype = torch.bfloat16 if dtype is None else dtype
     check_dtype_on_device(dtype, device)
     if dtype == torch.bfloat16 and device == HOST:
         prebuild()  # on a fresh machine the kernels compile while the model converts and loads
-    target = _load_on_host(source, dtype)
+    target = _load_on_host(source, dtype, keep_quantization)
     if device != HOST:
         target.model.place(device)
     return target
 
 
-def _load_on_host(source: str | os.PathLike | None, dtype: torch.dtype) -> LoadedTarget:
+def _load_on_host(source: str | os.PathLike | None, dtype: torch.dtype, keep_quantization: bool = False) -> LoadedTarget:
     if source is None:
         from longspec.runtime.default_model import default_checkpoint_dir
 
@@ -110,7 +119,7 @@ def _load_on_host(source: str | os.PathLike | None, dtype: torch.dtype) -> Loade
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {path}")
-        return load_gguf(path, dtype=dtype)
+        return load_gguf(path, dtype=dtype, keep_quantization=keep_quantization)
     if path.is_dir():
         return load_checkpoint_dir(path, dtype=dtype)
     if path.exists():
@@ -214,14 +223,17 @@ def _gguf_parsed_once():
         gguf.GGUFReader = original
 
 
-def load_gguf(path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16) -> LoadedTarget:
-    """Dequantize a GGUF file through `transformers`' converter."""
+def load_gguf(path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16,
+              keep_quantization: bool = False) -> LoadedTarget:
+    """Dequantize a GGUF file through `transformers`' converter; keep_quantization: the layer
+    products stay in the file's quantization (`runtime.gguf_layers`), the rest (embedding,
+    head, norms) is dequantized as before."""
     path = Path(path)
     with _gguf_parsed_once():
-        return _load_gguf(path, dtype)
+        return _load_gguf(path, dtype, keep_quantization)
 
 
-def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedTarget:
+def _load_gguf(path: Path, dtype: torch.dtype, keep_quantization: bool = False) -> LoadedTarget:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
@@ -231,15 +243,32 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedTarget:
         if "not supported" in str(error):
             raise ValueError(f"cannot read {path}: {_first_line(error)}") from None
         raise ValueError(f"{path} is truncated or not a GGUF file ({_first_line(error)})") from None
-    DecoderConfig.from_hf(hf_config)
+    config = DecoderConfig.from_hf(hf_config)
     check_dtype_fits(hf_config, dtype)
+    reader = None
+    if keep_quantization:
+        from longspec.runtime.gguf_layers import check_layer_tensors
+        from longspec.runtime.quantized import quantized_available
+
+        keep_quantization = dtype == torch.bfloat16 and quantized_available()
+        if keep_quantization:
+            import gguf
+
+            reader = gguf.GGUFReader(path)  # the one `_gguf_parsed_once` hands transformers too
+            check_layer_tensors(reader, config)  # before the slow dequantization below
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(hf_config)
     try:
         checkpoint = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)
     except Exception as error:
         raise ValueError(f"{path} is truncated or corrupt ({_first_line(error)})") from None
-    model = decoder_from_state_dict(hf_config, checkpoint["tensors"], dtype)
+    quantized = None
+    if reader is not None:
+        from longspec.runtime.gguf_layers import quantized_layers
+
+        architecture = str(reader.fields["general.architecture"].contents())
+        quantized = quantized_layers(reader, config, architecture)
+    model = decoder_from_state_dict(hf_config, checkpoint["tensors"], dtype, quantized)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
     check_tokenizer_fits(tokenizer, model.config.vocab_size, str(path))
     return LoadedTarget(model, tokenizer, hf_config, str(path))

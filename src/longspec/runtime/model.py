@@ -23,6 +23,7 @@ from longspec.runtime.device import HOST
 from longspec.runtime.huge_pages import HUGE_PAGE_BYTES, move_to_huge_pages
 from longspec.runtime.linear import PackedWeight, packed_linear, prepack
 from longspec.runtime.native import native_ops
+from longspec.runtime.quantized import QuantizedWeight
 from longspec.runtime.ordered_keys import (
     FULL_CHUNK_POSITIONS,
     RING_CHUNK_POSITIONS,
@@ -105,12 +106,18 @@ class DecoderLayer(nn.Module):
         self.qk_norm = RMSNorm((heads, c.head_dim), c.rms_norm_eps, g) if c.qk_norm else None
         self.qk_dim = q_dim + kv_dim
         self.packed: dict[str, PackedWeight | None] = {}
+        # Products kept in a GGUF file's quantization (`runtime.gguf_layers`); the bf16 parameter
+        # beside each holds its dequantized copy (training's features, another device).
+        self.quantized: dict[str, QuantizedWeight] = {}
         self.native_steps = None  # `project` and `finish` as native calls, where prepare() finds they apply
 
     def prepare(self, native_kernels: bool = True, bulk: bool | None = None) -> None:
         """Load-time derived weights: prepacked matrices and norm scales. bulk: keep
         prefill's copies (`runtime.linear`; None: where they pay)."""
         for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
+            if name in self.quantized and self.qkv_weight.device.type == "cpu":
+                self.packed[name] = PackedWeight(onednn=None, quantized=self.quantized[name])
+                continue
             self.packed[name] = prepack(getattr(self, name), native_kernels=native_kernels, bulk=bulk)
         for norm in (self.input_norm, self.pre_mlp_norm, self.post_attn_norm, self.post_mlp_norm, self.qk_norm):
             if norm is not None:
@@ -138,7 +145,10 @@ class DecoderLayer(nn.Module):
 
     def _linear(self, x, name: str, bias=None, plain: bool = False, bulk: bool = False):
         weight = getattr(self, name)
-        return F.linear(x, weight, bias) if plain else packed_linear(x, weight, self.packed.get(name), bias, bulk)
+        packed = self.packed.get(name)
+        if plain and (packed is None or packed.quantized is None):  # a quantized weight has no other product
+            return F.linear(x, weight, bias)
+        return packed_linear(x, weight, packed, bias, bulk)
 
     @staticmethod
     def _norm(norm: RMSNorm, x, plain: bool):

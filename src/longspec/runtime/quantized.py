@@ -89,7 +89,7 @@ def check_rows(name: str, kind: int, raw: np.ndarray | torch.Tensor, rows: int, 
 def segment(name: str, kind: int, raw: np.ndarray | torch.Tensor, rows: int, in_features: int) -> Segment:
     """The file's [rows, row bytes] uint8 data of one tensor, checked and repacked."""
     check_rows(name, kind, raw, rows, in_features)
-    data = torch.as_tensor(np.ascontiguousarray(raw)) if isinstance(raw, np.ndarray) else raw.contiguous()
+    data = torch.from_numpy(np.array(raw, dtype=np.uint8)) if isinstance(raw, np.ndarray) else raw.contiguous()
     return Segment(name, kind, rows, native_ops().gguf_repack(data, kind, in_features))
 
 
