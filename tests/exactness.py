@@ -37,6 +37,7 @@ PROCESSORS = {
     "top_p": SamplingParams(temperature=1.0, top_p=0.8),
     "min_p": SamplingParams(temperature=1.0, min_p=0.1),
     "eta": SamplingParams(temperature=1.0, eta=0.05),
+    "typical_p": SamplingParams(temperature=1.0, typical_p=0.7),
     "penalty": SamplingParams(temperature=1.0, penalty=1.8, penalty_window=48),
     "presence": SamplingParams(temperature=1.0, presence_penalty=1.5),
     "frequency": SamplingParams(temperature=0.9, frequency_penalty=1.2, presence_penalty=-0.5),

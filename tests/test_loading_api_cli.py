@@ -102,7 +102,7 @@ def test_gguf_of_unsupported_architecture_is_refused(tmp_path):
     "argv,message",
     [
         (["generate", "hi", "--temperature", "-1"], "temperature must be >= 0"),
-        (["generate", "hi", "--top-p", "0"], "top_p must be in (0, 1]"),
+        (["generate", "hi", "--top-p", "0"], "--top-p must be in (0, 1]"),
         (["generate", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
         (["generate", "--prompt-file", "/no/such/file"], "prompt file not found"),
         (["generate", "", "--model", "x"], "prompt is empty"),

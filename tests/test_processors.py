@@ -13,6 +13,7 @@ from transformers import (
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
+    TypicalLogitsWarper,
 )
 
 from longspec.speculation import processors
@@ -57,6 +58,8 @@ def _hf_reference(logits: torch.Tensor, input_ids: torch.Tensor | None, p: Sampl
         warpers.append(TopPLogitsWarper(p.top_p))
     if p.min_p is not None:
         warpers.append(MinPLogitsWarper(p.min_p))
+    if p.typical_p is not None and p.typical_p < 1.0:
+        warpers.append(TypicalLogitsWarper(p.typical_p))
     if p.eta is not None:
         warpers.append(EtaLogitsWarper(p.eta))
     for w in warpers:
@@ -83,6 +86,9 @@ PARAMS = [
     SamplingParams(temperature=1.0, min_p=0.0),
     SamplingParams(temperature=1.0, eta=0.01),
     SamplingParams(temperature=2.0, eta=0.0009),
+    SamplingParams(temperature=1.0, typical_p=0.9),
+    SamplingParams(temperature=1.5, typical_p=0.2),
+    SamplingParams(temperature=0.9, top_k=30, min_p=0.01, typical_p=0.7, eta=0.005),
     SamplingParams(temperature=0.9, top_k=20, top_p=0.95, min_p=0.02, eta=0.005),
     SamplingParams(temperature=0.9, top_k=V + 10, top_p=0.8),
     SamplingParams(temperature=0.6, top_k=10, top_p=0.9, penalty=1.3, penalty_window=8),

@@ -217,7 +217,7 @@ def test_chat_refusals(server):
                            ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 3,
                              "max_completion_tokens": 3}, "not both"),
                            ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
-                            "top_logprobs needs logprobs: true"),
+                            "top_logprobs: needs logprobs: true"),
                            ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "logprobs": True,
                              "top_logprobs": 21}, "top_logprobs")]:
         response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=DEADLINE_S)

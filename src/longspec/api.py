@@ -21,12 +21,12 @@ from longspec.runtime.loading import LoadedTarget, load_target
 from longspec.speculation.batch_engine import BatchEngine, BatchOptions, RequestHandle
 from longspec.speculation.drafters.base import Drafter
 from longspec.speculation.engine import EngineOptions, SpeculativeEngine
-from longspec.speculation.grammar import GrammarState, GrammarVocabulary, OutputConstraint
-from longspec.speculation.logprobs import MODES as LOGPROBS_MODES
+from longspec.speculation.grammar import GrammarState, GrammarVocabulary
 from longspec.speculation.logprobs import LogprobRecorder, PromptScorer, TokenLogprob
-from longspec.speculation.methods import DEFAULT_METHOD, make_drafter
+from longspec.speculation.methods import make_drafter
 from longspec.speculation.metrics import GenerationStats
 from longspec.speculation.processors import SamplingParams
+from longspec.request import MAX_SEED, GenerationRequest, check_int
 from longspec.text import IncrementalDecoder
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
@@ -41,27 +41,15 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
-# torch.Generator seeds are unsigned 64-bit integers.
-MAX_SEED = 2**64 - 1
-
-
-def _check_int(name: str, value: object, *, low: int, high: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < low or (high is not None and value > high):
-        bounds = f"in [{low}, {high}]" if high is not None else f">= {low}"
-        raise ValueError(f"{name} must be {bounds}, got {value}")
-
-
-def _stop_strings(stop: str | Sequence[str]) -> tuple[str, ...]:
-    """One string is one stop string (as in the OpenAI API), never its characters."""
-    stops = (stop,) if isinstance(stop, str) else tuple(stop)
-    for s in stops:
-        if not isinstance(s, str):
-            raise TypeError(f"stop must be a string or a list of strings, got an element {s!r}")
-        if not s:
-            raise ValueError("stop strings must be non-empty")
-    return stops
+def _request(request: GenerationRequest | None, keywords: dict) -> GenerationRequest:
+    """The request a call describes: an object, or flat keywords (not both)."""
+    if request is None:
+        return GenerationRequest.of(**keywords)
+    if not isinstance(request, GenerationRequest):
+        raise TypeError(f"request must be a GenerationRequest, got {type(request).__name__}")
+    if keywords:
+        raise TypeError(f"give a GenerationRequest or keywords, not both (got {', '.join(sorted(keywords))} too)")
+    return request
 
 
 def _prompt_ids(prompt: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -137,6 +125,14 @@ class PreparedRequest:
     stats: GenerationStats
     logprobs: LogprobRecorder | None = None  # collects log-probabilities, when asked
     grammar: GrammarState | None = None  # the grammar the output follows, when asked
+
+    @property
+    def decoding(self) -> dict[str, Any]:
+        """What both engines take beside the prompt's ids (`SpeculativeEngine.generate`,
+        `BatchEngine.submit`)."""
+        return dict(params=self.params, max_new_tokens=self.max_new_tokens, drafter=self.drafter,
+                    eos_token_ids=self.eos, generator=self.generator, stats=self.stats, logprobs=self.logprobs,
+                    grammar=self.grammar)
 
 
 def _rounds_of(handle: RequestHandle) -> Iterator[torch.Tensor]:
@@ -387,73 +383,35 @@ class LongSpecModel:
                 "shorten it (keep the last part that matters)"
             )
 
-    def stream(
-        self,
-        prompt: str | Sequence[int] | torch.Tensor,
-        *,
-        max_new_tokens: int = 256,
-        method: str | Drafter = DEFAULT_METHOD,
-        method_options: dict[str, Any] | None = None,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        min_p: float | None = None,
-        eta: float | None = None,
-        penalty: float = 1.0,
-        penalty_window: int = 1024,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        logit_bias: dict[int, float] | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] = (),
-        chat: bool = False,
-        ignore_eos: bool = False,
-        logprobs: int | None = None,
-        logprobs_mode: str = "raw",
-        constraint: OutputConstraint | None = None,
-    ) -> TokenStream:
-        """As `generate`, token by token. logprobs: the log-probability of every
-        generated token and of the `logprobs` most likely ones at that point (0: the
-        token's alone; None: none), of the model's distribution ("raw") or of the one
-        the token is drawn from ("processed": after bias, penalties, temperature, truncation).
-        constraint: a grammar the output follows (`OutputConstraint`: a JSON schema, any
-        JSON object, a regex, a Lark or GBNF grammar, a choice), exactly as constrained
-        plain decoding would."""
-        request = self.prepare(
-            prompt, max_new_tokens=max_new_tokens, method=method, method_options=method_options,
-            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, eta=eta, penalty=penalty,
-            penalty_window=penalty_window, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-            logit_bias=logit_bias, seed=seed, stop=stop, chat=chat, ignore_eos=ignore_eos, logprobs=logprobs,
-            logprobs_mode=logprobs_mode, constraint=constraint,
-        )
-        rounds = self.engine.generate(
-            request.ids, params=request.params, max_new_tokens=max_new_tokens, drafter=request.drafter,
-            eos_token_ids=request.eos, generator=request.generator, stats=request.stats, logprobs=request.logprobs,
-            grammar=request.grammar,
-        )
-        return TokenStream(self._chunks(rounds, request.stops, request.stats, request.logprobs), request.stats)
+    def stream(self, prompt: str | Sequence[int] | torch.Tensor, request: GenerationRequest | None = None,
+               **keywords) -> TokenStream:
+        """As `generate`, token by token."""
+        prepared = self.prepare(prompt, request, **keywords)
+        rounds = self.engine.generate(prepared.ids, **prepared.decoding)
+        return TokenStream(self._chunks(rounds, prepared.stops, prepared.stats, prepared.logprobs), prepared.stats)
 
     def generate_batch(
         self,
         prompts: Sequence[str | Sequence[int] | torch.Tensor],
+        request: GenerationRequest | None = None,
         *,
         max_rows: int = 8,
         seed: int | Sequence[int] | None = None,
-        method: str = DEFAULT_METHOD,
-        **kwargs,
+        **keywords,
     ) -> list[GenerationResult]:
         """Generate for many prompts at once (continuous batching: up to ``max_rows``
         rows share each target forward; the others join as rows finish). Each
         result equals ``generate(prompts[i], seed=seed + i, ...)`` with the same
-        options (or ``seed=seed[i]`` for a list of seeds, one per prompt); ``method``
+        options (or ``seed=seed[i]`` for a list of seeds, one per prompt); the method
         is a method name (every row gets its own drafter)."""
+        request = _request(request, keywords)
         if isinstance(prompts, (str, torch.Tensor)) or not isinstance(prompts, Sequence):
             raise TypeError("generate_batch takes a list of prompts; for one prompt call generate")
         if not prompts:
             raise ValueError("generate_batch needs at least one prompt")
-        if not isinstance(method, str):
+        if not isinstance(request.method, str):
             raise TypeError("generate_batch takes a method name: every row needs a drafter of its own")
-        _check_int("max_rows", max_rows, low=1)
+        check_int("max_rows", max_rows, low=1)
         if isinstance(seed, Sequence):
             if len(seed) != len(prompts):
                 raise ValueError(f"{len(seed)} seeds for {len(prompts)} prompts: give one seed per prompt, or one "
@@ -461,9 +419,9 @@ class LongSpecModel:
             seeds = list(seed)
         else:
             if seed is not None:
-                _check_int("seed", seed, low=0, high=MAX_SEED - len(prompts) + 1)
+                check_int("seed", seed, low=0, high=MAX_SEED - len(prompts) + 1)
             seeds = [None if seed is None else seed + i for i in range(len(prompts))]
-        requests = [self.prepare(p, method=method, seed=s, **kwargs) for p, s in zip(prompts, seeds)]
+        requests = [self.prepare(p, request.but(seed=s)) for p, s in zip(prompts, seeds)]
         engine = self.batch_engine(BatchOptions(max_rows=min(max_rows, len(prompts)),
                                                 row_capacity=max(self.row_slots(r) for r in requests)))
         streams = [self.submit(engine, request) for request in requests]
@@ -493,61 +451,47 @@ class LongSpecModel:
     def submit(self, engine: BatchEngine, request: PreparedRequest) -> RowStream:
         """Queue a prepared request on a batch engine; its text arrives through the
         returned stream's `pump` as the engine steps."""
-        handle = engine.submit(request.ids, params=request.params, max_new_tokens=request.max_new_tokens,
-                               drafter=request.drafter, eos_token_ids=request.eos, generator=request.generator,
-                               stats=request.stats, logprobs=request.logprobs, grammar=request.grammar)
+        handle = engine.submit(request.ids, **request.decoding)
         return RowStream(handle, self._chunks(_rounds_of(handle), request.stops, request.stats, request.logprobs))
 
-    def prepare(self, prompt, *, max_new_tokens: int = 256, method: str | Drafter = DEFAULT_METHOD,
-                method_options: dict[str, Any] | None = None, temperature: float = 0.0, top_k: int | None = None,
-                top_p: float | None = None, min_p: float | None = None, eta: float | None = None,
-                penalty: float = 1.0, penalty_window: int = 1024, presence_penalty: float = 0.0,
-                frequency_penalty: float = 0.0, logit_bias: dict[int, float] | None = None, seed: int | None = None,
-                stop: str | Sequence[str] = (), chat: bool = False, ignore_eos: bool = False,
-                logprobs: int | None = None, logprobs_mode: str = "raw",
-                constraint: OutputConstraint | None = None) -> PreparedRequest:
-        """Validate a request (the keywords of `stream`) without generating."""
-        params = SamplingParams(
-            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, eta=eta,
-            penalty=penalty, penalty_window=penalty_window, presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty, logit_bias=logit_bias or (), constrained=constraint is not None,
-        )
+    def prepare(self, prompt, request: GenerationRequest | None = None, **keywords) -> PreparedRequest:
+        """Validate a request against this model without generating: its prompt's ids,
+        its drafter, grammar and random stream. `request`, or the flat keywords of
+        `GenerationRequest.of` (`temperature=0.8, max_new_tokens=64, ...`)."""
+        request = _request(request, keywords)
+        params = request.sampling
         beyond = [token for token, _ in params.logit_bias if token >= self.config.vocab_size]
         if beyond:
             raise ValueError(f"logit_bias names token {beyond[0]}, outside the vocabulary [0, {self.config.vocab_size})")
-        _check_int("max_new_tokens", max_new_tokens, low=1)
-        if seed is not None:
-            _check_int("seed", seed, low=0, high=MAX_SEED)
-        stops = _stop_strings(stop)
-        recorder = None if logprobs is None else LogprobRecorder(top=logprobs, mode=logprobs_mode)
-        if logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}")
-        if method_options is not None and not isinstance(method_options, dict):
-            raise TypeError(f"method_options must be a dict of drafter options, got {type(method_options).__name__}")
-        if constraint is not None and not isinstance(constraint, OutputConstraint):
-            raise TypeError(f"constraint must be an OutputConstraint, got {type(constraint).__name__}")
-        if constraint is not None and ignore_eos:
-            raise ValueError("ignore_eos cannot go with a constraint: a finished grammar allows only EOS")
-        ids = self.encode(prompt, chat=chat)
-        self.engine.check_request(ids.numel(), max_new_tokens)
-        grammar = None if constraint is None else self.grammar_vocabulary().matcher(constraint)
-        if isinstance(method, str):
-            drafter, name = make_drafter(method, **(method_options or {})), method
+        ids = self.encode(prompt, chat=request.chat)
+        self.engine.check_request(ids.numel(), request.max_new_tokens)
+        grammar = None if request.constraint is None else self.grammar_vocabulary().matcher(request.constraint)
+        if isinstance(request.method, str):
+            drafter, name = make_drafter(request.method, **(request.method_options or {})), request.method
         else:
-            drafter, name = method, type(method).__name__
-        if seed is None:
-            seed = int(torch.randint(0, 2**62, (), device=HOST))
+            drafter, name = request.method, type(request.method).__name__
+        seed = request.seed if request.seed is not None else int(torch.randint(0, 2**62, (), device=HOST))
         # The verifier draws on the model's device; a seed reproduces a run on one device.
         generator = torch.Generator(device=self.device).manual_seed(seed)
-        eos = () if ignore_eos else self.config.eos_token_ids
+        eos = () if request.ignore_eos else self.config.eos_token_ids
+        recorder = None if request.logprobs is None else LogprobRecorder(top=request.logprobs,
+                                                                         mode=request.logprobs_mode)
         stats = GenerationStats(method=name)
         if not self._load_setup_reported:  # the load's one-time work, reported once
             self._load_setup_reported = True
             stats.add_setup(self.load_setup)
-        return PreparedRequest(ids, max_new_tokens, params, drafter, eos, stops, generator, stats, recorder, grammar)
+        return PreparedRequest(ids, request.max_new_tokens, params, drafter, eos, request.stop, generator, stats,
+                               recorder, grammar)
 
-    def generate(self, prompt, **kwargs) -> GenerationResult:
-        stream = self.stream(prompt, **kwargs)
+    def generate(self, prompt, request: GenerationRequest | None = None, **keywords) -> GenerationResult:
+        """Generate a continuation of `prompt` (text or token ids) as `request` asks, or the
+        flat keywords of `GenerationRequest.of`: `max_new_tokens`, `method` (default
+        "auto") with its `method_options`, sampling (`temperature`, `top_k`, `top_p`,
+        `min_p`, `eta`, penalties, `logit_bias`), `seed`, `stop`, `chat`, `ignore_eos`,
+        `logprobs` (the log-probability of every generated token and of the `logprobs`
+        most likely ones; `logprobs_mode` "raw" or "processed") and `constraint` (a
+        grammar the output follows, exactly as constrained plain decoding would)."""
+        stream = self.stream(prompt, request, **keywords)
         for _ in stream:
             pass
         return GenerationResult(stream.text, stream.token_ids, stream.stats, stream.logprobs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import sys
 from pathlib import Path
 
@@ -13,6 +14,26 @@ from longspec.cli.faults import run_reporting_faults
 from longspec.cli.options import add_compile_argument, add_device_argument
 from longspec.cli.paths import read_prompt_file
 from longspec.speculation.methods import DEFAULT_METHOD, METHODS
+
+
+def _add_sampling_arguments(parser) -> None:
+    """An option for every `SamplingParams` field that declares its CLI `type` and `help`."""
+    from dataclasses import fields
+
+    from longspec.speculation.processors import SamplingParams
+
+    for spec in fields(SamplingParams):
+        if "help" in spec.metadata:
+            parser.add_argument("--" + spec.name.replace("_", "-"), type=spec.metadata["type"], default=spec.default,
+                                help=spec.metadata["help"])
+
+
+def _sampling_arguments(args) -> dict:
+    from dataclasses import fields
+
+    from longspec.speculation.processors import SamplingParams
+
+    return {spec.name: getattr(args, spec.name) for spec in fields(SamplingParams) if "help" in spec.metadata}
 
 
 def _generate_parser(sub) -> None:
@@ -24,17 +45,7 @@ def _generate_parser(sub) -> None:
     p.add_argument("--method", default=DEFAULT_METHOD, choices=sorted(METHODS),
                    help=f"decoding method (default: {DEFAULT_METHOD})")
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--min-p", type=float, default=None)
-    p.add_argument("--eta", type=float, default=None)
-    p.add_argument("--penalty", type=float, default=1.0, help="contextual repetition penalty theta (1 = off)")
-    p.add_argument("--penalty-window", type=int, default=1024, help="penalize tokens of the last W tokens")
-    p.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]: subtracted once from every "
-                                                                       "generated token's logit (OpenAI's)")
-    p.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]: subtracted per occurrence of a "
-                                                                        "generated token (OpenAI's)")
+    _add_sampling_arguments(p)
     p.add_argument("--logit-bias", action="append", default=[], metavar="TOKEN=BIAS",
                    help="add BIAS in [-100, 100] to token id TOKEN's logit (repeatable)")
     p.add_argument("--seed", type=int, default=None)
@@ -65,7 +76,7 @@ def _generate_parser(sub) -> None:
 
 def _cmd_generate(args) -> int:
     import longspec
-    from longspec.api import MAX_SEED, parse_dtype
+    from longspec.api import parse_dtype
     from longspec.speculation.engine import EngineOptions
 
     prompt = read_prompt_file(args.prompt_file) if args.prompt_file is not None else args.prompt
@@ -80,8 +91,8 @@ def _cmd_generate(args) -> int:
         options["num_tokens"] = args.draft_tokens
     engine = EngineOptions() if args.max_tree_nodes is None else EngineOptions(max_tree_nodes=args.max_tree_nodes)
     # Validate everything cheap before loading weights.
+    from longspec.request import GenerationRequest
     from longspec.speculation.methods import make_drafter
-    from longspec.speculation.processors import SamplingParams
 
     logit_bias = {}
     for spec in args.logit_bias:
@@ -90,20 +101,19 @@ def _cmd_generate(args) -> int:
             logit_bias[int(token)] = float(bias)
         except ValueError:
             raise ValueError(f"--logit-bias {spec!r}: write TOKEN=BIAS, e.g. --logit-bias 42=-100") from None
-    SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                   eta=args.eta, penalty=args.penalty, penalty_window=args.penalty_window,
-                   presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                   logit_bias=logit_bias)
-    make_drafter(args.method, **options)
     constraint = _output_constraint(args)
+    if constraint is not None and args.ignore_eos:
+        raise ValueError("--ignore-eos cannot go with a structured output option: a finished grammar allows only EOS")
+    try:
+        request = GenerationRequest.of(
+            max_new_tokens=args.max_new_tokens, method=args.method, method_options=options, seed=args.seed,
+            stop=args.stop, chat=args.chat, ignore_eos=args.ignore_eos, constraint=constraint, logit_bias=logit_bias,
+            **_sampling_arguments(args))
+    except (TypeError, ValueError) as error:  # the request's message names its field: name the flag instead
+        raise ValueError(re.sub(r"^(\w+)", lambda m: "--" + m.group(1).replace("_", "-"), str(error))) from None
+    make_drafter(args.method, **options)
     if constraint is not None:
-        if args.ignore_eos:
-            raise ValueError("--ignore-eos cannot go with a structured output option: a finished grammar allows only EOS")
         constraint.grammar()  # compiles, or names why not
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.seed is not None and not 0 <= args.seed <= MAX_SEED:
-        raise ValueError(f"--seed must be in [0, 2^64 - 1] (an unsigned 64-bit integer), got {args.seed}")
     if args.dtype is not None:
         parse_dtype(args.dtype)
 
@@ -111,13 +121,7 @@ def _cmd_generate(args) -> int:
 
     progress.set_enabled(not (args.quiet or args.json) and sys.stderr.isatty())
     model = longspec.load(args.model, dtype=args.dtype, engine=engine, device=args.device, compile=args.compile)
-    stream = model.stream(
-        prompt, max_new_tokens=args.max_new_tokens, method=args.method, method_options=options,
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, eta=args.eta,
-        penalty=args.penalty, penalty_window=args.penalty_window, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, logit_bias=logit_bias, seed=args.seed, stop=args.stop,
-        chat=args.chat, ignore_eos=args.ignore_eos, constraint=constraint,
-    )
+    stream = model.stream(prompt, request)
     for chunk in stream:
         if not args.json:
             sys.stdout.write(chunk.text)

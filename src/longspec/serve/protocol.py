@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError, field_validator,
                       model_validator)
 
+from longspec.request import SAMPLING_FIELDS
 from longspec.speculation.grammar import OutputConstraint
 from longspec.speculation.logprobs import MAX_TOP
 
@@ -105,6 +106,7 @@ class GenerationFields(BaseModel):
     top_k: StrictInt | None = Field(default=None, ge=0, le=2**31 - 1)
     ignore_eos: StrictBool = False  # vLLM's extension: generate past EOS up to max_tokens
     min_p: StrictFloat | None = Field(default=None, ge=0.0, le=1.0)
+    typical_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)  # vLLM's and transformers'
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # vLLM's
     method: str | None = None
@@ -156,6 +158,16 @@ class GenerationFields(BaseModel):
         if self.response_format.type == "json_object":
             return OutputConstraint("json_object")
         return OutputConstraint("json_schema", self.response_format.json_schema.schema_)
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """The request's sampling settings by `SamplingParams`' names: every field this
+        protocol shares with it, as given (so a new sampling option is declared here
+        once), with OpenAI's spellings turned into ours."""
+        given = {name: getattr(self, name) for name in SAMPLING_FIELDS & set(type(self).model_fields)}
+        given["logit_bias"] = self.token_bias  # keys are token ids as strings in JSON
+        if given.get("top_p") == 1.0:
+            given["top_p"] = None  # OpenAI's default: no nucleus
+        return {name: value for name, value in given.items() if value is not None}
 
     @property
     def token_bias(self) -> dict[int, float]:

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from longspec.api import LongSpecModel, PreparedRequest
+from longspec.request import GenerationRequest
 from longspec.serve.errors import RequestError, busy, unavailable
 from longspec.serve.limits import parse_json, read_body
 from longspec.serve.options import ServeOptions
@@ -150,19 +151,16 @@ class CompletionService:
                        for index, (text, encode) in enumerate(self.encoders(body))]
             if body.max_tokens == 0:  # echo alone: nothing to generate
                 return prompts
+            base = GenerationRequest.of(
+                method=method, method_options=drafter_options, stop=body.stops, ignore_eos=body.ignore_eos,
+                logprobs=body.logprob_alternatives, logprobs_mode=self.options.logprobs_mode, constraint=constraint,
+                **body.sampling_fields())
             for prompt in prompts:
                 room = self.context - prompt.ids.numel()
                 max_new = body.max_tokens or max(1, min(self.options.max_new_tokens, room))
                 seeds = [None if body.seed is None else body.seed + i for i in range(body.n)]
-                prompt.requests = [self.model.prepare(
-                    prompt.ids, max_new_tokens=max_new, method=method,
-                    method_options=drafter_options, temperature=body.temperature,
-                    top_p=body.top_p if body.top_p < 1.0 else None, top_k=body.top_k, min_p=body.min_p,
-                    presence_penalty=float(body.presence_penalty), frequency_penalty=float(body.frequency_penalty),
-                    logit_bias=body.token_bias, seed=seed, stop=body.stops, ignore_eos=body.ignore_eos,
-                    logprobs=body.logprob_alternatives, logprobs_mode=self.options.logprobs_mode,
-                    constraint=constraint,
-                ) for seed in seeds]
+                prompt.requests = [self.model.prepare(prompt.ids, base.but(max_new_tokens=max_new, seed=seed))
+                                   for seed in seeds]
             return prompts
         except OptionError as error:
             raise RequestError(400, str(error), param="method_options") from None

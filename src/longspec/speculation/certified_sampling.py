@@ -58,9 +58,9 @@ _SAFETY = 1e-12  # relative slack on the float64 decisions of what the bound exc
 
 def certified_sampling_applies(params: SamplingParams) -> bool:
     """Whether draws under `params` can go through the certified head: sampling without
-    a bias or penalties (they change the logits of chosen tokens) and without eta (its
-    cut needs the whole distribution's entropy)."""
-    return not params.is_greedy and not params.adjusts_logits and params.eta is None
+    a bias or penalties (they change the logits of chosen tokens) and without a warper
+    whose cut needs the whole distribution (eta, typical sampling: the entropy)."""
+    return not params.is_greedy and not params.adjusts_logits and not params.reads_whole_distribution
 
 
 def margin(params: SamplingParams, temperatures: float = MARGINS[0]) -> float:

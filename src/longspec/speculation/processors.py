@@ -26,7 +26,7 @@ and their order matter.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -58,6 +58,9 @@ class SamplingParams:
     top_p: nucleus mass in (0, 1]; None (or 1.0) disables.
     min_p: in [0, 1], drop tokens below min_p * p_max; None disables.
     eta: eta-sampling epsilon in (0, 1); None disables.
+    typical_p: locally typical sampling's mass in (0, 1]: keep the tokens whose
+        surprise is nearest the distribution's entropy until they hold it; None (or
+        1.0) disables.
     penalty: contextual (repetition) penalty theta > 0, usually >= 1; 1.0 disables.
     penalty_window: only the last W tokens of a row's history are penalized.
     presence_penalty, frequency_penalty: in [-2, 2], subtracted from the logit of every
@@ -67,15 +70,21 @@ class SamplingParams:
         speculation/grammar.py); the others are removed before any decision.
     """
 
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    eta: float | None = None
-    penalty: float = 1.0
-    penalty_window: int = 1024
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    # `help` and `type`: the CLI's option for the field (`cli/main.py` offers every field that has them).
+    temperature: float = field(default=0.0, metadata={"type": float, "help": "0 = greedy (default)"})
+    top_k: int | None = field(default=None, metadata={"type": int, "help": "keep the k most likely tokens"})
+    top_p: float | None = field(default=None, metadata={"type": float, "help": "nucleus mass in (0, 1]"})
+    min_p: float | None = field(default=None, metadata={"type": float, "help": "drop tokens below min_p * p_max"})
+    eta: float | None = field(default=None, metadata={"type": float, "help": "eta-sampling epsilon in (0, 1)"})
+    typical_p: float | None = field(default=None, metadata={
+        "type": float, "help": "locally typical sampling's mass in (0, 1] (1 = off)"})
+    penalty: float = field(default=1.0, metadata={"type": float,
+                                                   "help": "contextual repetition penalty theta (1 = off)"})
+    penalty_window: int = field(default=1024, metadata={"type": int, "help": "penalize tokens of the last W tokens"})
+    presence_penalty: float = field(default=0.0, metadata={
+        "type": float, "help": "in [-2, 2]: subtracted once from every generated token's logit (OpenAI's)"})
+    frequency_penalty: float = field(default=0.0, metadata={
+        "type": float, "help": "in [-2, 2]: subtracted per occurrence of a generated token (OpenAI's)"})
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias) pairs; a dict is accepted
     constrained: bool = False
 
@@ -92,6 +101,9 @@ class SamplingParams:
         m = self.min_p
         if m is not None and not (_is_real(m) and 0 <= m <= 1):
             raise ValueError(f"min_p must be in [0, 1], got {m!r}")
+        typical = self.typical_p
+        if typical is not None and not (_is_real(typical) and 0 < typical <= 1):
+            raise ValueError(f"typical_p must be in (0, 1], got {typical!r}")
         e = self.eta
         if e is not None and not (_is_real(e) and 0 < e < 1):
             raise ValueError(f"eta must be in (0, 1), got {e!r}")
@@ -131,6 +143,13 @@ class SamplingParams:
     def counts_outputs(self) -> bool:
         """Whether each node's generated tokens are needed (presence, frequency)."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def reads_whole_distribution(self) -> bool:
+        """Whether a warper's cut needs every token's probability (eta and typical
+        sampling: the entropy): the certified head's draws and the native truncation
+        kernel, which see only the likely tokens, then step aside."""
+        return self.eta is not None or (self.typical_p is not None and self.typical_p < 1.0)
 
     @property
     def adjusts_logits(self) -> bool:
@@ -262,6 +281,19 @@ def _min_p(scores: torch.Tensor, min_p: float) -> torch.Tensor:
     return scores.masked_fill(remove, _NEG_INF)
 
 
+def _typical(scores: torch.Tensor, mass: float) -> torch.Tensor:
+    """TypicalLogitsWarper's rule: rank tokens by how far their surprise lies from the
+    entropy, keep them in that order until they hold `mass` (the first always stays)."""
+    log_probs = scores.log_softmax(dim=-1)
+    entropy = -(log_probs.exp() * log_probs).nansum(dim=-1, keepdim=True)
+    distance, order = torch.sort((-log_probs - entropy).abs(), dim=-1)
+    cumulative = scores.gather(-1, order).softmax(dim=-1).cumsum(dim=-1)
+    last = (cumulative < mass).sum(dim=-1, keepdim=True).clamp_(max=scores.shape[-1] - 1)
+    remove_sorted = distance > distance.gather(-1, last)
+    remove_sorted[..., :1] = False
+    return scores.masked_fill(remove_sorted.scatter(-1, order, remove_sorted), _NEG_INF)
+
+
 def _eta(scores: torch.Tensor, epsilon: float) -> torch.Tensor:
     probs = scores.softmax(dim=-1)
     log_probs = scores.log_softmax(dim=-1)
@@ -349,7 +381,8 @@ def _penalized(
 def processed_logits(
     logits: torch.Tensor, histories: torch.Tensor | None, params: SamplingParams
 ) -> torch.Tensor:
-    """Penalty, then temperature, top-k, top-p, min-p, eta; removed tokens are -inf.
+    """Penalty, then temperature, top-k, top-p, min-p, typical, eta (transformers' order);
+    removed tokens are -inf.
 
     Greedy params get the penalty only. Returns float32 (float64 for float64 input).
     """
@@ -365,6 +398,8 @@ def processed_logits(
         scores = _top_p(scores, params.top_p)
     if params.min_p is not None:
         scores = _min_p(scores, params.min_p)
+    if params.typical_p is not None and params.typical_p < 1.0:
+        scores = _typical(scores, params.typical_p)
     if params.eta is not None:
         scores = _eta(scores, params.eta)
     return scores
@@ -395,10 +430,10 @@ def _native_truncation(logits: torch.Tensor, params: SamplingParams):
     one pass over the vocabulary and a sort of the few tokens that can survive, where
     the PyTorch path makes ~10 passes:
     docs/lab-notes/sampling.md#sampled-tokens-the-truncated-distribution-and-the-draw-in-a-native-kernel-issues-adaptive-speculation-external-drafters-self-speculation),
-    or None where the PyTorch path runs: greedy, no truncation, eta, float64 (the exact
-    tests' dtype), another device, or no native library."""
+    or None where the PyTorch path runs: greedy, no truncation, a warper that reads the
+    whole distribution, float64 (the exact tests' dtype), another device, or no native library."""
     truncates = bool(params.top_k) or (params.top_p is not None and params.top_p < 1.0) or bool(params.min_p)
-    if params.is_greedy or not truncates or params.eta is not None:
+    if params.is_greedy or not truncates or params.reads_whole_distribution:
         return None
     if logits.device.type != "cpu" or logits.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return None
