@@ -373,8 +373,9 @@ class BatchEngine:
     def forward_cost(self, rows: int, length: int) -> ForwardCost:
         """The measured cost of a verification forward over `rows` rows (rounded up to
         a power of two, at most `max_rows`) of about `length` committed tokens, by
-        tokens per row. Cached per machine: the first call at a new row count or
-        context bucket measures it (seconds), which a benchmark does before its clock."""
+        tokens per row. Cached per machine; where a row count or context bucket is not
+        measured yet, the conservative default while the measurement waits for a quiet
+        moment (`cost_model.batch_forward_cost_at`; a benchmark measures it before its clock)."""
         measured = min(1 << max(rows - 1, 0).bit_length(), self.batch.max_rows)
         return batch_forward_cost_at(self.model, measured, length)
 
