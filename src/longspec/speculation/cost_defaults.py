@@ -11,7 +11,8 @@ and the batched engine price trees with this curve instead:
   only sets where `auto`'s own correction (`RealisedCostScale`, the realised / priced
   time of its rounds) starts: a few rounds bring it to the machine's.
 - the shape: 1 + slope (k - 1) decode forwards for k tokens, with a slope per kind of
-  CPU at or above every curve measured on that kind (docs/benchmarks.md). Pricing
+  CPU, steeper with the context (each tree token attends to it all), at or above every
+  curve recorded on that kind (benchmarks/results; tests/test_instant_start.py). Pricing
   trees too dear only makes `auto` speculate less, towards plain decoding; too cheap
   would make it verify nodes that do not pay, which can fall below plain decoding. The
   correction scales the level, never the shape, so the shape must err dear.
@@ -26,12 +27,14 @@ import torch
 from longspec.runtime.linear import cpu_flags
 from longspec.runtime.native import bf16_linear_ops
 
-# Extra decode forwards per extra token, by CPU kind. AVX-512 BF16: the 2-core EPYC's
-# curves of the tiled kernel reach 0.125 per token at 16-64 tokens (docs/lab-notes/forward-cost.md);
-# AMX computes trees faster still. AVX2 runs the bf16 product through float32 FMAs,
-# several times dearer per row. Without the native kernels a tree's tokens are priced
-# as separate forwards: speculation never looks cheaper than it is.
-SLOPES = {"amx": 0.135, "avx512-bf16": 0.135, "avx2": 0.3, "plain": 1.0}
+# Extra decode forwards per extra token at a short context, by CPU kind, times
+# (1 + context / CONTEXT_SCALE). AVX-512 BF16: the 2-core EPYC's recorded curves reach 0.134
+# per token at 1-4k and 0.233 at 16k; AMX computes trees faster still. AVX2 runs the bf16
+# product through float32 FMAs: 0.41 per token at 2k in one run, where 7 tokens fill a
+# second register tile (docs/lab-notes/forward-cost.md). Without the native kernels a
+# tree's tokens are priced as separate forwards: speculation never looks cheaper than it is.
+SLOPES = {"amx": 0.135, "avx512-bf16": 0.135, "avx2": 0.45, "plain": 1.0}
+CONTEXT_SCALE = 16384
 _BANDWIDTH = 25e9  # bytes a second a decode forward streams its weights at (a 2-core server's order)
 
 
@@ -62,9 +65,13 @@ def decode_bytes(model) -> int:
     return layers + head_bytes
 
 
-def default_seconds(model, ks: Sequence[int], rows: int = 1) -> tuple[float, ...]:
-    """Seconds of a forward of k tokens per row for each k, over `rows` rows."""
-    kind = cpu_kind(model)
+def slope(kind: str, context: int) -> float:
+    """Decode forwards one more token adds, on this kind of CPU over `context` committed tokens."""
+    return 1.0 if kind == "plain" else SLOPES[kind] * (1 + context / CONTEXT_SCALE)
+
+
+def default_seconds(model, ks: Sequence[int], context: int, rows: int = 1) -> tuple[float, ...]:
+    """Seconds of a forward of k tokens per row for each k, over `rows` rows of `context` tokens."""
     base = max(decode_bytes(model) / _BANDWIDTH, 1e-6)
-    slope = SLOPES[kind]
-    return tuple(base * (1 + slope * (rows * k - 1)) for k in ks)
+    per_token = slope(cpu_kind(model), context)
+    return tuple(base * (1 + per_token * (rows * k - 1)) for k in ks)

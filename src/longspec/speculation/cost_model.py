@@ -282,7 +282,7 @@ def batch_forward_cost_at(model: Decoder, rows: int, length: int, widths: Sequen
                                                        directory=directory, machine=machine,
                                                        pause=_pause_while_decoding),
         lambda: ForwardCost({**key, "default": cpu_kind(model)}, tuple(sorted(set(widths) | {1})),
-                            default_seconds(model, sorted(set(widths) | {1}), rows)))
+                            default_seconds(model, sorted(set(widths) | {1}), context, rows)))
 
 
 def batch_context_bucket(model: Decoder, length: int, widths: Sequence[int] = BATCH_WIDTHS) -> int:
@@ -383,7 +383,7 @@ def forward_cost_at(model: Decoder, length: int, ks: Sequence[int] = DEFAULT_KS)
     return _measured_or_default(
         key, ks, lambda: cached_forward_cost(model, context=context, ks=ks, directory=directory, machine=machine,
                                              pause=_pause_while_decoding),
-        lambda: ForwardCost({**key, "default": cpu_kind(model)}, ks, default_seconds(model, ks)))
+        lambda: ForwardCost({**key, "default": cpu_kind(model)}, ks, default_seconds(model, ks, context)))
 
 
 def queue_forward_costs(model: Decoder, max_rows: int) -> None:
