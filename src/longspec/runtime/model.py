@@ -402,6 +402,11 @@ class Decoder(nn.Module):
         return ForwardOutput(logits=self.logits(hidden) if with_logits else None, hidden=hidden)
 
     @property
+    def packed_head(self) -> PackedWeight | None:
+        """The head's prepared form for `packed_linear` (None where the plain product runs)."""
+        return self._packed_head
+
+    @property
     def certified_head(self) -> CertifiedHead | None:
         """The int8-screened head that certifies the plain head's argmax
         (`runtime/certified_head.py`), built on first use; None where it does not apply."""

@@ -15,11 +15,20 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from longspec.speculation.tree import Tree
+
+if TYPE_CHECKING:  # types only: the drafters' view of the runtime
+    from longspec.runtime.attention import AttentionBackend
+    from longspec.runtime.batch_cache import CacheRow
+    from longspec.runtime.cache import KVCache
+    from longspec.runtime.config import DecoderConfig
+    from longspec.runtime.linear import PackedWeight
+    from longspec.runtime.model import Decoder
+    from longspec.speculation.cost_model import ForwardCost
 
 
 @dataclass(frozen=True)
@@ -49,7 +58,7 @@ class DraftContext:
     """
 
     tokens: torch.Tensor
-    target: Any = None
+    target: TargetView | None = None
     max_nodes: int = 64
     generator: torch.Generator | None = None
     rows_in_forward: int = 1
@@ -148,10 +157,13 @@ def container_nbytes(root: object) -> int:
 
 
 class TargetView:
-    """Read-only access to the target for drafters: its config, its embedding/head
-    weights, and the committed part of its KV cache (never the pending tokens)."""
+    """Read-only access to the target for drafters: its config, dtype and device, its
+    embedding and head (weights and the head's prepared product), the committed part of
+    its KV cache (never the pending tokens), the final hidden states the engine kept,
+    and the measured forward cost. Self-drafting drafters (TokenSwift, MagicDec) also run
+    the target's own layers over a cache of their own: `decoder_for_self_drafting`."""
 
-    def __init__(self, model, cache) -> None:
+    def __init__(self, model: Decoder, cache: KVCache | CacheRow) -> None:
         self._model = model
         self._cache = cache
         # Final-norm hidden states [a + 1, H] of the last verification's accepted
@@ -163,19 +175,27 @@ class TargetView:
         self.prefill_hidden: torch.Tensor | None = None
 
     @property
-    def model(self):
-        """The target decoder, for self-drafting with a cache of the drafter's own.
-        Never pass it the engine's cache."""
-        return self._model
+    def config(self) -> DecoderConfig:
+        return self._model.config
 
     @property
-    def config(self):
-        return self._model.config
+    def dtype(self) -> torch.dtype:
+        return self._model.dtype
 
     @property
     def device(self) -> torch.device:
         """Where the target computes: a drafter's weights and tensor state belong here."""
         return self._model.device
+
+    @property
+    def native_kernels(self) -> bool:
+        """Whether the target runs the native CPU kernels (a drafter's own products follow it)."""
+        return self._model.native_kernels
+
+    @property
+    def attention(self) -> AttentionBackend:
+        """The target's attention backend, for a drafter that attends its K/V."""
+        return self._model.attention
 
     @property
     def committed_length(self) -> int:
@@ -189,8 +209,45 @@ class TargetView:
     def head(self) -> torch.Tensor:
         return self._model.head_weight
 
+    @property
+    def packed_head(self) -> PackedWeight | None:
+        """The head's prepared form for `runtime.linear.packed_linear` (None: plain)."""
+        return self._model.packed_head
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The target's input embeddings of token ids (its scale included)."""
+        return self._model.embed(ids)
+
+    @property
+    def inv_freq_full(self) -> torch.Tensor:
+        """RoPE inverse frequencies of the target's full-attention layers."""
+        return self._model.inv_freq_full
+
+    @property
+    def rope_scaling(self) -> dict[bool, float]:
+        """RoPE attention scaling of the target's layers, by whether they slide."""
+        return self._model.rope_scaling
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's logits of final hidden states [..., H], as the target computes them."""
+        return self._model.logits(hidden)
+
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Committed K/V [B, Hkv, length, D] of a full-attention layer, as views."""
         if self._model.config.layer_is_sliding[layer]:
             raise ValueError(f"layer {layer} is a sliding-window layer; its ring holds only a window")
         return self._cache.prefix(layer)
+
+    def forward_cost(self, context_tokens: int) -> ForwardCost:
+        """The target's measured forward cost by speculative nodes at this context
+        (`speculation/cost_model.py`; a default curve where this machine has none yet)."""
+        from longspec.speculation.cost_model import forward_cost_at
+
+        return forward_cost_at(self._model, context_tokens)
+
+    @property
+    def decoder_for_self_drafting(self) -> Decoder:
+        """The target decoder itself, for drafters that run its layers as their draft,
+        always over a cache of their own (`Decoder.new_cache`): the engine's cache is
+        never reachable from here."""
+        return self._model

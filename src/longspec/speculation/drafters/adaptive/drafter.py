@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from longspec.speculation.cost_model import ForwardCost, forward_cost_at, is_default
+from longspec.speculation.cost_model import ForwardCost, is_default
 from longspec.speculation.drafters.adaptive.acceptance import CrossFittedAcceptance
 from longspec.speculation.drafters.adaptive.cost_fit import RealisedCostScale
 from longspec.speculation.drafters.adaptive.merge import MergedTree, merge_trees, subtree
@@ -398,7 +398,7 @@ class AdaptiveDrafter(Drafter):
         return t.as_dict()
 
     def state_nbytes(self) -> int:
-        return sum(c.drafter.state_nbytes() for c in self.components if hasattr(c.drafter, "state_nbytes"))
+        return sum(c.drafter.state_nbytes() for c in self.components)
 
     # --------------------------------------------------------------- internals
     def _hold_unverified(self, merged: MergedTree, kept: list[int], agreement: list[bool]) -> None:
@@ -423,7 +423,7 @@ class AdaptiveDrafter(Drafter):
         return matched
 
     def _measured_cost(self, context: DraftContext) -> ForwardCost:
-        return forward_cost_at(context.target.model, int(context.tokens.numel()))
+        return context.target.forward_cost(int(context.tokens.numel()))
 
     def _measured_forward(self, k: int) -> float:
         """The measured seconds of a forward in which every row verifies k + 1 tokens."""

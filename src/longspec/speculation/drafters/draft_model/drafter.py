@@ -113,8 +113,8 @@ class DraftModelDrafter(Drafter):
         if view is not None:
             self.check_target(view.config)
             self._vocab_size = view.config.vocab_size
-            if self.model.dtype != view.model.dtype or self.model.device != view.device:
-                self.model = self.model.to(view.model.dtype).place(view.device)
+            if self.model.dtype != view.dtype or self.model.device != view.device:
+                self.model = self.model.to(view.dtype).place(view.device)
             if self.vocab is not None:
                 self.vocab = self.vocab.to(view.device)
         else:

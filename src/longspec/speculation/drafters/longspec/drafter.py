@@ -32,7 +32,7 @@ import torch
 
 from longspec.runtime.attention import biased_attention
 from longspec.runtime.linear import PackedWeight, packed_linear, prepack
-from longspec.speculation.drafters.base import DraftContext, Drafter
+from longspec.speculation.drafters.base import DraftContext, Drafter, TargetView
 from longspec.speculation.drafters.shared.context_vocab import ContextVocabulary
 from longspec.speculation.drafters.longspec.checkpoint import load_draft
 from longspec.speculation.drafters.longspec.model import (
@@ -96,7 +96,8 @@ class LongSpecDrafter(Drafter):
         self.generator = generator if generator is not None else (torch.Generator().manual_seed(seed) if seed is not None else None)
         self._sequence_generator: torch.Generator | None = self.generator  # this sequence's stream, set by begin()
         self.state: DraftState | None = None
-        self._target = None
+        self._target: TargetView | None = None
+        self._prepared_for: torch.Tensor | None = None
         self._head_rows: torch.Tensor | None = None
         self._packed_head: PackedWeight | None = None
         self._project: PackedProjection | None = None
@@ -119,25 +120,24 @@ class LongSpecDrafter(Drafter):
         if view is None:
             raise ValueError("the LongSpec drafter needs the target view (cross-attention reads the target's K/V)")
         self.check_target(view.config)
-        dtype, device = view.model.dtype, view.device
-        if self._target is not view.model or self.state is None or self.state.ring_k.dtype != dtype:
+        dtype, device = view.dtype, view.device
+        if self._prepared_for is not view.embedding or self.state is None or self.state.ring_k.dtype != dtype:
             self.draft.to(device=device, dtype=dtype)
             self._head_rows = self.draft.head_rows(view.head)  # the shared head itself, or its V_d rows once
             # The prepared head (runtime.linear) for bf16 speed: the target's own prepared
             # head when scoring the full vocabulary (no copy), else one of the V_d rows.
-            own = getattr(view.model, "_packed_head", None)
-            native = view.model.native_kernels
+            own = view.packed_head
+            native = view.native_kernels
             # With the context vocabulary the head rows are prepared by `ContextVocabulary`.
             self._packed_head = (None if self.context_vocab else
                                  own if not self.draft.reduced_vocab else prepack(self._head_rows, native_kernels=native))
             self._project = PackedProjection(self.draft, native_kernels=native)
             self.draft.use_native_kernels(native)
-            model = view.model
-            self._target_rope = RopeRows(lambda positions: target_rope(model, positions, dtype))
+            self._target_rope = RopeRows(lambda positions: target_rope(view, positions, dtype))
         capacity = max(int(context.max_nodes), 1)
         if (self.state is None or self.state.capacity != capacity or self.state.ring_k.dtype != dtype
                 or self.state.ring_k.device != device):
-            self.state = DraftState(self.draft.config, capacity, dtype, device, view.model.attention)
+            self.state = DraftState(self.draft.config, capacity, dtype, device, view.attention)
         self.state.reset()
         self._length = int(context.tokens.numel())
         self._recent_hidden = None
@@ -151,9 +151,10 @@ class LongSpecDrafter(Drafter):
         self._vocab = None
         if self.context_vocab:
             allowed = self.draft.vocab_ids if self.draft.reduced_vocab else None
-            self._vocab = ContextVocabulary(view.head, allowed, native_kernels=view.model.native_kernels)
+            self._vocab = ContextVocabulary(view.head, allowed, native_kernels=view.native_kernels)
             self._vocab.add(context.tokens)
-        self._target = view.model
+        self._target = view
+        self._prepared_for = view.embedding  # the target (its weights) the prepared head and state belong to
         self._view = view
         self._root_logprobs = None
         self._last_token = None
@@ -270,12 +271,11 @@ class LongSpecDrafter(Drafter):
         return self._logprobs(self._hidden(full_ids, positions, visible, view))
 
     def _hidden(self, full_ids, positions, visible, view) -> torch.Tensor:
-        model = view.model
         self.state.prepare_forward(positions, visible)
-        x = model.embed(full_ids.to(model.device).unsqueeze(0)).to(self._head_rows.dtype)
+        x = view.embed(full_ids.to(view.device).unsqueeze(0)).to(self._head_rows.dtype)
         rope = self._target_rope(positions)
         committed = view.committed_length
-        scale = model.config.attention_scale
+        scale = view.config.attention_scale
         cross_kv = [view.layer_kv(layer) for layer in self.draft.config.target_layers]
 
         config = self.draft.config
@@ -302,10 +302,10 @@ class LongSpecDrafter(Drafter):
             if committed == 0:
                 return torch.zeros_like(q)
             if split == committed:
-                return model.attention(q, k, v, None, None, None, None, scale)
+                return view.attention(q, k, v, None, None, None, None, scale)
             key_pos = torch.arange(split, committed, device=positions.device)
             tail_mask = key_pos.unsqueeze(0) < positions.unsqueeze(1)
-            return model.attention(q, k[:, :, :split], v[:, :, :split], None, k[:, :, split:], v[:, :, split:], tail_mask, scale)
+            return view.attention(q, k[:, :, :split], v[:, :, :split], None, k[:, :, split:], v[:, :, split:], tail_mask, scale)
 
         target_hidden = None
         if self._recent_hidden is not None:

@@ -129,7 +129,7 @@ class MambaDrafter(Drafter):
         if view is not None:
             self.check_target(view.config)
             self._vocab_size = view.config.vocab_size
-            self.model.to(device=view.device, dtype=view.model.dtype)
+            self.model.to(device=view.device, dtype=view.dtype)
             if self.vocab is not None:
                 self.vocab = self.vocab.to(view.device)
         if not self.stepper.prepared_for(self.model):  # moved (here or by another user of the model)

@@ -71,7 +71,7 @@ class MagicDecDrafter(Drafter):
         view = context.target
         if view is None:
             raise ValueError(f"{type(self).__name__} drafts with the target itself; the engine must pass a TargetView")
-        model = view.model
+        model = view.decoder_for_self_drafting
         self._view = view
         tokens = torch.as_tensor(context.tokens, dtype=torch.long, device=HOST).reshape(-1)
         budget, sinks = self.partial.for_prompt(tokens.numel(), self.forward_chunk)
@@ -98,7 +98,7 @@ class MagicDecDrafter(Drafter):
         if length <= 0:
             return Tree.chain(context.root, [])
         chain = [int(torch.argmax(self._root_logits))]
-        model, cache = self._view.model, self.cache
+        model, cache = self._view.decoder_for_self_drafting, self.cache
         while len(chain) < length:
             ids = torch.tensor(chain, dtype=torch.long, device=HOST)
             positions = cache.length + torch.arange(len(chain), device=cache.device)
@@ -109,7 +109,7 @@ class MagicDecDrafter(Drafter):
 
     def _forward(self, new: torch.Tensor) -> None:
         """Commit tokens not yet in the partial cache; keep the logits after the last."""
-        model, cache = self._view.model, self.cache
+        model, cache = self._view.decoder_for_self_drafting, self.cache
         for begin in range(0, new.numel(), self.forward_chunk):
             piece = new[begin : begin + self.forward_chunk]
             positions = cache.length + torch.arange(piece.numel(), device=cache.device)

@@ -106,7 +106,7 @@ class TokenSwiftDrafter(Drafter):
         view = context.target
         if view is None:
             raise ValueError("TokenSwift drafts with the target itself; the engine must pass a TargetView")
-        model = view.model
+        model = view.decoder_for_self_drafting
         self._load_heads(model)
         self._view = view
         tokens = torch.as_tensor(context.tokens, dtype=torch.long).reshape(-1)
@@ -119,7 +119,7 @@ class TokenSwiftDrafter(Drafter):
 
     def _forward(self, new: torch.Tensor) -> None:
         """Drafting forward(s) over tokens not yet in the partial cache."""
-        model, cache = self._view.model, self.cache
+        model, cache = self._view.decoder_for_self_drafting, self.cache
         for begin in range(0, new.numel(), self.forward_chunk):
             piece = new[begin : begin + self.forward_chunk]
             positions = cache.length + torch.arange(piece.numel(), device=cache.device)
@@ -154,7 +154,7 @@ class TokenSwiftDrafter(Drafter):
         extra = len(self.widths) - 1
         candidates = [first]
         if extra:
-            head_logits = heads.logits(self._view.model, self._root_hidden)[:extra]
+            head_logits = heads.logits(self._view.decoder_for_self_drafting, self._root_hidden)[:extra]
             for width, logits in zip(self.widths[1:], head_logits):
                 candidates.append(torch.topk(logits, width).indices)
         tree = cartesian_within(root, candidates, context.max_nodes)

@@ -76,7 +76,7 @@ class OnePassTokenSwiftDrafter(Drafter):
         if view is None:
             raise ValueError("the one-pass TokenSwift drafter reads the verification's hidden states: it needs a TargetView")
         self.check_target(view.config)
-        wide = torch.float64 if view.model.dtype == torch.float64 else torch.float32
+        wide = torch.float64 if view.dtype == torch.float64 else torch.float32
         self.heads = self.heads.to(device=view.device, dtype=wide)
         self._view = view
         tokens = torch.as_tensor(context.tokens, dtype=torch.long).reshape(-1)
@@ -84,7 +84,7 @@ class OnePassTokenSwiftDrafter(Drafter):
         self.table.update(tokens)
         self._vocab = None
         if self.context_vocab:
-            self._vocab = ContextVocabulary(view.head, native_kernels=view.model.native_kernels)
+            self._vocab = ContextVocabulary(view.head, native_kernels=view.native_kernels)
             self._vocab.add(tokens)
         self.hidden_used = None
 
@@ -98,7 +98,7 @@ class OnePassTokenSwiftDrafter(Drafter):
 
     def _candidates(self, hidden: torch.Tensor) -> list[torch.Tensor]:
         """Top `widths[i]` tokens of head i + 1 at the last accepted node's state."""
-        model = self._view.model
+        model = self._view.decoder_for_self_drafting
         count = len(self.widths)
         if self._vocab is None:
             logits = self.heads.logits(model, hidden)[:count]
