@@ -28,16 +28,18 @@ def read_bandwidth(threads: int, megabytes: int = 512) -> float:
     return data.numel() * 4 / statistics.median(times)
 
 
-def timed(fn, repeats: int = 200) -> float:
-    for _ in range(10):
+def timed(fn, calls: int = 1000) -> float:
+    """Lower quartile of single calls: on a machine shared with other work, a call that lost a
+    core mid-way waits out a scheduler tick (milliseconds), and averages swallow those waits."""
+    for _ in range(20):
         fn()
     samples = []
-    for _ in range(5):
+    for _ in range(calls):
         start = time.perf_counter()
-        for _ in range(repeats):
-            fn()
-        samples.append((time.perf_counter() - start) / repeats)
-    return statistics.median(samples)
+        fn()
+        samples.append(time.perf_counter() - start)
+    samples.sort()
+    return samples[len(samples) // 4]
 
 
 def main() -> None:

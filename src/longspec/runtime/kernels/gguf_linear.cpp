@@ -340,8 +340,9 @@ LONGSPEC_AVX512_VNNI inline void codes_q5(const uint8_t* rc, __m512i* c) {
   codes_nibbles(rc + 96, c);
   const __m512i bits = load64(rc + 32);
   for (int g = 0; g < 8; ++g)
-    c[g] = _mm512_or_si512(c[g], _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(bits, _mm512_set1_epi8(char(1 << g))),
-                                                      _mm512_set1_epi8(0x10)));
+    // The fifth bit added where set (a low nibble is below 16, so adding is or-ing): two operations a run.
+    c[g] = _mm512_mask_add_epi8(c[g], _mm512_test_epi8_mask(bits, _mm512_set1_epi8(char(1 << g))), c[g],
+                                _mm512_set1_epi8(0x10));
 }
 LONGSPEC_AVX512_VNNI inline void codes_q6(const uint8_t* blk, __m512i* c) {
   codes_nibbles(blk, c);
