@@ -263,3 +263,16 @@ def test_batched_sampled_rows_equal_their_single_runs():
     engine.run()
     for i, (prompt, handle) in enumerate(zip(prompts, handles)):
         assert torch.equal(handle.tokens, run(model, prompt, SAMPLED[i], "ar", seed=i, tokens=40))
+
+
+def test_a_uniform_at_or_past_the_last_cumulative_sum_picks_the_last_row_with_weight():
+    """`weights.sum()` and the cumulative sum's last entry may round apart: a draw of u * sum
+    at or past the end must land on the last row that has weight (as the plain draw does),
+    never past the candidates."""
+    from longspec.speculation.certified_sampling import _Draw
+
+    draw = object.__new__(_Draw)
+    draw.rows = torch.tensor([3, 8, 11, 20])
+    weights = torch.tensor([0.25, 0.5, 0.25, 0.0], dtype=torch.float64)
+    assert draw._pick(weights, float(torch.cumsum(weights, 0)[-1]) * (1 + 1e-15)) == 11
+    assert draw._pick(weights, 0.3) == 8

@@ -136,8 +136,12 @@ class _Draw:
         return self._tail
 
     def _pick(self, weights: torch.Tensor, u: float) -> int:
+        """The row whose cumulative weight first exceeds `u` (inverse CDF)."""
         cumulative = torch.cumsum(weights, 0)
-        return int(self.rows[int(torch.searchsorted(cumulative, torch.tensor([u], dtype=torch.float64), right=True))])
+        index = int(torch.searchsorted(cumulative, torch.tensor([u], dtype=torch.float64), right=True))
+        if index >= weights.numel():  # u at or past the last sum (rounding): the last row with weight, as the plain draw
+            index = int(torch.nonzero(weights > 0).max())
+        return int(self.rows[index])
 
     def within_top_k(self) -> int | None:
         """Top-k decided among the candidates (None when a row outside could be in it),
