@@ -144,7 +144,7 @@ def test_packed_rows_are_the_same_bits_as_padded_rows():
     generator = torch.Generator().manual_seed(1)
     trees = [random_tree(size, generator, model.config.vocab_size) for size in (2, 7, 4)]
     view = batch.rows()
-    ids, positions, masks, real = batch_engine._pad_trees(trees, view.lengths)
+    ids, positions, masks, real = batch_engine.pad_trees(trees, view.lengths)
     padded = model(ids, view, tree_mask=masks, positions=positions)
     view.drop_pending()
     packed = model(ids, view, tree_mask=masks, positions=positions, real_tokens=real)

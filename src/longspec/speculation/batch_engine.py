@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -345,7 +346,11 @@ class BatchEngine:
         watch.stop()
         row.stats.add_setup(watch.setup)
 
-    def _context(self, row: _Row) -> DraftContext:
+    # ----------------------------------------- the round's target (decode_round.RoundTarget)
+    # The engine is the target of its decoding rows' round: each row's drafting context
+    # under the batch's caps, the trees cut or widened across rows, one padded forward,
+    # one commit.
+    def context(self, row: _Row) -> DraftContext:
         rows = max(len(self._decoding), 1)
         budget = row.tree_budget
         if self.batch.max_forward_nodes is not None:
@@ -364,7 +369,7 @@ class BatchEngine:
             if row.drafter is None or tree.size - 1 >= width:
                 continue
             watch = Stopwatch()
-            context = self._context(row)
+            context = self.context(row)
             grown = checked_proposal(row.drafter, context, vocab, lambda c: row.drafter.widen(c, width) or tree)
             trees[index] = grown
             row.stats.draft_s += watch.stop()
@@ -417,7 +422,7 @@ class BatchEngine:
     def _round(self) -> None:
         finished = []
         rows = list(self._decoding)
-        for row, result in zip(rows, decode_round(rows, _Rows(self), contain_errors=True)):
+        for row, result in zip(rows, decode_round(rows, self, contain_errors=True)):
             if result.committed is not None:
                 committed = result.committed
                 if self.batch.joint_budget:
@@ -432,7 +437,7 @@ class BatchEngine:
         for row, reason in finished:
             self._finish(row, reason)
 
-    def _shape(self, rows: list[_Row], trees: list[Tree]) -> list[Tree]:
+    def shape(self, rows: list[_Row], trees: list[Tree]) -> list[Tree]:
         # A row alone keeps its drafter's tree, as the single-sequence engine does.
         if self.batch.joint_budget and len(rows) > 1 and any(tree.size > 1 for tree in trees):
             trees = self._cut_jointly(rows, trees)
@@ -441,16 +446,17 @@ class BatchEngine:
             self._widen(rows, trees)
         return trees
 
-    def _forward(self, rows: list[_Row], trees: list[Tree]) -> tuple[list[NodeScores], list[torch.Tensor]]:
+    def forward(self, rows: list[_Row], trees: list[Tree]) -> tuple[list[NodeScores], list[torch.Tensor]]:
         """The decoding rows' trees padded to one width, in one forward over their cache
         rows; then the head, once for the rows that need logits and once (the certified
         head's argmax) for the rows whose verification needs only decisions."""
         view = self.cache.rows(0, len(trees))
-        ids, positions, masks, real = _pad_trees(trees, view.lengths)
-        self.forward_nodes += ids.numel()
-        self.padding_nodes += ids.numel() - sum(tree.size for tree in trees)
-        out = self.model(ids, view, tree_mask=masks, positions=positions, with_logits=False, real_tokens=real)
-        width = ids.shape[1]
+        padded = pad_trees(trees, view.lengths)
+        self.forward_nodes += padded.ids.numel()
+        self.padding_nodes += padded.ids.numel() - sum(tree.size for tree in trees)
+        out = self.model(padded.ids, view, tree_mask=padded.masks, positions=padded.positions, with_logits=False,
+                         real_tokens=padded.real)
+        width = padded.ids.shape[1]
         real = torch.cat([b * width + torch.arange(tree.size, device=HOST) for b, tree in enumerate(trees)])
         hidden = out.hidden.reshape(-1, out.hidden.shape[-1])[real.to(out.hidden.device)]
         sizes = [tree.size for tree in trees]
@@ -480,7 +486,7 @@ class BatchEngine:
                 scores[i] = NodeScores(row_logits)
         return scores, hidden_rows
 
-    def _commit(self, paths: list[torch.Tensor]) -> None:
+    def commit(self, paths: list[torch.Tensor]) -> None:
         self._pending_view.commit(paths)
         self._pending_view = None
 
@@ -508,18 +514,16 @@ class BatchEngine:
         row.handle.finished = True
 
 
-class _Rows:
-    """The round's target for the decoding rows: per-row contexts under the batch's
-    caps, trees cut or widened across rows, one padded forward, one commit."""
+class PaddedTrees(NamedTuple):
+    """The rows' trees padded to the widest, as one forward takes them."""
 
-    def __init__(self, engine: BatchEngine) -> None:
-        self.context = engine._context
-        self.shape = engine._shape
-        self.forward = engine._forward
-        self.commit = engine._commit
+    ids: torch.Tensor  # [B, W] token ids
+    positions: torch.Tensor  # [B, W] RoPE positions
+    masks: torch.Tensor  # [B, W, W] each node's ancestors (a padding node sees only itself)
+    real: torch.Tensor  # [B, W] False at padding
 
 
-def _pad_trees(trees: Sequence[Tree], lengths: torch.Tensor):
+def pad_trees(trees: Sequence[Tree], lengths: torch.Tensor) -> PaddedTrees:
     """Token ids [B, W], positions [B, W], tree masks [B, W, W] and which tokens are
     real [B, W] of trees padded to the widest. A padding node sees only itself (no row
     of a mask is empty) and is never kept; its position is the root's; the forward
@@ -529,7 +533,7 @@ def _pad_trees(trees: Sequence[Tree], lengths: torch.Tensor):
     if width == 1:  # every row a root alone (AR rows, plain rounds): one token each, no padding
         ids = torch.cat([tree.tokens for tree in trees]).reshape(B, 1)
         masks = torch.ones((B, 1, 1), dtype=torch.bool, device=HOST)
-        return ids, lengths.unsqueeze(1).clone(), masks, masks[:, :, 0].clone()
+        return PaddedTrees(ids, lengths.unsqueeze(1).clone(), masks, masks[:, :, 0].clone())
     ids = torch.zeros((B, width), dtype=torch.long, device=HOST)
     depths = torch.zeros((B, width), dtype=torch.long, device=HOST)
     masks = torch.eye(width, dtype=torch.bool, device=HOST).repeat(B, 1, 1)
@@ -540,4 +544,4 @@ def _pad_trees(trees: Sequence[Tree], lengths: torch.Tensor):
         if n > 1:  # a root alone has depth 0, and the identity mask lets it see itself
             depths[b, :n] = tree.depths
             masks[b, :n, :n] = tree.ancestor_mask()
-    return ids, lengths.unsqueeze(1) + depths.to(lengths.device), masks, real
+    return PaddedTrees(ids, lengths.unsqueeze(1) + depths.to(lengths.device), masks, real)
