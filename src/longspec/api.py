@@ -24,6 +24,7 @@ from longspec.speculation.engine import EngineOptions, SpeculativeEngine
 from longspec.speculation.grammar import GrammarState, GrammarVocabulary
 from longspec.speculation.logprobs import LogprobRecorder, PromptScorer, TokenLogprob
 from longspec.speculation.methods import make_drafter
+from longspec.speculation.drafters.suffix_cache.index import DEFAULT_MEGABYTES, SuffixCache
 from longspec.speculation.metrics import GenerationStats
 from longspec.speculation.processors import SamplingParams
 from longspec.request import MAX_SEED, GenerationRequest, check_int
@@ -190,6 +191,7 @@ def load(
     engine: EngineOptions = EngineOptions(),
     device: str | torch.device | None = None,
     compile: bool = False,
+    suffix_cache_mb: float = DEFAULT_MEGABYTES,
 ) -> "LongSpecModel":
     """Load a target: None for the embedded Gemma 3 270M, an HF checkpoint
     directory, a .gguf file, or a model id already in the local HF cache.
@@ -199,7 +201,10 @@ def load(
     device: "cpu" (default), "cuda" or "cuda:N"; the model, its caches, the drafters'
     weights and state and the sampling streams all live there.
     compile: run single-sequence decode steps and verification trees through
-    compiled static-shape steps (CUDA graphs on a GPU; `runtime.static_step`)."""
+    compiled static-shape steps (CUDA graphs on a GPU; `runtime.static_step`).
+    suffix_cache_mb: memory of the cache of earlier requests that `auto` drafts from
+    (`LongSpecModel.suffix_cache`); 0 turns it off."""
+    suffix_cache = SuffixCache.of_megabytes(suffix_cache_mb)  # a bad size fails before the load
     mark = setup_time.snapshot()
     target = load_target(model, dtype=None if dtype is None else parse_dtype(dtype), device=device)
     # Built now (memory-mapped from the model cache, or derived once per machine), not in the first decision.
@@ -210,7 +215,7 @@ def load(
         # window plus the largest forward a request makes), not inside a request.
         with setup_time.one_time("compile"):
             target.model.compile_steps().static_steps.warm_up(max(engine.prefill_chunk, engine.max_tree_nodes + 1))
-    loaded = LongSpecModel(target, engine)
+    loaded = LongSpecModel(target, engine, suffix_cache=suffix_cache)
     loaded.load_setup = setup_time.since(mark)
     return loaded
 
@@ -230,7 +235,8 @@ def choose_certified_head(model) -> None:
 
 
 class LongSpecModel:
-    def __init__(self, target: LoadedTarget, engine: EngineOptions = EngineOptions()) -> None:
+    def __init__(self, target: LoadedTarget, engine: EngineOptions = EngineOptions(),
+                 suffix_cache: SuffixCache | None | str = "default") -> None:
         self.target = target
         self.model = target.model
         self.tokenizer = target.tokenizer
@@ -245,6 +251,9 @@ class LongSpecModel:
         self.load_setup: dict[str, float] = {}
         self._load_setup_reported = False
         self._grammar_lock = threading.Lock()
+        # Earlier requests' prompt tails and outputs, which `auto` and `suffix` draft from
+        # (one per model, so one per server process or replica); None: off.
+        self.suffix_cache = SuffixCache.of_megabytes(DEFAULT_MEGABYTES) if suffix_cache == "default" else suffix_cache
 
     def grammar_vocabulary(self) -> GrammarVocabulary:
         """The vocabulary as the grammar matcher reads it (seconds to build for a large
@@ -388,7 +397,8 @@ class LongSpecModel:
         """As `generate`, token by token."""
         prepared = self.prepare(prompt, request, **keywords)
         rounds = self.engine.generate(prepared.ids, **prepared.decoding)
-        return TokenStream(self._chunks(rounds, prepared.stops, prepared.stats, prepared.logprobs), prepared.stats)
+        return TokenStream(self._chunks(rounds, prepared.stops, prepared.stats, prepared.logprobs, prepared.ids),
+                           prepared.stats)
 
     def generate_batch(
         self,
@@ -452,7 +462,8 @@ class LongSpecModel:
         """Queue a prepared request on a batch engine; its text arrives through the
         returned stream's `pump` as the engine steps."""
         handle = engine.submit(request.ids, **request.decoding)
-        return RowStream(handle, self._chunks(_rounds_of(handle), request.stops, request.stats, request.logprobs))
+        return RowStream(handle, self._chunks(_rounds_of(handle), request.stops, request.stats, request.logprobs,
+                                              request.ids))
 
     def prepare(self, prompt, request: GenerationRequest | None = None, **keywords) -> PreparedRequest:
         """Validate a request against this model without generating: its prompt's ids,
@@ -467,7 +478,8 @@ class LongSpecModel:
         self.engine.check_request(ids.numel(), request.max_new_tokens)
         grammar = None if request.constraint is None else self.grammar_vocabulary().matcher(request.constraint)
         if isinstance(request.method, str):
-            drafter, name = make_drafter(request.method, **(request.method_options or {})), request.method
+            drafter = make_drafter(request.method, suffix_cache=self.suffix_cache, **(request.method_options or {}))
+            name = request.method
         else:
             drafter, name = request.method, type(request.method).__name__
         seed = request.seed if request.seed is not None else int(torch.randint(0, 2**62, (), device=HOST))
@@ -497,13 +509,14 @@ class LongSpecModel:
         return GenerationResult(stream.text, stream.token_ids, stream.stats, stream.logprobs)
 
     def _chunks(self, rounds, stop: Sequence[str], stats: GenerationStats,
-                recorder: LogprobRecorder | None = None) -> Iterator[StreamChunk]:
+                recorder: LogprobRecorder | None = None, prompt: torch.Tensor | None = None) -> Iterator[StreamChunk]:
         """Text pieces per round. With stop strings, the last len(longest)-1
         characters are held back until they cannot begin a stop string, so text
         that is later cut never reaches the caller."""
         decoder = IncrementalDecoder(self.tokenizer) if self.tokenizer is not None else None
         holdback = max((len(s) for s in stop), default=1) - 1
         text, emitted, recorded = "", 0, 0
+        output: list[int] = []  # for the suffix cache, once the request finished
 
         def logprobs_of(kept: list[int]) -> list[TokenLogprob] | None:
             nonlocal recorded
@@ -527,11 +540,20 @@ class LongSpecModel:
                     hits = [i for i in (text.find(s, search_from) for s in stop) if i >= 0]
                     if hits:
                         stats.stop_reason = "stop"
+                        self._remember(prompt, output + kept)  # before the yield: a consumer stops at it
                         yield StreamChunk(text[emitted : min(hits)], kept, logprobs_of(kept))
                         rounds.close()
                         return
+            output += kept
             safe = max(emitted, len(text) - holdback)
             yield StreamChunk(text[emitted:safe], kept, logprobs_of(kept))
             emitted = safe
+        self._remember(prompt, output)
         if emitted < len(text):
             yield StreamChunk(text[emitted:], [], logprobs_of([]))
+
+    def _remember(self, prompt: torch.Tensor | None, output: list[int]) -> None:
+        """A finished request's tokens into the suffix cache (a failed or cancelled one
+        never gets here)."""
+        if self.suffix_cache is not None and prompt is not None:
+            self.suffix_cache.insert(prompt.tolist(), output)

@@ -62,6 +62,9 @@ def add_parser(sub) -> None:
                    help="a Jinja chat template for /v1/chat/completions (for a base model without one, e.g. the "
                         "embedded Gemma 3 270M)")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) | float32 | float64")
+    p.add_argument("--suffix-cache-mb", type=float, default=None, metavar="MIB",
+                   help="memory of the cache of earlier requests' outputs that auto drafts from (default 64; 0 turns "
+                        "it off; one cache per server process)")
     add_device_argument(p)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (with --ray: per replica)")
     serve_ray.add_arguments(p)
@@ -169,9 +172,17 @@ def run(args) -> int:
             template = Path(args.chat_template).read_text()
         except OSError as error:
             raise ValueError(f"--chat-template {args.chat_template}: {error.strerror}") from None
+    from longspec.speculation.drafters.suffix_cache.index import DEFAULT_MEGABYTES, SuffixCache
+
+    suffix_cache_mb = DEFAULT_MEGABYTES if args.suffix_cache_mb is None else args.suffix_cache_mb
+    SuffixCache.of_megabytes(suffix_cache_mb)  # a bad size fails before the model loads
     if args.ray:
+        if args.suffix_cache_mb is not None:
+            raise ValueError("--suffix-cache-mb is not passed to Ray replicas yet (each keeps the default "
+                             f"{DEFAULT_MEGABYTES} MiB): drop it with --ray")
         return serve_ray.run(args, options, template)
-    model = longspec.load(args.model, dtype=args.dtype, engine=EngineOptions(progress=False), device=args.device)
+    model = longspec.load(args.model, dtype=args.dtype, engine=EngineOptions(progress=False), device=args.device,
+                          suffix_cache_mb=suffix_cache_mb)
     if template is not None:
         model.set_chat_template(template)
     app = create_app(model, options)

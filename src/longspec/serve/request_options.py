@@ -180,6 +180,7 @@ REQUEST_OPTIONS: dict[str, dict[str, Any]] = {
         "max_candidates": Integer(1, 8), "continue_copies": Flag(), "longest_run": Flag(),
     },
     "ngram": {"n": Integer(1, 8), "k": Integer(1, 64)},
+    "suffix": {"num_tokens": Integer(1, 64), "max_candidates": Integer(1, 8)},  # its cache is the server's
     "tokenswift": {**_PARTIAL_CACHE, **_HEAD_TREE, "dynamic_cache": Flag()},
     "tokenswift-onepass": {**_HEAD_TREE, "context_vocab": Flag()},
     "medusa": {**_HEAD_TREE, "context_vocab": Flag()},

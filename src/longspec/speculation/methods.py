@@ -17,6 +17,7 @@ from longspec.speculation.drafters.draft_model import DraftModelDrafter
 from longspec.speculation.drafters.mamba import MambaDrafter
 from longspec.speculation.presets.longspec import LONGSPEC_METHODS
 from longspec.speculation.drafters.self_speculation import MagicDecDrafter, TriForceDrafter
+from longspec.speculation.drafters.suffix_cache import SuffixCache, SuffixCacheDrafter
 from longspec.speculation.drafters.tokenswift.drafter import TokenSwiftDrafter
 from longspec.speculation.drafters.tokenswift.medusa import MedusaDrafter
 from longspec.speculation.drafters.tokenswift.one_pass import OnePassTokenSwiftDrafter
@@ -47,7 +48,11 @@ METHODS: dict[str, Callable[..., Drafter | None]] = {
     "draft-model": DraftModelDrafter,
     "mamba": MambaDrafter,
     "auto": make_auto,
+    "suffix": SuffixCacheDrafter,  # the model's cache of earlier requests (`SHARED`)
 }
+# What a model holds for all its requests, handed to the factories that take it by
+# `make_drafter`: never a user's option. Each factory's name for it.
+SHARED = {"auto": "suffix_cache", "suffix": "cache"}
 
 
 def accepted_options(method: str) -> list[str]:
@@ -55,10 +60,13 @@ def accepted_options(method: str) -> list[str]:
     if method == "ar":
         return []
     parameters = inspect.signature(METHODS[method]).parameters.values()
-    return [p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"]
+    return [p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+            and p.name not in ("self", SHARED.get(method))]
 
 
-def make_drafter(method: str, **options: Any) -> Drafter | None:
+def make_drafter(method: str, *, suffix_cache: SuffixCache | None = None, **options: Any) -> Drafter | None:
+    """A fresh drafter for `method` with the user's `options`; `suffix_cache`: the
+    model's cache of earlier requests, for the methods that draft from it."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
     accepted = accepted_options(method)
@@ -66,8 +74,11 @@ def make_drafter(method: str, **options: Any) -> Drafter | None:
     if unknown:
         raise ValueError(f"method {method!r} has no option {', '.join(unknown)}; its options are: "
                          + (", ".join(accepted) if accepted else "none"))
+    if suffix_cache is not None and not isinstance(suffix_cache, SuffixCache):
+        raise ValueError(f"suffix_cache must be a SuffixCache, got {type(suffix_cache).__name__}")
+    shared = {SHARED[method]: suffix_cache} if method in SHARED else {}
     try:
-        return METHODS[method](**options)
+        return METHODS[method](**options, **shared)
     except (TypeError, ValueError) as error:
         given = ", ".join(f"{k}={v!r}" for k, v in options.items())
         raise ValueError(f"invalid options for method {method!r} ({given}): {error}") from None

@@ -13,6 +13,7 @@ from longspec.speculation.presets.longspec import make_longspec
 from longspec.speculation.drafters.mamba import MambaDrafter
 from longspec.speculation.drafters.ngram import NgramDrafter
 from longspec.speculation.drafters.prompt_lookup import PromptLookupDrafter
+from longspec.speculation.drafters.suffix_cache import SuffixCache, SuffixCacheDrafter
 
 # auto's prompt lookup offers copies of up to 12 tokens that continue into their own
 # draft (a loop shorter than the copy keeps being copied): the controller verifies
@@ -28,6 +29,9 @@ from longspec.speculation.drafters.prompt_lookup import PromptLookupDrafter
 # into those points
 # (docs/lab-notes/prompt-lookup.md#a-lookup-that-locked-auto-into-the-wrong-points-of-a-loop).
 AUTO_LOOKUP_TOKENS = 12
+# The suffix cache's copies are longer: templated outputs (JSON records, boilerplate)
+# repeat for dozens of tokens, and the controller verifies only what pays.
+AUTO_SUFFIX_TOKENS = 16
 
 COMPONENTS: dict[str, Callable[[], Drafter]] = {
     "pld": partial(PromptLookupDrafter, num_tokens=AUTO_LOOKUP_TOKENS, continue_copies=True, longest_run=True),
@@ -36,7 +40,10 @@ COMPONENTS: dict[str, Callable[[], Drafter]] = {
     # The shipped external drafters (opt-in), as chains.
     "mamba": MambaDrafter,
     "draft-model": partial(DraftModelDrafter, length=4),
+    # Earlier requests' outputs (the model's shared cache, `SUFFIX`): built with that cache.
+    "suffix": partial(SuffixCacheDrafter, num_tokens=AUTO_SUFFIX_TOKENS),
 }
+SUFFIX = "suffix"
 POLICIES: dict[str, Callable[[], TreePolicy]] = {
     "throughput": ThroughputPolicy,  # expected tokens per second from the measured cost model (default)
     "ucb": UCBPolicy,  # UCB over node budgets (the Mamba-drafter paper's test-time search)
@@ -49,16 +56,25 @@ POLICIES: dict[str, Callable[[], TreePolicy]] = {
 # (docs/lab-notes/auto-controller.md#copied-runs-auto-knows-how-long-a-prompt-lookup-copy-has-matched-issue-adaptive-speculation).
 # Both stay one `components=` away.
 DEFAULT_COMPONENTS = ("pld",)
+# With the model's suffix cache (on by default: `LongSpecModel.suffix_cache`), the
+# default adds it: it costs a lookup a round and proposes only where earlier requests
+# wrote the same text.
+DEFAULT_WITH_SUFFIX_CACHE = ("pld", SUFFIX)
 
 
 def make_auto(
     *,
-    components: Sequence[str] | str = DEFAULT_COMPONENTS,
+    components: Sequence[str] | str | None = None,
     policy: str = "throughput",
     probe_every: int = 16,
+    suffix_cache: SuffixCache | None = None,
 ) -> AdaptiveDrafter:
-    """auto over the named components (any of pld, ngram, longspec, mamba, draft-model;
-    a comma-separated string works too) with the named policy (throughput or ucb)."""
+    """auto over the named components (any of pld, ngram, longspec, mamba, draft-model,
+    suffix; a comma-separated string works too; default pld, and suffix where a
+    `suffix_cache` is given) with the named policy (throughput or ucb). `suffix_cache`:
+    the model's shared cache (the engine passes it, never a request)."""
+    if components is None:
+        components = DEFAULT_WITH_SUFFIX_CACHE if suffix_cache is not None else DEFAULT_COMPONENTS
     names = [n.strip() for n in components.split(",")] if isinstance(components, str) else list(components)
     unknown = [n for n in names if n not in COMPONENTS]
     if unknown or not names:
@@ -67,8 +83,11 @@ def make_auto(
         raise ValueError(f"unknown auto policy {policy!r}; choose from {', '.join(POLICIES)}")
     built, missing = [], {}
     for name in names:
+        if name == SUFFIX and suffix_cache is None:
+            missing[name] = "no suffix cache: the model's is off (LongSpecModel suffix_cache_mb > 0 turns it on)"
+            continue
         try:
-            built.append((name, COMPONENTS[name]()))
+            built.append((name, COMPONENTS[name](cache=suffix_cache) if name == SUFFIX else COMPONENTS[name]()))
         except FileNotFoundError as error:  # e.g. an installation without the shipped draft
             missing[name] = str(error).splitlines()[0]
     if not built:
