@@ -121,3 +121,17 @@ def test_ctrl_c_mid_build_leaves_nothing(tmp_path):
     assert worker.wait(TIMEOUT_S) != 0
     assert not list(tmp_path.glob(".certified-head-*.partial"))
     assert not [p for p in tmp_path.glob("certified-head-*") if p.is_dir()]
+
+
+def test_a_copy_for_another_screen_kernel_is_replaced_not_kept_beside(tmp_path, monkeypatch):
+    weight = seeded_head()
+    head_cache.cached_head_arrays(weight, GROUP, directory=tmp_path)
+    (old,) = [p for p in tmp_path.glob("certified-head-*") if p.is_dir()]
+    monkeypatch.setattr(head_cache, "sources_identity", lambda *names: "another-screen-kernel")
+    head_cache.cached_head_arrays(weight, GROUP, directory=tmp_path)
+    (new,) = [p for p in tmp_path.glob("certified-head-*") if p.is_dir()]
+    assert new.name != old.name
+    other = seeded_head().clone()
+    other[0, 0] += 1  # another model's head: kept beside
+    head_cache.cached_head_arrays(other, GROUP, directory=tmp_path)
+    assert len([p for p in tmp_path.glob("certified-head-*") if p.is_dir()]) == 2

@@ -8,10 +8,12 @@ renamed into place, so concurrent or killed builders leave nothing half-written)
 memory-mapped by later loads.
 
 The entry's name digests everything its bytes depend on: the head weight's own bytes
-(xxh3, ~10 ms for Gemma's), its shape, the group, the array format, and the native
-kernels' identity (the kernel that reads the layout). The file records each array's
-xxh3, checked at every load: a copy whose bytes changed is discarded and rebuilt,
-because a wrong bound would certify a wrong token.
+(xxh3, ~10 ms for Gemma's), its shape, the group, the array format, and the sources of
+the kernel that reads the layout (`int8_screen.cpp`; edits to other kernels keep the
+copy). The file records each array's xxh3, checked at every load: a copy whose bytes
+changed is discarded and rebuilt, because a wrong bound would certify a wrong token.
+Building a copy removes the other copies of the same head weight (made for an older
+screen kernel or format), so a machine keeps one per model.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 import xxhash
 
 from longspec.runtime.model_cache import CacheWriteError, cached_entry, discard_entry, entry_problem
-from longspec.runtime.native import kernels_identity
+from longspec.runtime.native import sources_identity
 from longspec.runtime.progress import phase
 
 FORMAT = "longspec-certified-head/1"
@@ -48,9 +50,16 @@ def tensor_digest(tensor: torch.Tensor) -> str:
     return xxhash.xxh3_128(memoryview(flat.numpy())).hexdigest()
 
 
-def entry_name(weight: torch.Tensor, group: int) -> str:
-    key = {"format": FORMAT, "source": tensor_digest(weight), "shape": list(weight.shape), "dtype": str(weight.dtype),
-           "group": group, "kernels": kernels_identity()}
+SCREEN_SOURCES = ("int8_screen.cpp",)  # the kernel that reads the copy's layout
+
+
+def entry_key(weight: torch.Tensor, group: int) -> dict:
+    return {"format": FORMAT, "source": tensor_digest(weight), "shape": list(weight.shape), "dtype": str(weight.dtype),
+            "group": group, "kernels": sources_identity(*SCREEN_SOURCES)}
+
+
+def entry_name(weight: torch.Tensor, group: int, key: dict | None = None) -> str:
+    key = entry_key(weight, group) if key is None else key
     return "certified-head-" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
 
 
@@ -62,15 +71,19 @@ def cached_head_arrays(weight: torch.Tensor, group: int, directory: Path | None 
     from longspec.runtime.certified_head import quantize_head
 
     root = directory or default_directory()
-    name = entry_name(weight, group)
+    key = entry_key(weight, group)
+    name = entry_name(weight, group, key)
     # Checked before a build only (a second for Gemma's head): an entry exists only for a finite weight.
     if entry_problem(root / name) is not None and not bool(torch.isfinite(weight).all()):
         return None
 
+    built = []
+
     def build(temporary: Path) -> None:
         with phase("building the certified head's int8 copy (once per machine)"):
             arrays = quantize_head(weight, group)
-        _save(arrays, temporary / FILE)
+        _save(arrays, temporary / FILE, key)
+        built.append(True)
 
     for attempt in range(2):
         try:
@@ -81,6 +94,8 @@ def cached_head_arrays(weight: torch.Tensor, group: int, directory: Path | None 
             return quantize_head(weight, group)
         arrays, problem = _load(entry / FILE)
         if problem is None:
+            if built:
+                _remove_older_copies(root, name, key)
             return arrays
         log.warning("the cached certified head at %s is damaged (%s); rebuilding it", entry, problem)
         discard_entry(entry)
@@ -92,10 +107,28 @@ def _estimated_bytes(weight: torch.Tensor, group: int) -> int:
     return V * H + V * (-(-H // group)) * 4 + 3 * V * 4  # codes, scales, three row constants
 
 
-def _save(arrays: dict[str, torch.Tensor], path: Path) -> None:
+def _remove_older_copies(root: Path, name: str, key: dict) -> None:
+    """Other entries made from the same head weight (another screen kernel, format or group)."""
+    from safetensors import safe_open
+
+    for entry in root.glob("certified-head-*"):
+        if entry.name == name or not (entry / FILE).is_file():
+            continue
+        try:
+            with safe_open(str(entry / FILE), framework="pt") as handle:
+                other = json.loads((handle.metadata() or {}).get("key", "{}"))
+        except Exception:  # noqa: BLE001 - unreadable: not ours to judge; entry_problem reports it
+            continue
+        if other.get("source") == key["source"]:
+            log.info("removing %s, a copy of the same head for another kernel or format", entry)
+            discard_entry(entry)
+
+
+def _save(arrays: dict[str, torch.Tensor], path: Path, key: dict) -> None:
     from safetensors.torch import save_file
 
-    metadata = {"format": FORMAT, "xxh3": json.dumps({name: tensor_digest(t) for name, t in arrays.items()})}
+    metadata = {"format": FORMAT, "key": json.dumps(key, sort_keys=True),
+                "xxh3": json.dumps({name: tensor_digest(t) for name, t in arrays.items()})}
     save_file({name: t.contiguous() for name, t in arrays.items()}, str(path), metadata=metadata)
 
 

@@ -99,6 +99,15 @@ def kernels_identity() -> str:
     return digest.hexdigest()[:16]
 
 
+def sources_identity(*names: str) -> str:
+    """A digest of some kernel sources (and the shared headers): what a layout made for
+    those kernels depends on, unchanged by edits to the others."""
+    digest = hashlib.sha256()
+    for source in [KERNELS / name for name in names] + HEADERS:
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 @functools.cache
 def attention_ops():
     """The native ops whose attention kernels (few-query and ordered attention) run on this
