@@ -1,0 +1,67 @@
+"""The vLLM `custom_class` proposers. vLLM builds the class with its `VllmConfig`,
+calls `load_model(model)` once and `propose(...)` after every step; nothing here
+imports vLLM (the config is read by attribute), so the classes are tested without it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from longspec.speculation.drafters.prompt_lookup import PromptLookupDrafter
+from longspec.vllm.lookup import CopyLength, LookupRows
+
+
+class PromptLookupProposer:
+    """Prompt lookup (`method="pld"`'s drafter): the continuation of the most recent
+    earlier occurrence of the longest matching 1- to 3-token suffix, up to
+    `num_speculative_tokens` tokens, from an index updated incrementally per row."""
+
+    lookup_options: dict[str, Any] = {}
+
+    def __init__(self, vllm_config: Any) -> None:
+        spec = vllm_config.speculative_config
+        self.k = int(spec.num_speculative_tokens)
+        options = {"num_tokens": self.k, **self.lookup_options}
+        self.rows = LookupRows(self.k, int(vllm_config.model_config.max_model_len),
+                               lambda: PromptLookupDrafter(**options), self._copy_length())
+        # The plugin's own cost, read by benchmarks (benchmarks/serving/vllm_plugin.py).
+        self.calls = 0
+        self.seconds = 0.0
+        self.drafted = 0
+
+    def _copy_length(self) -> CopyLength | None:
+        return None  # propose every token looked up
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        pass  # drafts come from the token ids: no model
+
+    def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
+                token_ids_cpu: np.ndarray, slot_mappings: Any = None, **kwargs: Any) -> list[list[int]]:
+        start = time.perf_counter()
+        drafts = self.rows.propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
+        self.drafted += sum(map(len, drafts))
+        return drafts
+
+
+class AutoLookupProposer(PromptLookupProposer):
+    """`auto`'s lookup component (copies that continue into their own draft, from the
+    occurrence whose preceding tokens agree longest) with its acceptance table sizing
+    each copy (`CopyLength`). `token_cost`: a drafted token's verification cost as a
+    share of a decode step; subclass to set it for your hardware (near 0 on a GPU).
+    Copies are at most `num_speculative_tokens` long (12 in our engine's `auto`)."""
+
+    lookup_options = {"continue_copies": True, "longest_run": True}
+    token_cost = 0.05
+    sampled = False  # the requests sample (temperature > 0): a lower copy prior
+
+    def __init__(self, vllm_config: Any) -> None:
+        super().__init__(vllm_config)
+
+    def _copy_length(self) -> CopyLength | None:
+        return CopyLength(self.token_cost, sampled=self.sampled)
+
