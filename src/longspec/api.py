@@ -257,7 +257,7 @@ class LongSpecModel:
 
     def grammar_vocabulary(self) -> GrammarVocabulary:
         """The vocabulary as the grammar matcher reads it (seconds to build for a large
-        vocabulary: once, on first use; a server builds it at startup)."""
+        vocabulary: once, on first use, by a server's first structured request)."""
         with self._grammar_lock:
             if self._grammar_vocabulary is None:
                 if self.tokenizer is None:

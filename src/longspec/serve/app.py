@@ -12,7 +12,6 @@ request, 401 missing or wrong key, 404 unknown model, 405 wrong method (with `Al
 from __future__ import annotations
 
 import logging
-import threading
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -46,10 +45,8 @@ def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
     model.separate_encoding()  # prompts are tokenized beside the generation thread's detokenizing
     _ = model.model.certified_head  # built now (seconds for a large vocabulary), not in the first request
     queue_forward_costs(model.model, service.batch.max_rows)  # measured while the server idles, never in a request
-    if model.tokenizer is not None and model.config.eos_token_ids:
-        # Seconds for a large vocabulary: built beside startup; a structured request waits for it.
-        threading.Thread(target=_build_grammar_vocabulary, args=(model,), daemon=True,
-                         name="longspec-grammar-vocabulary").start()
+    # The grammar matcher's vocabulary is built by the first structured request (seconds for a large
+    # vocabulary, holding the tokenizer): built at startup, it held every first request's tokenizing.
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -131,10 +128,3 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 def _cache_document(app: FastAPI, options: ServeOptions) -> dict:
     app.openapi_schema = openapi.document(app, with_key=options.api_key is not None)
     return app.openapi_schema
-
-
-def _build_grammar_vocabulary(model: LongSpecModel) -> None:
-    try:
-        model.grammar_vocabulary()
-    except (ImportError, ValueError) as error:  # structured requests will get the same reason
-        logger.warning("structured output is unavailable: %s", error)
