@@ -6,12 +6,17 @@ imports vLLM (the config is read by attribute), so the classes are tested withou
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any
 
 import numpy as np
 
 from longspec.speculation.drafters.prompt_lookup import PromptLookupDrafter
 from longspec.vllm.lookup import CopyLength, LookupRows
+
+# The proposers alive in this process (vLLM builds them inside its engine): their
+# counters are what a benchmark reads of the plugin's own time.
+LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
 class PromptLookupProposer:
@@ -31,6 +36,7 @@ class PromptLookupProposer:
         self.calls = 0
         self.seconds = 0.0
         self.drafted = 0
+        LIVE.add(self)
 
     def _copy_length(self) -> CopyLength | None:
         return None  # propose every token looked up
