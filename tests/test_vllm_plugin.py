@@ -13,7 +13,7 @@ import pytest
 
 from longspec.speculation.drafters.prompt_lookup import PromptLookupDrafter
 from longspec.vllm import AutoLookupProposer, PromptLookupProposer
-from longspec.vllm.lookup import CopyLength, LookupRows
+from longspec.vllm.lookup import CopyLength
 
 MAX_LEN = 256
 

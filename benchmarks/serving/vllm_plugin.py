@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -113,10 +112,10 @@ def run_config(name: str, args) -> dict:
 
 
 def machine() -> dict:
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
     model = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name")), "?")
     return {"cpu": model, "avx512": "avx512f" in lscpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()}
+            "uptime": subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()}
 
 
 def main() -> None:
@@ -139,7 +138,7 @@ def main() -> None:
         (args.out / f"{args.one}.json").write_text(json.dumps(run_config(args.one, args)))
         return
     header = {"command": " ".join(sys.argv), "machine_before": machine(), "args": {k: str(v) for k, v in vars(args).items()}}
-    header["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+    header["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False,
                                       cwd=Path(__file__).parent).stdout.strip()
     for name in args.configs.split(","):  # one LLM per configuration, one at a time
         subprocess.run([sys.executable, __file__, *sys.argv[1:], "--one", name], check=True)

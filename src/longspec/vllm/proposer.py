@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -24,7 +24,7 @@ class PromptLookupProposer:
     earlier occurrence of the longest matching 1- to 3-token suffix, up to
     `num_speculative_tokens` tokens, from an index updated incrementally per row."""
 
-    lookup_options: dict[str, Any] = {}
+    lookup_options: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, vllm_config: Any) -> None:
         spec = vllm_config.speculative_config
@@ -61,12 +61,9 @@ class AutoLookupProposer(PromptLookupProposer):
     share of a decode step; subclass to set it for your hardware (near 0 on a GPU).
     Copies are at most `num_speculative_tokens` long (12 in our engine's `auto`)."""
 
-    lookup_options = {"continue_copies": True, "longest_run": True}
+    lookup_options: ClassVar[dict[str, Any]] = {"continue_copies": True, "longest_run": True}
     token_cost = 0.05
     sampled = False  # the requests sample (temperature > 0): a lower copy prior
-
-    def __init__(self, vllm_config: Any) -> None:
-        super().__init__(vllm_config)
 
     def _copy_length(self) -> CopyLength | None:
         return CopyLength(self.token_cost, sampled=self.sampled)
