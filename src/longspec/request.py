@@ -19,7 +19,7 @@ from typing import Any
 
 from longspec.speculation.drafters.base import Drafter
 from longspec.speculation.grammar import OutputConstraint
-from longspec.speculation.logprobs import MAX_TOP
+from longspec.speculation.logprobs import LogprobRecorder
 from longspec.speculation.logprobs import MODES as LOGPROBS_MODES
 from longspec.speculation.methods import DEFAULT_METHOD
 from longspec.speculation.processors import SamplingParams
@@ -66,10 +66,10 @@ class GenerationRequest:
             raise TypeError(f"sampling must be SamplingParams, got {type(self.sampling).__name__}")
         check_int("max_new_tokens", self.max_new_tokens, low=1)
         if self.seed is not None:
-            check_int("seed", self.seed, low=0, high=MAX_SEED)
+            check_int("seed", self.seed, low=0, high=MAX_SEED)  # an unsigned 64-bit integer
         object.__setattr__(self, "stop", stop_strings(self.stop))
         if self.logprobs is not None:
-            check_int("logprobs", self.logprobs, low=0, high=MAX_TOP)
+            LogprobRecorder(top=self.logprobs)  # its checks, its messages
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if self.method_options is not None and not isinstance(self.method_options, Mapping):
