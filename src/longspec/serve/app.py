@@ -30,6 +30,7 @@ from longspec.serve.render import ResponseWriter
 from longspec.serve.service import CompletionService
 from longspec.serve.worker import GenerationWorker
 from longspec.speculation.cost_model import queue_forward_costs
+from longspec.speculation.grammar import warm_grammar_library
 from longspec.speculation.methods import make_drafter
 
 __all__ = ["ServeOptions", "create_app"]
@@ -47,6 +48,8 @@ def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
     queue_forward_costs(model.model, service.batch.max_rows)  # measured while the server idles, never in a request
     # The grammar matcher's vocabulary is built by the first structured request (seconds for a large
     # vocabulary, holding the tokenizer): built at startup, it held every first request's tokenizing.
+    # Its library is imported now: a first import inside a request held the event loop's GIL ~2 s.
+    warm_grammar_library()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

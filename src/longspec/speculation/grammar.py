@@ -41,6 +41,15 @@ def _llguidance():
     return llguidance
 
 
+def warm_grammar_library() -> None:
+    """Import the matcher's library now (about two seconds the first time), where a
+    server starts rather than inside its first structured request; nothing if absent."""
+    try:
+        _llguidance()
+    except ImportError:  # structured requests will be refused with the reason
+        pass
+
+
 @dataclass(frozen=True)
 class OutputConstraint:
     """What the output must be. kind: "json_schema" (spec: the schema, a dict or JSON
@@ -74,9 +83,9 @@ class OutputConstraint:
         return self._compiled
 
     def _compile(self) -> str:
-        llguidance = _llguidance()
-        if self.kind != "json_object":
+        if self.kind != "json_object":  # before importing the matcher: a refusal costs nothing
             check_size(self.kind, self._schema() if self.kind == "json_schema" else self.spec)
+        llguidance = _llguidance()
         if self.kind == "json_object":
             fmt, text = "json_schema", json.dumps(_bounded_whitespace({"type": "object"}))
         elif self.kind == "json_schema":
