@@ -56,8 +56,8 @@ class GuardedH11Protocol(H11Protocol):
             self.transport.close()
 
     def _make_room(self) -> None:
-        idle = sorted((c for c in self.connections if c is not self and getattr(c, "waiting_for_headers", False)
-                       and not c.transport.is_closing()), key=lambda c: c.opened)
+        idle = sorted((c for c in self.connections if c is not self and isinstance(c, GuardedH11Protocol)
+                       and c.waiting_for_headers and not c.transport.is_closing()), key=lambda c: c.opened)
         excess = len(self.connections) - self.max_connections
         for connection in idle[:excess]:
             connection.transport.close()
