@@ -61,7 +61,7 @@ def ray_url(checkpoint):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        spec = ReplicaSpec(model=str(checkpoint), dtype="float32", threads=1)
+        spec = ReplicaSpec(model=str(checkpoint), dtype="float32", threads=1, suffix_cache_mb=1)
         serve.run(deployment(spec, options(), replicas=2), name="longspec", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -113,8 +113,13 @@ def test_bad_settings_fail_before_work_naming_the_fix(capsys):
         app_builder({"max_replicas": 3})
     with pytest.raises(ValueError, match="does not exist"):
         ReplicaSpec(model="/no/such/checkpoint")
+    with pytest.raises(ValueError, match="suffix"):
+        ReplicaSpec(suffix_cache_mb=-1)
+    with pytest.raises(ValueError, match="suffix"):
+        app_builder({"suffix_cache_mb": -1})
     for flags, fix in ((["--replicas", "2"], "only with --ray"), (["--ray", "--max-connections", "9"], "http_options"),
-                       (["--ray", "--autoscale", "3"], "MIN:MAX"), (["--ray", "--replicas", "4096"], "lower --replicas")):
+                       (["--ray", "--autoscale", "3"], "MIN:MAX"), (["--ray", "--replicas", "4096"], "lower --replicas"),
+                       (["--ray", "--suffix-cache-mb", "-1"], "suffix")):
         assert main(["serve", "--model", "/no/such/checkpoint", *flags]) == 2
         assert fix in capsys.readouterr().err
 

@@ -62,7 +62,9 @@ def add_parser(sub) -> None:
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template for /v1/chat/completions (for a base model without one, e.g. the "
                         "embedded Gemma 3 270M)")
-    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) | float32 | float64")
+    p.add_argument("--dtype", default=None,
+                   help="bfloat16 | float32 | float64; default: bfloat16, keeping a GGUF file's own quantization "
+                        "(a dtype given dequantizes it)")
     p.add_argument("--suffix-cache-mb", type=float, default=None, metavar="MIB",
                    help="memory of the cache of earlier requests' outputs that auto drafts from (default 64; 0 turns "
                         "it off; one cache per server process)")
@@ -149,7 +151,8 @@ def run(args) -> int:
 
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
-    parse_dtype(args.dtype)
+    if args.dtype is not None:
+        parse_dtype(args.dtype)
     serve_ray.check_arguments(args)
     api_key = resolve_api_key(args.api_key, args.api_key_file)
     options = ServeOptions(
@@ -178,10 +181,7 @@ def run(args) -> int:
     suffix_cache_mb = DEFAULT_MEGABYTES if args.suffix_cache_mb is None else args.suffix_cache_mb
     SuffixCache.of_megabytes(suffix_cache_mb)  # a bad size fails before the model loads
     if args.ray:
-        if args.suffix_cache_mb is not None:
-            raise ValueError("--suffix-cache-mb is not passed to Ray replicas yet (each keeps the default "
-                             f"{DEFAULT_MEGABYTES} MiB): drop it with --ray")
-        return serve_ray.run(args, options, template)
+        return serve_ray.run(args, options, template, suffix_cache_mb)
     model = longspec.load(args.model, dtype=args.dtype, engine=EngineOptions(progress=False), device=args.device,
                           suffix_cache_mb=suffix_cache_mb)
     if template is not None:

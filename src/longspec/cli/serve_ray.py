@@ -50,7 +50,7 @@ def autoscaling(spec: str | None, max_batch: int) -> dict | None:
     return {"min_replicas": int(low), "max_replicas": int(high), "target_ongoing_requests": max_batch}
 
 
-def run(args, options, template: str | None) -> int:
+def run(args, options, template: str | None, suffix_cache_mb: float) -> int:
     try:
         import ray
         from ray import serve
@@ -68,7 +68,8 @@ def run(args, options, template: str | None) -> int:
     if cluster is None and fewest * threads > (os.cpu_count() or 1):
         raise ValueError(f"{fewest} replicas x {threads} threads need {fewest * threads} CPUs, this machine has "
                          f"{os.cpu_count()}: lower --replicas or --threads, or join a cluster (RAY_ADDRESS)")
-    spec = ReplicaSpec(model=args.model, dtype=args.dtype, device=args.device, threads=threads, chat_template=template)
+    spec = ReplicaSpec(model=args.model, dtype=args.dtype, device=args.device, threads=threads, chat_template=template,
+                       suffix_cache_mb=suffix_cache_mb)
     app = deployment(spec, options, replicas=replicas, autoscaling=scaling, session_affinity=args.session_affinity)
     ray.init(address=cluster)
     serve.start(http_options={"host": args.host, "port": args.port})

@@ -8,8 +8,9 @@ Routing: Ray's default power-of-two-choices (the less loaded of two replicas). I
 prefix-aware router reads `.prompt`/`.messages` of Python handle arguments, which an
 HTTP ingress does not have (it gets raw ASGI messages); its session router
 (experimental `ConsistentHashRouter`, keyed by the `x-session-id` header) does work
-over HTTP and is `session_affinity=True` here, but this engine keeps no cache between
-requests yet, so stickiness buys nothing and costs balance (docs/serving.md).
+over HTTP and is `session_affinity=True` here: it sends a session's requests to the
+replica whose suffix cache holds its earlier outputs, at some cost in balance
+(docs/serving.md).
 """
 
 from __future__ import annotations
@@ -35,14 +36,19 @@ class ReplicaSpec:
     """What each replica loads: sent to the actor, so plain values only."""
 
     model: str | None = None  # None: the embedded Gemma 3 270M
-    dtype: str = "bfloat16"
+    dtype: str | None = None  # None: bf16, and a GGUF file's own quantization (`longspec.load`)
     device: str | None = None
     threads: int = 1  # torch threads, and the CPUs Ray reserves for the replica
     chat_template: str | None = None  # the template's text (read where the flag was given)
+    suffix_cache_mb: float | None = None  # None: `longspec.load`'s default; each replica keeps its own
 
     def __post_init__(self) -> None:
         if self.threads < 1:
             raise ValueError(f"threads per replica must be >= 1, got {self.threads}")
+        if self.suffix_cache_mb is not None:
+            from longspec.speculation.drafters.suffix_cache.index import SuffixCache
+
+            SuffixCache.of_megabytes(self.suffix_cache_mb)  # a bad size fails here, not in every replica
         looks_like_path = self.model is not None and (self.model.startswith(("/", ".", "~")) or self.model.endswith(".gguf"))
         if looks_like_path and not os.path.exists(os.path.expanduser(self.model)):
             raise ValueError(f"model {self.model!r} does not exist: give a checkpoint directory, a .gguf file or "
@@ -60,7 +66,9 @@ class LongSpecReplica:
         from longspec.speculation.engine import EngineOptions
 
         torch.set_num_threads(spec.threads)
-        model = longspec.load(spec.model, dtype=spec.dtype, engine=EngineOptions(progress=False), device=spec.device)
+        cache = {} if spec.suffix_cache_mb is None else {"suffix_cache_mb": spec.suffix_cache_mb}
+        model = longspec.load(spec.model, dtype=spec.dtype, engine=EngineOptions(progress=False), device=spec.device,
+                              **cache)
         if spec.chat_template is not None:
             model.set_chat_template(spec.chat_template)
         self._app = create_app(model, options)
