@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from longspec.speculation.drafters.prompt_lookup import PromptLookupDrafter
-from longspec.vllm import AutoLookupProposer, PromptLookupProposer
+from longspec.vllm import AutoLookupProposer, PromptLookupProposer, SuffixCacheProposer
 from longspec.vllm.lookup import CopyLength
 
 MAX_LEN = 256
@@ -66,7 +66,7 @@ def plain(model, prompt: list[int], n: int) -> list[int]:
     return seq
 
 
-@pytest.mark.parametrize("cls", [PromptLookupProposer, AutoLookupProposer])
+@pytest.mark.parametrize("cls", [PromptLookupProposer, AutoLookupProposer, SuffixCacheProposer])
 def test_greedy_outputs_equal_plain_decoding_and_copies_pay(cls):
     prompts = [[3, 4, 5, 6, 0, 1, 2, 3], [5, 6, 0, 1]]
     seqs, forwards = decode(cls(config(k=4)), periodic, prompts, steps=60)
@@ -132,6 +132,35 @@ def test_auto_turns_copies_off_on_text_they_do_not_predict():
     assert proposer.calls > 0 and proposer.seconds > 0
 
 
+def template(seq: list[int]) -> int:
+    return seq[-1] + 1 if 100 <= seq[-1] < 140 else 100  # every answer is the record 100, 101, ... 140
+
+
+def test_a_finished_requests_output_drafts_the_next_requests():
+    """The suffix cache learns a request's output once it leaves the batch; a later
+    request whose own text holds no copy of the template drafts it from there."""
+    first, later = [[1, 2, 3, 100]], [[7, 8, 9, 100]]
+    forwards = {}
+    for cls in (AutoLookupProposer, SuffixCacheProposer):
+        proposer = cls(config(k=8))
+        decode(proposer, template, first, steps=30)
+        seqs, forwards[cls] = decode(proposer, template, later, steps=30)
+        assert seqs[0][:34] == plain(template, later[0], 30)
+    assert forwards[AutoLookupProposer] >= 30  # the later request's own text never repeats
+    assert forwards[SuffixCacheProposer] <= 12  # from its second step on, copies of the first request's record
+    cache = proposer.rows.cache
+    assert cache.stats()["inserted"] == 1  # the first request, once it left; the later one is still running
+
+
+def test_rows_past_a_shrunk_batch_are_remembered():
+    proposer = SuffixCacheProposer(config(k=4))
+    a, b = [1, 2, 3, 4, 5], [6, 7, 8, 9, 10]
+    proposer.propose([[5], [10]], *batch([a, b]))
+    proposer.propose([[11]], *batch([a + [11]]))  # b finished: the batch has one row
+    assert proposer.rows.cache.stats()["inserted"] == 1
+    assert proposer.rows.cache.lookup([7, 8], 4) == [([9, 10], 2)]
+
+
 def test_importing_the_plugin_imports_no_vllm():
     code = "import sys, longspec.vllm; assert 'vllm' not in sys.modules, 'vllm imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -141,7 +170,8 @@ def test_vllms_loader_builds_the_proposers():
     pytest.importorskip("vllm")
     from vllm.v1.spec_decode.custom_class_proposer import create_custom_proposer
 
-    for name in ("longspec.vllm.PromptLookupProposer", "longspec.vllm.AutoLookupProposer"):
+    for name in ("longspec.vllm.PromptLookupProposer", "longspec.vllm.AutoLookupProposer",
+                 "longspec.vllm.SuffixCacheProposer"):
         cfg = config(k=4)
         cfg.speculative_config.model = name
         proposer = create_custom_proposer(cfg)

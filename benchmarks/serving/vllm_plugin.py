@@ -36,6 +36,7 @@ CONFIGS = {
     "suffix": {"method": "suffix"},
     "longspec-pld": {"method": "custom_class", "model": "longspec.vllm.PromptLookupProposer"},
     "longspec-auto": {"method": "custom_class", "model": "longspec.vllm.AutoLookupProposer"},
+    "longspec-suffix": {"method": "custom_class", "model": "longspec.vllm.SuffixCacheProposer"},
 }
 
 

@@ -1,9 +1,12 @@
 """The token-id logic of the vLLM proposers, without vLLM: per batch row, prompt
 lookup's incremental index over the row's committed tokens, and (for `auto`'s
-version) how much of each copy to propose from its acceptance table."""
+version) how much of each copy to propose from its acceptance table; optionally a
+suffix cache of the sequences that left the batch, drafted from where the row's own
+text has no copy."""
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -15,6 +18,7 @@ from longspec.speculation.drafters.adaptive.acceptance import CrossFittedAccepta
 from longspec.speculation.drafters.adaptive.merge import Source
 from longspec.speculation.drafters.base import DraftContext
 from longspec.speculation.drafters.prompt_lookup import PromptLookupDrafter
+from longspec.speculation.drafters.suffix_cache import SuffixCache, SuffixCacheDrafter
 from longspec.speculation.drafters.shared.policies import ThroughputPolicy
 from longspec.vllm.rows import RowStates
 
@@ -65,6 +69,8 @@ class _Sequence:
     drafter: PromptLookupDrafter
     chain: list[int] = field(default_factory=list)  # the last copy looked up, whole
     runs: list[int] = field(default_factory=list)  # its nodes' copied runs
+    tokens: array | None = None  # the committed tokens, kept only for a suffix cache
+    prompt_length: int = 0  # of them, the prompt's (what the row held before its first token)
 
 
 class LookupRows:
@@ -72,13 +78,16 @@ class LookupRows:
     returns one token list per row (empty: nothing to propose)."""
 
     def __init__(self, k: int, max_model_len: int, make_drafter: Callable[[], PromptLookupDrafter],
-                 length: CopyLength | None = None) -> None:
+                 length: CopyLength | None = None, cache: SuffixCache | None = None) -> None:
         if k < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {k}")
         self.k = k
         self.max_model_len = max_model_len
         self.length = length
-        self.rows: RowStates[_Sequence] = RowStates(lambda: _Sequence(make_drafter()))
+        self.cache = cache
+        self.cache_drafter = None if cache is None else SuffixCacheDrafter(cache, num_tokens=k)
+        self.rows: RowStates[_Sequence] = RowStates(lambda: _Sequence(make_drafter()),
+                                                    None if cache is None else self._remember)
 
     def propose(self, sampled: Sequence[Sequence[int]], num_tokens: Sequence[int],
                 token_ids: np.ndarray) -> list[list[int]]:
@@ -100,11 +109,25 @@ class LookupRows:
         seq = row.state
         if self.length is not None and not fresh and seq.chain and row.length == len(tokens) - len(new):
             self.length.record(seq.chain, seq.runs, new)
+        if self.cache is not None:
+            if fresh:
+                seq.tokens, seq.prompt_length = array("l"), len(tokens) - len(new)
+            seq.tokens.extend(tokens[len(seq.tokens):].tolist())
         # The drafter's own protocol: it catches up on the tokens it has not seen.
-        tree = seq.drafter.propose(DraftContext(tokens=torch.from_numpy(tokens), max_nodes=self.k))
+        context = DraftContext(tokens=torch.from_numpy(tokens), max_nodes=self.k)
+        tree = seq.drafter.propose(context)
+        if tree.tokens.numel() == 1 and self.cache_drafter is not None:  # the row's own text has no copy
+            tree = self.cache_drafter.propose(context)
         runs = copied_runs(tree)
         seq.chain = tree.tokens[1:].tolist()
         seq.runs = runs[1:].tolist() if runs is not None else []
         self.rows.seen(row, tokens)
         keep = len(seq.chain) if self.length is None else self.length.choose(seq.runs)
         return seq.chain[: min(keep, self.max_model_len - len(tokens))]
+
+    def _remember(self, seq: _Sequence) -> None:
+        """A sequence that left the batch into the suffix cache. A preempted request
+        that comes back later is inserted again when it ends: duplicates only cost
+        the cache room, and drafts never change what vLLM returns."""
+        if seq.tokens is not None:
+            self.cache.insert(seq.tokens[: seq.prompt_length], seq.tokens[seq.prompt_length :])

@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from longspec.speculation.drafters.prompt_lookup import PromptLookupDrafter
+from longspec.speculation.drafters.suffix_cache import SuffixCache
 from longspec.vllm.lookup import CopyLength, LookupRows
 
 # The proposers alive in this process (vLLM builds them inside its engine): their
@@ -31,7 +32,7 @@ class PromptLookupProposer:
         self.k = int(spec.num_speculative_tokens)
         options = {"num_tokens": self.k, **self.lookup_options}
         self.rows = LookupRows(self.k, int(vllm_config.model_config.max_model_len),
-                               lambda: PromptLookupDrafter(**options), self._copy_length())
+                               lambda: PromptLookupDrafter(**options), self._copy_length(), self._suffix_cache())
         # The plugin's own cost, read by benchmarks (benchmarks/serving/vllm_plugin.py).
         self.calls = 0
         self.seconds = 0.0
@@ -40,6 +41,9 @@ class PromptLookupProposer:
 
     def _copy_length(self) -> CopyLength | None:
         return None  # propose every token looked up
+
+    def _suffix_cache(self) -> SuffixCache | None:
+        return None  # the row's own text only
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         pass  # drafts come from the token ids: no model
@@ -68,3 +72,17 @@ class AutoLookupProposer(PromptLookupProposer):
     def _copy_length(self) -> CopyLength | None:
         return CopyLength(self.token_cost, sampled=self.sampled)
 
+
+
+class SuffixCacheProposer(AutoLookupProposer):
+    """`AutoLookupProposer` plus a suffix cache across requests (our `suffix` method's
+    index): the sequences that left vLLM's batch are remembered (their prompt's tail
+    and output, at most `cache_megabytes`, oldest evicted first), and a row whose own
+    text has no copy drafts what followed its suffix in them — repeated templated or
+    agentic traffic. One cache per proposer, i.e. per vLLM engine process; subclass to
+    set `cache_megabytes`."""
+
+    cache_megabytes: ClassVar[float] = 64
+
+    def _suffix_cache(self) -> SuffixCache | None:
+        return SuffixCache.of_megabytes(self.cache_megabytes)

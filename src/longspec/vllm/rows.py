@@ -41,8 +41,9 @@ class Row(Generic[State]):
 class RowStates(Generic[State]):
     """Per-row states of one proposer, made by `make` for each new sequence."""
 
-    def __init__(self, make: Callable[[], State]) -> None:
+    def __init__(self, make: Callable[[], State], ended: Callable[[State], None] | None = None) -> None:
         self.make = make
+        self.ended = ended  # called with each state whose sequence left the batch (finished, or preempted)
         self.rows: dict[int, Row[State]] = {}
         self.displaced: list[Row[State]] = []  # states whose row another sequence took this step
 
@@ -78,6 +79,8 @@ class RowStates(Generic[State]):
 
     def end_step(self, rows: int) -> None:
         """Forget the rows past the batch (vLLM's batch shrank) and the states no row took."""
-        for index in [i for i in self.rows if i >= rows]:
-            del self.rows[index]
-        self.displaced.clear()
+        gone = [self.rows.pop(i) for i in [i for i in self.rows if i >= rows]] + self.displaced
+        self.displaced = []
+        if self.ended is not None:
+            for row in gone:
+                self.ended(row.state)
