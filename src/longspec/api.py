@@ -9,7 +9,6 @@ import os
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
@@ -18,15 +17,15 @@ from longspec import content_tokens
 from longspec.runtime import setup_time
 from longspec.runtime.device import HOST
 from longspec.runtime.loading import LoadedTarget, load_target
+from longspec.runtime.tokenizer import Tokenizer
 from longspec.speculation.batch_engine import BatchEngine, BatchOptions, RequestHandle
-from longspec.speculation.drafters.base import Drafter
+from longspec.speculation.decoding_request import DecodingRequest
 from longspec.speculation.engine import EngineOptions, SpeculativeEngine
-from longspec.speculation.grammar import GrammarState, GrammarVocabulary
+from longspec.speculation.grammar import GrammarVocabulary
 from longspec.speculation.logprobs import LogprobRecorder, PromptScorer, TokenLogprob
 from longspec.speculation.methods import make_drafter
 from longspec.speculation.drafters.suffix_cache.index import DEFAULT_MEGABYTES, SuffixCache
 from longspec.speculation.metrics import GenerationStats
-from longspec.speculation.processors import SamplingParams
 from longspec.request import MAX_SEED, GenerationRequest, check_int
 from longspec.text import IncrementalDecoder
 
@@ -113,27 +112,17 @@ class TokenStream:
 
 @dataclass
 class PreparedRequest:
-    """A validated request, ready for an engine: token ids, processors, a fresh
-    drafter, stopping rules and its own random stream. Made by `LongSpecModel.prepare`."""
+    """A validated request, ready for an engine: token ids, stop strings and what both
+    engines take (`decoding`: processors, a fresh drafter, EOS, its own random stream,
+    stats, log-probabilities, grammar). Made by `LongSpecModel.prepare`."""
 
     ids: torch.Tensor
-    max_new_tokens: int
-    params: SamplingParams
-    drafter: Drafter | None
-    eos: Sequence[int]
     stops: tuple[str, ...]
-    generator: torch.Generator
-    stats: GenerationStats
-    logprobs: LogprobRecorder | None = None  # collects log-probabilities, when asked
-    grammar: GrammarState | None = None  # the grammar the output follows, when asked
+    decoding: DecodingRequest
 
     @property
-    def decoding(self) -> dict[str, Any]:
-        """What both engines take beside the prompt's ids (`SpeculativeEngine.generate`,
-        `BatchEngine.submit`)."""
-        return dict(params=self.params, max_new_tokens=self.max_new_tokens, drafter=self.drafter,
-                    eos_token_ids=self.eos, generator=self.generator, stats=self.stats, logprobs=self.logprobs,
-                    grammar=self.grammar)
+    def stats(self) -> GenerationStats:
+        return self.decoding.stats
 
 
 def _rounds_of(handle: RequestHandle) -> Iterator[torch.Tensor]:
@@ -288,8 +277,11 @@ class LongSpecModel:
     def separate_encoding(self) -> None:
         """Tokenize prompts with a copy of the tokenizer under a lock of its own, so that
         a long prompt being tokenized never holds up the detokenizing of streams (a
-        server's generation thread). Costs a copy of the tokenizer (~2 s for Gemma's)."""
-        if self.tokenizer is not None and self._encoder is self.tokenizer:
+        server's generation thread). A `transformers` tokenizer is copied for it (seconds for
+        Gemma's); ours encodes beside its own decoding and is shared."""
+        if isinstance(self.tokenizer, Tokenizer):  # encodes beside its own decoding: no copy needed
+            self._encoding_lock = threading.Lock()
+        elif self.tokenizer is not None and self._encoder is self.tokenizer:
             self._encoder, self._encoding_lock = copy.deepcopy(self.tokenizer), threading.Lock()
 
     @property
@@ -396,8 +388,8 @@ class LongSpecModel:
                **keywords) -> TokenStream:
         """As `generate`, token by token."""
         prepared = self.prepare(prompt, request, **keywords)
-        rounds = self.engine.generate(prepared.ids, **prepared.decoding)
-        return TokenStream(self._chunks(rounds, prepared.stops, prepared.stats, prepared.logprobs, prepared.ids),
+        rounds = self.engine.generate(prepared.ids, prepared.decoding)
+        return TokenStream(self._chunks(rounds, prepared.stops, prepared.stats, prepared.decoding.logprobs, prepared.ids),
                            prepared.stats)
 
     def generate_batch(
@@ -455,14 +447,14 @@ class LongSpecModel:
 
     def row_slots(self, request: PreparedRequest) -> int:
         """Cache slots a request needs in a row: prompt, output, a tree, the root."""
-        budget = self.engine.options.max_tree_nodes if request.drafter is not None else 0
-        return request.ids.numel() + request.max_new_tokens + budget + 1
+        budget = self.engine.options.max_tree_nodes if request.decoding.drafter is not None else 0
+        return request.ids.numel() + request.decoding.max_new_tokens + budget + 1
 
     def submit(self, engine: BatchEngine, request: PreparedRequest) -> RowStream:
         """Queue a prepared request on a batch engine; its text arrives through the
         returned stream's `pump` as the engine steps."""
-        handle = engine.submit(request.ids, **request.decoding)
-        return RowStream(handle, self._chunks(_rounds_of(handle), request.stops, request.stats, request.logprobs,
+        handle = engine.submit(request.ids, request.decoding)
+        return RowStream(handle, self._chunks(_rounds_of(handle), request.stops, request.stats, request.decoding.logprobs,
                                               request.ids))
 
     def prepare(self, prompt, request: GenerationRequest | None = None, **keywords) -> PreparedRequest:
@@ -492,8 +484,8 @@ class LongSpecModel:
         if not self._load_setup_reported:  # the load's one-time work, reported once
             self._load_setup_reported = True
             stats.add_setup(self.load_setup)
-        return PreparedRequest(ids, request.max_new_tokens, params, drafter, eos, request.stop, generator, stats,
-                               recorder, grammar)
+        return PreparedRequest(ids, request.stop, DecodingRequest(params, request.max_new_tokens, drafter, eos, generator,
+                                                                  stats, recorder, grammar))
 
     def generate(self, prompt, request: GenerationRequest | None = None, **keywords) -> GenerationResult:
         """Generate a continuation of `prompt` (text or token ids) as `request` asks, or the

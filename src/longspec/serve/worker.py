@@ -146,7 +146,7 @@ class GenerationWorker:
         if needed > self.engine.batch.row_capacity:
             raise ValueError(
                 f"this request needs {needed} cache slots (prompt {request.ids.numel()} + max_tokens "
-                f"{request.max_new_tokens} + tree + 1) but this server's rows hold {self.engine.batch.row_capacity}; "
+                f"{request.decoding.max_new_tokens} + tree + 1) but this server's rows hold {self.engine.batch.row_capacity}; "
                 "lower max_tokens or shorten the prompt"
             )
         job = Job(request, asyncio.get_running_loop())

@@ -34,13 +34,11 @@ from longspec.runtime.setup_time import Stopwatch
 from longspec.speculation.cost_model import ForwardCost, batch_context_bucket, batch_forward_cost_at, is_default
 from longspec.speculation.decode_round import DecodingSequence
 from longspec.speculation.decode_round import checked_proposal, decode_round, prefill_piece
-from longspec.speculation.drafters.base import DraftContext, Drafter, TargetView
+from longspec.speculation.decoding_request import DecodingRequest
+from longspec.speculation.drafters.base import DraftContext, TargetView
 from longspec.speculation.engine import EngineOptions, learns_while_verifying
 from longspec.speculation.joint_budget import ReachHistory, cut_to_depth, joint_depths, tree_levels
-from longspec.speculation.grammar import GrammarState
-from longspec.speculation.logprobs import LogprobRecorder
 from longspec.speculation.metrics import GenerationStats
-from longspec.speculation.processors import SamplingParams
 from longspec.speculation.tree import Tree
 from longspec.speculation.verification import NodeScores, certified_head_serves, needs_argmax_only
 
@@ -202,24 +200,14 @@ class BatchEngine:
                                            dtype=model.dtype)
 
     # ------------------------------------------------------------------ requests
-    def submit(
-        self,
-        prompt_ids: torch.Tensor | Sequence[int],
-        *,
-        params: SamplingParams = SamplingParams(),
-        max_new_tokens: int = 256,
-        drafter: Drafter | None = None,
-        eos_token_ids: Sequence[int] = (),
-        generator: torch.Generator | None = None,
-        stats: GenerationStats | None = None,
-        logprobs: LogprobRecorder | None = None,
-        grammar: GrammarState | None = None,
-    ) -> RequestHandle:
-        """Queue a request; it joins at the next `step` with a free row. Everything
-        that can be refused is refused here, before any prefill."""
-        row = _Row.create(self.model, prompt_ids, params=params, max_new_tokens=max_new_tokens, drafter=drafter,
-                          eos_token_ids=eos_token_ids, generator=generator, stats=stats,
-                          tree_budget=self.options.max_tree_nodes, logprobs=logprobs, grammar=grammar)
+    def submit(self, prompt_ids: torch.Tensor | Sequence[int], request: DecodingRequest | None = None,
+               **keywords) -> RequestHandle:
+        """Queue a request (a `DecodingRequest`, or its fields as keywords); it joins at the
+        next `step` with a free row. Everything that can be refused is refused here, before
+        any prefill."""
+        request = DecodingRequest.given(request, keywords)
+        row = _Row.create(self.model, prompt_ids, request, tree_budget=self.options.max_tree_nodes)
+        max_new_tokens = request.max_new_tokens
         prompt, budget = row.prompt, row.tree_budget
         needed = prompt.numel() + max_new_tokens + budget + 1
         if needed > self.batch.row_capacity:

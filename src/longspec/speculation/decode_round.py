@@ -17,7 +17,6 @@ single run's, token for token, by construction. Prefill is shared the same way
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,6 +26,7 @@ from longspec.runtime.device import HOST
 from longspec.runtime.model import Decoder
 from longspec.runtime.setup_time import Stopwatch
 from longspec.speculation import cost_measurement
+from longspec.speculation.decoding_request import DecodingRequest
 from longspec.speculation.drafters.base import DraftContext, Drafter, TargetView, check_drafter
 from longspec.speculation.grammar import GrammarState
 from longspec.speculation.logprobs import LogprobRecorder
@@ -78,11 +78,10 @@ class DecodingSequence:
     round_constraint: tuple[Tree, torch.Tensor] | None = None  # this round's pruned tree and its nodes' masks
 
     @classmethod
-    def create(cls, model: Decoder, prompt_ids, *, params: SamplingParams, max_new_tokens: int,
-               drafter: Drafter | None, eos_token_ids: Sequence[int], generator: torch.Generator | None,
-               stats: GenerationStats | None, tree_budget: int,
-               logprobs: LogprobRecorder | None = None, grammar: GrammarState | None = None) -> "DecodingSequence":
+    def create(cls, model: Decoder, prompt_ids, request: DecodingRequest, *, tree_budget: int) -> "DecodingSequence":
         """A checked request: everything that can be refused is refused here, before prefill."""
+        params, max_new_tokens, drafter, grammar = request.params, request.max_new_tokens, request.drafter, request.grammar
+        eos_token_ids, generator, stats, logprobs = request.eos_token_ids, request.generator, request.stats, request.logprobs
         prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=HOST).reshape(-1)
         if params.constrained != (grammar is not None):
             raise ValueError("a grammar comes with SamplingParams(constrained=True), and constrained params with a "

@@ -16,11 +16,8 @@ from longspec.runtime.model import Decoder
 from longspec.runtime.setup_time import Stopwatch
 from longspec.speculation.decode_round import DecodingSequence
 from longspec.speculation.decode_round import check_request, decode_round, prefill_piece
-from longspec.speculation.drafters.base import DraftContext, Drafter, TargetView
-from longspec.speculation.grammar import GrammarState
-from longspec.speculation.logprobs import LogprobRecorder
-from longspec.speculation.metrics import GenerationStats
-from longspec.speculation.processors import SamplingParams
+from longspec.speculation.decoding_request import DecodingRequest
+from longspec.speculation.drafters.base import DraftContext, TargetView
 from longspec.speculation.tree import Tree
 from longspec.speculation.verification import NodeScores, certified_head_serves
 
@@ -62,29 +59,14 @@ class SpeculativeEngine:
         """Fail before any work on requests the model cannot serve."""
         check_request(self.model, prompt_length, max_new_tokens)
 
-    def generate(
-        self,
-        prompt_ids: torch.Tensor | Sequence[int],
-        *,
-        params: SamplingParams = SamplingParams(),
-        max_new_tokens: int = 256,
-        drafter: Drafter | None = None,
-        eos_token_ids: Sequence[int] = (),
-        generator: torch.Generator | None = None,
-        stats: GenerationStats | None = None,
-        logprobs: LogprobRecorder | None = None,
-        grammar: GrammarState | None = None,
-    ) -> Iterator[torch.Tensor]:
+    def generate(self, prompt_ids: torch.Tensor | Sequence[int], request: DecodingRequest | None = None,
+                 **keywords) -> Iterator[torch.Tensor]:
         """Yield the tokens committed each round (1-D int64), until EOS (included),
-        ``max_new_tokens`` or the caller stops iterating. Fills ``stats`` in place.
-
-        ``generator`` is the verifier's random stream; a drafter that samples gets its
-        own stream derived from the same seed (see `DraftContext.generator`)."""
-        sequence = DecodingSequence.create(
-            self.model, prompt_ids, params=params, max_new_tokens=max_new_tokens, drafter=drafter,
-            eos_token_ids=eos_token_ids, generator=generator, stats=stats, tree_budget=self.options.max_tree_nodes,
-            logprobs=logprobs, grammar=grammar,
-        )
+        ``max_new_tokens`` or the caller stops iterating. Fills ``request.stats`` in place.
+        ``request`` (or its fields as keywords) says how: see `DecodingRequest`."""
+        request = DecodingRequest.given(request, keywords)
+        sequence = DecodingSequence.create(self.model, prompt_ids, request, tree_budget=self.options.max_tree_nodes)
+        max_new_tokens = request.max_new_tokens
         stats = sequence.stats
         capacity = sequence.prompt.numel() + max_new_tokens + sequence.tree_budget + 1
         cache = self.model.new_cache(capacity, max_forward_tokens=max(self.options.prefill_chunk,
