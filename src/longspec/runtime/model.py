@@ -20,6 +20,7 @@ from longspec.runtime.cache import KVCache
 from longspec.runtime.certified_head import CertifiedHead
 from longspec.runtime.config import DecoderConfig
 from longspec.runtime.device import HOST
+from longspec.runtime.file_rows import FileRows
 from longspec.runtime.huge_pages import HUGE_PAGE_BYTES, move_to_huge_pages
 from longspec.runtime.linear import PackedWeight, packed_linear, prepack
 from longspec.runtime.native import native_ops
@@ -110,6 +111,8 @@ class DecoderLayer(nn.Module):
         # beside each holds its dequantized copy (training's features, another device).
         self.quantized: dict[str, QuantizedWeight] = {}
         self.native_steps = None  # `project` and `finish` as native calls, where prepare() finds they apply
+        self.native_prefill = False  # whether those calls also run a prefill's products (`bulk`)
+        self.step_weights: dict[str, tuple[list, list, list]] = {}  # each product's weight for those calls
 
     def prepare(self, native_kernels: bool = True, bulk: bool | None = None) -> None:
         """Load-time derived weights: prepacked matrices and norm scales. bulk: keep
@@ -126,17 +129,24 @@ class DecoderLayer(nn.Module):
 
     def _native_steps(self):
         """The native ops that run `project`'s and `finish`'s steps in one call each
-        (`kernels/layer_steps.cpp`, the same bits), where every product and norm of the layer
-        runs a native kernel; else None."""
-        if any(packed is None or packed.tiles is None for packed in self.packed.values()):
-            return None
+        (`kernels/layer_steps.cpp`, the same bits), where every product of the layer runs a
+        native kernel (bf16 packed tiles or a GGUF quantized weight) and every norm the native
+        norm; else None. Sets each product's weight as those calls take it."""
+        self.step_weights = {}
+        for name, packed in self.packed.items():
+            if packed is None or (packed.tiles is None and packed.quantized is None):
+                return None
+            self.step_weights[name] = step_weight(packed, getattr(self, name).shape[0])
         norms = (self.input_norm, self.pre_mlp_norm, self.post_attn_norm, self.post_mlp_norm, self.qk_norm)
         if any(norm is not None and norm.native is None for norm in norms):
             return None
+        # A prefill's products differ from a step's only where a weight keeps oneDNN's copy for them.
+        self.native_prefill = all(packed.bulk is None for packed in self.packed.values())
         return native_ops()
 
     def _steps_natively(self, x, plain: bool, bulk: bool) -> bool:
-        return self.native_steps is not None and not (plain or bulk) and x.dtype == torch.bfloat16 and not x.requires_grad
+        return (self.native_steps is not None and not plain and (self.native_prefill or not bulk)
+                and x.dtype == torch.bfloat16 and not x.requires_grad)
 
     @staticmethod
     def _norm_scale(norm: "RMSNorm | None"):
@@ -201,17 +211,17 @@ class DecoderLayer(nn.Module):
         B = x.shape[0]
         q, k, v = self.native_steps.layer_head(
             x.reshape(-1, c.hidden_size).contiguous(), B, self._norm_scale(self.input_norm),
-            self.packed["qkv_weight"].tiles, self.qkv_bias, self._norm_scale(self.qk_norm), c.num_heads,
+            *self.step_weights["qkv_weight"], self.qkv_bias, self._norm_scale(self.qk_norm), c.num_heads,
             c.num_kv_heads, c.head_dim, *rope, self.input_norm.eps, c.gemma_norms)
         return q, k, v
 
     def _native_finish(self, x, attn_rows):
         c = self.config
+        w = self.step_weights
         out = self.native_steps.layer_tail(
             x.reshape(-1, c.hidden_size).contiguous(), attn_rows.reshape(-1, attn_rows.shape[-1]).contiguous(),
-            self.packed["o_weight"].tiles, c.hidden_size, self._norm_scale(self.post_attn_norm),
-            self._norm_scale(self.pre_mlp_norm), self.packed["gate_up_weight"].tiles, c.intermediate_size,
-            self.packed["down_weight"].tiles, self._norm_scale(self.post_mlp_norm),
+            *w["o_weight"], self._norm_scale(self.post_attn_norm), self._norm_scale(self.pre_mlp_norm),
+            *w["gate_up_weight"], *w["down_weight"], self._norm_scale(self.post_mlp_norm),
             self.pre_mlp_norm.eps, c.gemma_norms, c.activation == "gelu_tanh")
         return out.view(x.shape)
 
@@ -306,6 +316,10 @@ class Decoder(nn.Module):
         self._certified_head: CertifiedHead | None | bool = False  # False: not built yet (`certified_head`)
         self.static_steps: StaticSteps | None = None  # compiled decode/verify steps (`compile_steps`); off by default
         self.on_huge_pages = False  # whether prepare() moved the large CPU weights onto huge pages
+        # A quantized GGUF target's embedding and output layer as the file's rows (`runtime.file_rows`):
+        # lookups dequantize the rows they read, the logits are the `gguf_linear` kernel's.
+        self.file_embedding: FileRows | None = None
+        self.file_head: FileRows | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -317,6 +331,12 @@ class Decoder(nn.Module):
 
     @property
     def head_weight(self) -> torch.Tensor:
+        """The head as a dense weight (a quantized target's: a bf16 copy made on first ask,
+        for drafters that read the target's head rows; its logits never read it)."""
+        return self._head_param if self.file_head is None else self.file_head.dense()
+
+    @property
+    def _head_param(self) -> torch.Tensor:
         return self.embed_weight if self.lm_head_weight is None else self.lm_head_weight
 
     def new_cache(self, capacity: int, *, batch_size: int = 1, max_forward_tokens: int = 256) -> KVCache:
@@ -330,14 +350,17 @@ class Decoder(nn.Module):
         )
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = F.embedding(input_ids, self.embed_weight)
+        if self.file_embedding is not None:
+            x = self.file_embedding.lookup(input_ids)
+        else:
+            x = F.embedding(input_ids, self.embed_weight)
         if self.config.embedding_scale is not None:
             # transformers rounds the scale to the activation dtype first; so do we.
             x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype, device=x.device)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = packed_linear(hidden, self.head_weight, self._packed_head)
+        logits = packed_linear(hidden, self._head_param, self._packed_head)
         cap = self.config.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap
@@ -434,10 +457,10 @@ class Decoder(nn.Module):
         the product the served logits come from, and on CPUs without AVX-512 BF16 faster
         than slices of the plain bf16 head (docs/lab-notes/training.md#training-the-longspec-draft-on-avx2-cpus-11-faster-first-epochs-the-noisy-shift-weighted-toward-depth-1-issue-longspec-draft-that-pays).
         Elsewhere the head is scored a slice of the vocabulary (`vocab_chunk` rows) at a time."""
-        if self._packed_head is not None and hidden.device.type == "cpu" and hidden.dtype == self.head_weight.dtype:
+        if self._packed_head is not None and hidden.device.type == "cpu" and hidden.dtype == self._head_param.dtype:
             rows = hidden.reshape(-1, hidden.shape[-1])
-            step = max(1, GREEDY_LOGITS_ELEMENTS // self.head_weight.shape[0])
-            best = [row_argmax(packed_linear(rows[i : i + step], self.head_weight, self._packed_head))
+            step = max(1, GREEDY_LOGITS_ELEMENTS // self._head_param.shape[0])
+            best = [row_argmax(packed_linear(rows[i : i + step], self._head_param, self._packed_head))
                     for i in range(0, rows.shape[0], step)]
             return (torch.cat(best) if best else rows.new_empty(0, dtype=torch.long)).view(hidden.shape[:-1])
         best_value = best_index = None
@@ -472,6 +495,8 @@ class Decoder(nn.Module):
     def place(self, device: torch.device) -> "Decoder":
         """Move the weights to `device` and derive its inference-time weights again
         (keeping the choice of native CPU kernels)."""
+        if self.file_embedding is not None and torch.device(device).type != "cpu":
+            raise ValueError("a quantized GGUF target runs on the CPU; load it with dtype='bfloat16' for another device")
         if torch.device(device) != self.device:
             self.on_huge_pages = False  # the copies made on the new device are ordinary memory
         self.to(device).prepare(self.native_kernels)
@@ -493,7 +518,8 @@ class Decoder(nn.Module):
             layer.prepare(native_kernels, bulk)
         self.final_norm.prepare(native_kernels)
         self.native_kernels = native_kernels
-        self._packed_head = prepack(self.head_weight, native_kernels=native_kernels)
+        self._packed_head = (prepack(self.head_weight, native_kernels=native_kernels) if self.file_head is None else
+                             PackedWeight(onednn=None, quantized=self.file_head.quantized()))
         self._certified_head = False  # built again from the prepared head on first use
         if huge_pages:
             # Only the packed copies, which every product streams: the plain weights are read a row at a time
@@ -586,6 +612,19 @@ class Decoder(nn.Module):
         if positions.dim() == 2:
             return cos.unsqueeze(1), signed_sin.unsqueeze(1)  # broadcast over heads
         return cos, signed_sin
+
+
+# The kind `layer_head`/`layer_tail` read as the bf16 kernel's packed tiles; other kinds are GGML's.
+PACKED_BF16_KIND = -1
+
+
+def step_weight(packed: PackedWeight, out_features: int) -> tuple[list, list, list]:
+    """A product's weight as the native layer steps take it: (parts, kinds, rows), the
+    quantized weight's segments or the bf16 tiles as one part of kind `PACKED_BF16_KIND`."""
+    if packed.quantized is not None:
+        segments = packed.quantized.segments
+        return [s.packed for s in segments], [s.kind for s in segments], [s.rows for s in segments]
+    return [packed.tiles], [PACKED_BF16_KIND], [out_features]
 
 
 def prefill_copies_fit(model: "Decoder") -> bool:
