@@ -39,13 +39,17 @@ def quantized_rows_reference(x: torch.Tensor):
     return codes.to(torch.int8).view(x.shape), d
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_rows_are_quantized_exactly_as_defined(dtype):
+def test_rows_are_quantized_exactly_as_defined(dtype, path):
+    """On every path (the vector quantizers are the scalar one's operations)."""
     generator = torch.Generator().manual_seed(1)
     x = (torch.randn(9, 640, generator=generator) * torch.rand(9, 1, generator=generator) * 30).to(dtype)
     x[3, :32] = 0  # an all-zero block: scale 0, codes 0
     x[4, 40] = 1e-30  # a tiny value among ordinary ones
-    codes, scales = OPS.gguf_quantize_rows(x)
+    x[5, 64:96] = torch.arange(32) - 15.5  # halves: round-half-even decides codes
+    x[6, 96:128] = -x[6, 96:128].abs()  # an all-negative block (its amax from the most negative)
+    codes, scales = OPS.gguf_quantize_rows(x, path)
     expected_codes, expected_scales = quantized_rows_reference(x)
     assert torch.equal(scales, expected_scales) and torch.equal(codes, expected_codes)
 
@@ -92,14 +96,17 @@ def test_each_format_is_within_the_float32_sum_bound_of_the_exact_product(path, 
 
 @pytest.mark.parametrize("name", list(KINDS))
 def test_a_row_gets_the_same_bits_alone_or_among_1_to_64_rows_and_on_every_path(name):
+    """45 rows: a pair of groups and a lone group (the passes over two groups and one);
+    100 rows of x: past the 64 rows a pass holds, and 1-4 rows (accumulators in registers)
+    against 5-64 (a block's codes unpacked once for all of them)."""
     kind = KINDS[name]
     _, weight = weight_of(kind, 45, 512, seed=7)
     generator = torch.Generator().manual_seed(11)
-    x = torch.randn(64, 512, generator=generator).bfloat16()
+    x = torch.randn(100, 512, generator=generator).bfloat16()
     whole = product(weight, x)
     for path in PATHS:
         assert torch.equal(product(weight, x, path), whole), path
-        for begin, end in ((0, 1), (5, 6), (63, 64), (2, 5), (7, 20), (1, 64), (30, 33)):
+        for begin, end in ((0, 1), (5, 6), (63, 64), (2, 5), (7, 20), (1, 64), (30, 33), (0, 4), (60, 65), (36, 100)):
             assert torch.equal(product(weight, x[begin:end], path), whole[begin:end]), (path, begin, end)
 
 

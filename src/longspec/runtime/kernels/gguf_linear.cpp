@@ -5,7 +5,7 @@
 // quarter to a half of the bytes of the bf16 copy a dequantizing load made.
 //
 // Exactness: each row of x is quantized on its own, to int8 codes with one float32 scale
-// per 32 values (`quantize_rows`, scalar IEEE operations, the same bits on every CPU).
+// per 32 values (`quantize_row`: IEEE operations whose vector forms give the same bits).
 // Every block's dot product is an exact integer sum; every output is then one float32
 // sum over the weight's blocks in block order, each block's term added by one fused
 // multiply-add (`Format::term` below, mirrored lane for lane by the vector paths). So an
@@ -16,6 +16,8 @@
 // rows. Per group and 32-value block, 4-value runs of the 16 rows are interleaved, so one
 // 64-byte load gives each of 16 lanes (rows) the codes of 4 consecutive values, which
 // `vpdpbusd` (u8 codes x s8 activations) sums into that lane: no reduction across lanes.
+// AVX-512 runs two neighbouring groups a pass over the blocks (a row's broadcasts and scale
+// shared) and unpacks a block's codes once for every row of the call.
 // The same bits as the file's, rearranged; scales stay fp16 and 6-bit scales become bytes.
 
 #include <ATen/Parallel.h>
@@ -40,6 +42,9 @@ namespace {
 constexpr int64_t kLanes = 16;  // rows per group
 constexpr int64_t kBlock = 32;  // values per activation block (and per Q8_0 / Q5_0 block)
 constexpr int64_t kRowTile = 4; // rows of x per pass over a group's weights
+
+// The instruction sets a product can run on (every one gives the same bits).
+enum class Path { kPortable, kAvx2, kAvx512Vnni };
 
 // GGML's type ids.
 enum Kind : int64_t { kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
@@ -213,28 +218,6 @@ void quantize_row(const T* x, int64_t K, int8_t* q, float* d, int32_t* sums) {
   }
 }
 
-Acts quantize(const at::Tensor& x) {
-  const int64_t M = x.size(0), K = x.size(1);
-  Acts a;
-  a.K = K;
-  a.blocks = K / kBlock;
-  a.q.resize(M * K);
-  a.d.resize(M * a.blocks);
-  a.sums.resize(M * 2 * a.blocks);
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  const void* data = x.data_ptr();
-  at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      int8_t* q = a.q.data() + m * K;
-      float* d = a.d.data() + m * a.blocks;
-      int32_t* s = a.sums.data() + m * 2 * a.blocks;
-      if (bf16) quantize_row(static_cast<const c10::BFloat16*>(data) + m * K, K, q, d, s);
-      else quantize_row(static_cast<const float*>(data) + m * K, K, q, d, s);
-    }
-  });
-  return a;
-}
-
 // ---------------------------------------------------------------- the portable loop
 // Each output's float32 sum, term by term: the reference every vector path reproduces.
 // fmaf is the fused multiply-add (exactly rounded once), as the vector paths' FMAs.
@@ -363,60 +346,124 @@ LONGSPEC_AVX512_VNNI inline __m512i dot_runs(const __m512i* c, const int8_t* q, 
   return _mm512_add_epi32(s0, s1);
 }
 
-template <int R>
-LONGSPEC_AVX512_VNNI void group_avx512(int64_t kind, const uint8_t* group, int64_t K, const Act* rows, float* out) {
-  const int64_t supers = K / super_values(kind), rec = record_bytes(kind);
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+// One 32-value block of one group: its codes (8 runs) and the per-lane factors of its term:
+// Q8_0/Q5_0 f0 = d; Q4_K f0 = d x scale, f1 = dmin x minimum; Q6_K f0 = d, s0/s1 the sub-scales.
+struct Block512 {
   __m512i c[8];
-  for (int64_t s = 0; s < supers; ++s) {
-    const uint8_t* rc = group + s * rec;
-    if (kind == kQ8_0 || kind == kQ5_0) {
-      const __m512 dw = halves(rc);
-      if (kind == kQ8_0) codes_q8(rc, c);
-      else codes_q5(rc, c);
-      const int32_t offset = kind == kQ8_0 ? 128 : 16;
-      for (int r = 0; r < R; ++r) {
-        const Act& a = rows[r];
-        const int32_t total = a.sums[2 * s] + a.sums[2 * s + 1];
-        const __m512i isum = _mm512_sub_epi32(dot_runs(c, a.q + s * 32, 0, 8), _mm512_set1_epi32(offset * total));
-        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(a.d[s])), _mm512_cvtepi32_ps(isum), acc[r]);
-      }
-    } else if (kind == kQ4_K) {
-      const __m512 d = halves(rc), dmin = halves(rc + 32);
-      for (int j = 0; j < 8; ++j) {
-        const int64_t b = s * 8 + j;
-        const __m512 scale = _mm512_mul_ps(d, bytes_as_float(rc + 64 + j * 16, false));
-        const __m512 minimum = _mm512_mul_ps(dmin, bytes_as_float(rc + 192 + j * 16, false));
-        codes_nibbles(rc + 320 + j * 256, c);
-        for (int r = 0; r < R; ++r) {
-          const Act& a = rows[r];
-          const __m512 da = _mm512_set1_ps(a.d[b]);
-          const __m512i isum = dot_runs(c, a.q + b * 32, 0, 8);
-          acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(scale, da), _mm512_cvtepi32_ps(isum), acc[r]);
-          const float total = static_cast<float>(a.sums[2 * b] + a.sums[2 * b + 1]);
-          acc[r] = _mm512_fnmadd_ps(_mm512_mul_ps(minimum, da), _mm512_set1_ps(total), acc[r]);
-        }
-      }
-    } else {  // Q6_K
-      const __m512 d = halves(rc);
-      for (int j = 0; j < 8; ++j) {
-        const int64_t b = s * 8 + j;
-        const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rc + 32 + (2 * j) * 16)));
-        const __m512i sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rc + 32 + (2 * j + 1) * 16)));
-        codes_q6(rc + 288 + j * 384, c);
-        for (int r = 0; r < R; ++r) {
-          const Act& a = rows[r];
-          const int8_t* q = a.q + b * 32;
-          const __m512i h0 = _mm512_sub_epi32(dot_runs(c, q, 0, 4), _mm512_set1_epi32(32 * a.sums[2 * b]));
-          const __m512i h1 = _mm512_sub_epi32(dot_runs(c, q, 4, 8), _mm512_set1_epi32(32 * a.sums[2 * b + 1]));
-          const __m512i isum = _mm512_add_epi32(_mm512_mullo_epi32(sc0, h0), _mm512_mullo_epi32(sc1, h1));
-          acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a.d[b])), _mm512_cvtepi32_ps(isum), acc[r]);
-        }
-      }
+  __m512 f0, f1;
+  __m512i s0, s1;
+};
+
+template <int64_t kKind>
+constexpr int64_t kBlocksPerRecord = kKind == kQ4_K || kKind == kQ6_K ? 8 : 1;
+
+template <int64_t kKind>
+LONGSPEC_AVX512_VNNI inline void unpack_block(const uint8_t* rc, int j, Block512& w) {
+  if constexpr (kKind == kQ8_0) {
+    w.f0 = halves(rc);
+    codes_q8(rc, w.c);
+  } else if constexpr (kKind == kQ5_0) {
+    w.f0 = halves(rc);
+    codes_q5(rc, w.c);
+  } else if constexpr (kKind == kQ4_K) {
+    w.f0 = _mm512_mul_ps(halves(rc), bytes_as_float(rc + 64 + j * 16, false));
+    w.f1 = _mm512_mul_ps(halves(rc + 32), bytes_as_float(rc + 192 + j * 16, false));
+    codes_nibbles(rc + 320 + j * 256, w.c);
+  } else {
+    w.f0 = halves(rc);
+    w.s0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rc + 32 + (2 * j) * 16)));
+    w.s1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rc + 32 + (2 * j + 1) * 16)));
+    codes_q6(rc + 288 + j * 384, w.c);
+  }
+}
+
+// Block b's term of one row added to each of G groups' accumulators (`group_portable`'s
+// term, lane for lane); the row's scale and code sums are read once for the G groups.
+template <int64_t kKind, int G>
+LONGSPEC_AVX512_VNNI inline void add_terms(const Block512* w, const Act& a, int64_t b, __m512* acc) {
+  const int8_t* q = a.q + b * 32;
+  const __m512 da = _mm512_set1_ps(a.d[b]);
+  if constexpr (kKind == kQ8_0 || kKind == kQ5_0) {
+    const __m512i offset = _mm512_set1_epi32((kKind == kQ8_0 ? 128 : 16) * (a.sums[2 * b] + a.sums[2 * b + 1]));
+    for (int g = 0; g < G; ++g)
+      acc[g] = _mm512_fmadd_ps(_mm512_mul_ps(w[g].f0, da), _mm512_cvtepi32_ps(_mm512_sub_epi32(dot_runs(w[g].c, q, 0, 8), offset)),
+                               acc[g]);
+  } else if constexpr (kKind == kQ4_K) {
+    const __m512 total = _mm512_set1_ps(static_cast<float>(a.sums[2 * b] + a.sums[2 * b + 1]));
+    for (int g = 0; g < G; ++g) {
+      acc[g] = _mm512_fmadd_ps(_mm512_mul_ps(w[g].f0, da), _mm512_cvtepi32_ps(dot_runs(w[g].c, q, 0, 8)), acc[g]);
+      acc[g] = _mm512_fnmadd_ps(_mm512_mul_ps(w[g].f1, da), total, acc[g]);
+    }
+  } else {
+    const __m512i low = _mm512_set1_epi32(32 * a.sums[2 * b]), high = _mm512_set1_epi32(32 * a.sums[2 * b + 1]);
+    for (int g = 0; g < G; ++g) {
+      const __m512i h0 = _mm512_sub_epi32(dot_runs(w[g].c, q, 0, 4), low);
+      const __m512i h1 = _mm512_sub_epi32(dot_runs(w[g].c, q, 4, 8), high);
+      const __m512i isum = _mm512_add_epi32(_mm512_mullo_epi32(w[g].s0, h0), _mm512_mullo_epi32(w[g].s1, h1));
+      acc[g] = _mm512_fmadd_ps(_mm512_mul_ps(w[g].f0, da), _mm512_cvtepi32_ps(isum), acc[g]);
     }
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kLanes, acc[r]);
+}
+
+// R rows (at most 4) against G groups (two share each row's broadcasts): accumulators stay in
+// registers over all blocks. out [R][G][16].
+template <int64_t kKind, int R, int G>
+LONGSPEC_AVX512_VNNI void few_rows_avx512(const uint8_t* const* groups, int64_t K, const Act* rows, float* out) {
+  constexpr int64_t per = kBlocksPerRecord<kKind>;
+  const int64_t records = K / (32 * per), rec = record_bytes(kKind);
+  __m512 acc[R][G];
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) acc[r][g] = _mm512_setzero_ps();
+  Block512 w[G];
+  for (int64_t s = 0; s < records; ++s)
+    for (int j = 0; j < per; ++j) {
+      for (int g = 0; g < G; ++g) unpack_block<kKind>(groups[g] + s * rec, j, w[g]);
+      for (int r = 0; r < R; ++r) add_terms<kKind, G>(w, rows[r], s * per + j, acc[r]);
+    }
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) _mm512_storeu_ps(out + (r * G + g) * kLanes, acc[r][g]);
+}
+
+// M rows against G groups: each block's codes are unpacked once for all M rows, whose
+// accumulators live in out [M][G][16] (the same chain per output, so the same bits).
+template <int64_t kKind, int G>
+LONGSPEC_AVX512_VNNI void many_rows_avx512(const uint8_t* const* groups, int64_t K, const Act* rows, int64_t M, float* out) {
+  constexpr int64_t per = kBlocksPerRecord<kKind>;
+  const int64_t records = K / (32 * per), rec = record_bytes(kKind);
+  for (int64_t i = 0; i < M * G * kLanes; i += kLanes) _mm512_storeu_ps(out + i, _mm512_setzero_ps());
+  Block512 w[G];
+  for (int64_t s = 0; s < records; ++s)
+    for (int j = 0; j < per; ++j) {
+      for (int g = 0; g < G; ++g) unpack_block<kKind>(groups[g] + s * rec, j, w[g]);
+      for (int64_t r = 0; r < M; ++r) {
+        __m512 acc[G];
+        for (int g = 0; g < G; ++g) acc[g] = _mm512_loadu_ps(out + (r * G + g) * kLanes);
+        add_terms<kKind, G>(w, rows[r], s * per + j, acc);
+        for (int g = 0; g < G; ++g) _mm512_storeu_ps(out + (r * G + g) * kLanes, acc[g]);
+      }
+    }
+}
+
+template <int64_t kKind, int G>
+LONGSPEC_AVX512_VNNI void rows_avx512_of(const uint8_t* const* groups, int64_t K, const Act* rows, int64_t M, float* out) {
+  switch (M) {
+    case 1: few_rows_avx512<kKind, 1, G>(groups, K, rows, out); break;
+    case 2: few_rows_avx512<kKind, 2, G>(groups, K, rows, out); break;
+    case 3: few_rows_avx512<kKind, 3, G>(groups, K, rows, out); break;
+    case 4: few_rows_avx512<kKind, 4, G>(groups, K, rows, out); break;
+    default: many_rows_avx512<kKind, G>(groups, K, rows, M, out); break;
+  }
+}
+
+// M rows (any number) against G (1 or 2) groups of one format; out [M][G][16].
+void rows_avx512(int64_t kind, const uint8_t* const* groups, int G, int64_t K, const Act* rows, int64_t M, float* out) {
+  const bool two = G == 2;
+  switch (kind) {
+    case kQ8_0: two ? rows_avx512_of<kQ8_0, 2>(groups, K, rows, M, out) : rows_avx512_of<kQ8_0, 1>(groups, K, rows, M, out); break;
+    case kQ5_0: two ? rows_avx512_of<kQ5_0, 2>(groups, K, rows, M, out) : rows_avx512_of<kQ5_0, 1>(groups, K, rows, M, out); break;
+    case kQ4_K: two ? rows_avx512_of<kQ4_K, 2>(groups, K, rows, M, out) : rows_avx512_of<kQ4_K, 1>(groups, K, rows, M, out); break;
+    default: two ? rows_avx512_of<kQ6_K, 2>(groups, K, rows, M, out) : rows_avx512_of<kQ6_K, 1>(groups, K, rows, M, out); break;
+  }
 }
 
 // ---------------------------------------------------------------- AVX2 (8 lanes: a group's two halves)
@@ -534,8 +581,107 @@ LONGSPEC_AVX2 void group_avx2(int64_t kind, const uint8_t* group, int64_t K, con
   half_avx2<R>(kind, group, K, rows, 1, out);
 }
 
+// ---------------------------------------------------------------- vector row quantizers
+// `quantize_row`'s operations on 16 (8) values at once: the block's amax is a maximum (exact
+// in any order; a NaN is skipped as fmax skips it), the scale and its reciprocal the same
+// scalar operations, each product rounded once, round-half-even, the sums exact integers.
+LONGSPEC_AVX512_VNNI inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+LONGSPEC_AVX512_VNNI inline __m512 load16(const c10::BFloat16* x) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+template <typename T>
+LONGSPEC_AVX512_VNNI void quantize_row_avx512(const T* x, int64_t K, int8_t* q, float* d, int32_t* sums) {
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    const __m512 v0 = load16(x + b * kBlock), v1 = load16(x + b * kBlock + 16);
+    const __m512 m = _mm512_max_ps(_mm512_abs_ps(v1), _mm512_max_ps(_mm512_abs_ps(v0), _mm512_setzero_ps()));
+    const float amax = _mm512_reduce_max_ps(m);
+    const float scale = amax / 127.0f, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+    d[b] = scale;
+    const __m512 inv = _mm512_set1_ps(inverse), top = _mm512_set1_ps(127.0f), bottom = _mm512_set1_ps(-127.0f);
+    const __m512 v[2] = {v0, v1};
+    for (int h = 0; h < 2; ++h) {
+      const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(v[h], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m512i codes = _mm512_cvtps_epi32(_mm512_max_ps(bottom, _mm512_min_ps(top, r)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16 * h), _mm512_cvtepi32_epi8(codes));
+      sums[2 * b + h] = _mm512_reduce_add_epi32(codes);
+    }
+  }
+}
+
+LONGSPEC_AVX2 inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+LONGSPEC_AVX2 inline __m256 load8(const c10::BFloat16* x) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+LONGSPEC_AVX2 inline int32_t add_lanes8(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+template <typename T>
+LONGSPEC_AVX2 void quantize_row_avx2(const T* x, int64_t K, int8_t* q, float* d, int32_t* sums) {
+  const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    __m256 v[4], m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = load8(x + b * kBlock + 8 * i);
+      m = _mm256_max_ps(_mm256_and_ps(v[i], sign), m);
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_shuffle_ps(h, h, 0x4E));
+    h = _mm_max_ps(h, _mm_shuffle_ps(h, h, 0xB1));
+    const float amax = _mm_cvtss_f32(h);
+    const float scale = amax / 127.0f, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+    d[b] = scale;
+    const __m256 inv = _mm256_set1_ps(inverse), top = _mm256_set1_ps(127.0f), bottom = _mm256_set1_ps(-127.0f);
+    __m256i codes[4];
+    for (int i = 0; i < 4; ++i) {
+      const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      codes[i] = _mm256_cvtps_epi32(_mm256_max_ps(bottom, _mm256_min_ps(top, r)));
+    }
+    // Packing interleaves 128-bit halves; the permutation puts the 32 codes back in order.
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(codes[0], codes[1]), _mm256_packs_epi32(codes[2], codes[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kBlock),
+                        _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    sums[2 * b] = add_lanes8(_mm256_add_epi32(codes[0], codes[1]));
+    sums[2 * b + 1] = add_lanes8(_mm256_add_epi32(codes[2], codes[3]));
+  }
+}
+
+template <typename T>
+void quantize_row_on(Path path, const T* x, int64_t K, int8_t* q, float* d, int32_t* sums) {
+  if (path == Path::kAvx512Vnni) quantize_row_avx512(x, K, q, d, sums);
+  else if (path == Path::kAvx2) quantize_row_avx2(x, K, q, d, sums);
+  else quantize_row(x, K, q, d, sums);
+}
+
+Acts quantize(const at::Tensor& x, Path path) {
+  const int64_t M = x.size(0), K = x.size(1);
+  Acts a;
+  a.K = K;
+  a.blocks = K / kBlock;
+  a.q.resize(M * K);
+  a.d.resize(M * a.blocks);
+  a.sums.resize(M * 2 * a.blocks);
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const void* data = x.data_ptr();
+  at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      int8_t* q = a.q.data() + m * K;
+      float* d = a.d.data() + m * a.blocks;
+      int32_t* s = a.sums.data() + m * 2 * a.blocks;
+      if (bf16) quantize_row_on(path, static_cast<const c10::BFloat16*>(data) + m * K, K, q, d, s);
+      else quantize_row_on(path, static_cast<const float*>(data) + m * K, K, q, d, s);
+    }
+  });
+  return a;
+}
+
 // ---------------------------------------------------------------- dispatch
-enum class Path { kPortable, kAvx2, kAvx512Vnni };
 
 bool avx512_vnni_supported() {
   __builtin_cpu_init();
@@ -572,10 +718,37 @@ std::string path_name(Path p) {
 
 template <int R>
 void run_group(Path path, int64_t kind, const uint8_t* group, int64_t K, const Act* rows, float* out) {
-  if (path == Path::kAvx512Vnni) group_avx512<R>(kind, group, K, rows, out);
-  else if (path == Path::kAvx2) group_avx2<R>(kind, group, K, rows, out);
+  if (path == Path::kAvx2) group_avx2<R>(kind, group, K, rows, out);
   else group_portable(kind, group, K, rows, R, out);
 }
+
+// Rows of x past which a unit's products start again (its accumulators, M x 2 x 16 floats, in L1).
+constexpr int64_t kRowChunk = 64;
+
+// M rows against G groups of one format: out [M][G][16]. AVX-512 VNNI runs the G groups in one
+// pass over the blocks; the other paths a group and up to kRowTile rows at a time.
+void run_unit(Path path, int64_t kind, const uint8_t* const* groups, int G, int64_t K, const Act* rows, int64_t M,
+              float* out) {
+  if (path == Path::kAvx512Vnni) return rows_avx512(kind, groups, G, K, rows, M, out);
+  float tile_out[kRowTile * kLanes];
+  for (int g = 0; g < G; ++g)
+    for (int64_t m = 0; m < M; m += kRowTile) {
+      const int64_t R = std::min<int64_t>(kRowTile, M - m);
+      switch (R) {
+        case 4: run_group<4>(path, kind, groups[g], K, rows + m, tile_out); break;
+        case 3: run_group<3>(path, kind, groups[g], K, rows + m, tile_out); break;
+        case 2: run_group<2>(path, kind, groups[g], K, rows + m, tile_out); break;
+        default: run_group<1>(path, kind, groups[g], K, rows + m, tile_out); break;
+      }
+      for (int64_t r = 0; r < R; ++r)
+        std::memcpy(out + ((m + r) * G + g) * kLanes, tile_out + r * kLanes, kLanes * sizeof(float));
+    }
+}
+
+// A unit of work: up to two neighbouring groups of one segment.
+struct Unit {
+  int64_t segment, group, count;
+};
 
 // One weight = segments of rows (a fused q/k/v may mix formats), outputs side by side.
 at::Tensor linear_on(Path path, const at::Tensor& x, const std::vector<at::Tensor>& packed, const std::vector<int64_t>& kinds,
@@ -586,7 +759,8 @@ at::Tensor linear_on(Path path, const at::Tensor& x, const std::vector<at::Tenso
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % kBlock == 0, "x has ", K, " columns, not a multiple of 32");
   int64_t N = 0;
-  std::vector<int64_t> first_group(packed.size() + 1, 0), first_row(packed.size(), 0);
+  std::vector<int64_t> first_row(packed.size(), 0);
+  std::vector<Unit> units;
   for (size_t i = 0; i < packed.size(); ++i) {
     const int64_t sv = super_values(kinds[i]), groups = (rows[i] + kLanes - 1) / kLanes;
     TORCH_CHECK(K % sv == 0, "GGML type ", kinds[i], " needs rows of a multiple of ", sv, " values, x has ", K);
@@ -595,7 +769,7 @@ at::Tensor linear_on(Path path, const at::Tensor& x, const std::vector<at::Tenso
                 "segment ", i, " is not a repacked [", groups, ", ", K / sv * record_bytes(kinds[i]), "] weight");
     first_row[i] = N;
     N += rows[i];
-    first_group[i + 1] = first_group[i] + groups;
+    for (int64_t g = 0; g < groups; g += 2) units.push_back({static_cast<int64_t>(i), g, std::min<int64_t>(2, groups - g)});
   }
   std::vector<float> bias_f;
   if (bias.has_value()) {
@@ -605,35 +779,34 @@ at::Tensor linear_on(Path path, const at::Tensor& x, const std::vector<at::Tenso
   }
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  const Acts acts = quantize(x);
+  const Acts acts = quantize(x, path);
+  std::vector<Act> act_rows(M);
+  for (int64_t m = 0; m < M; ++m) act_rows[m] = acts.row(m);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   void* ys = y.data_ptr();
-  at::parallel_for(0, first_group.back(), 1, [&](int64_t begin, int64_t end) {
-    float out[kRowTile * kLanes];
-    Act tile[kRowTile];
-    for (int64_t t = begin; t < end; ++t) {
-      size_t seg = 0;
-      while (first_group[seg + 1] <= t) ++seg;
-      const int64_t g = t - first_group[seg];
-      const uint8_t* group = packed[seg].data_ptr<uint8_t>() + g * packed[seg].size(1);
-      const int64_t lanes = std::min<int64_t>(kLanes, rows[seg] - g * kLanes);
-      const int64_t n0 = first_row[seg] + g * kLanes;
-      for (int64_t m = 0; m < M; m += kRowTile) {
-        const int64_t R = std::min<int64_t>(kRowTile, M - m);
-        for (int64_t r = 0; r < R; ++r) tile[r] = acts.row(m + r);
-        switch (R) {
-          case 4: run_group<4>(path, kinds[seg], group, K, tile, out); break;
-          case 3: run_group<3>(path, kinds[seg], group, K, tile, out); break;
-          case 2: run_group<2>(path, kinds[seg], group, K, tile, out); break;
-          default: run_group<1>(path, kinds[seg], group, K, tile, out); break;
+  at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> out(std::min(M, kRowChunk) * 2 * kLanes);
+    for (int64_t u = begin; u < end; ++u) {
+      const Unit unit = units[u];
+      const at::Tensor& weight = packed[unit.segment];
+      const uint8_t* groups[2] = {weight.data_ptr<uint8_t>() + unit.group * weight.size(1),
+                                  weight.data_ptr<uint8_t>() + (unit.group + 1) * weight.size(1)};
+      const int G = static_cast<int>(unit.count);
+      for (int64_t m = 0; m < M; m += kRowChunk) {
+        const int64_t R = std::min(kRowChunk, M - m);
+        run_unit(path, kinds[unit.segment], groups, G, K, act_rows.data() + m, R, out.data());
+        for (int g = 0; g < G; ++g) {
+          const int64_t n0 = first_row[unit.segment] + (unit.group + g) * kLanes;
+          const int64_t lanes = std::min<int64_t>(kLanes, first_row[unit.segment] + rows[unit.segment] - n0);
+          for (int64_t r = 0; r < R; ++r)
+            for (int64_t i = 0; i < lanes; ++i) {
+              const float v = out[(r * G + g) * kLanes + i];
+              const float with_bias = bias_f.empty() ? v : v + bias_f[n0 + i];
+              const int64_t at = (m + r) * N + n0 + i;
+              if (bf16) static_cast<c10::BFloat16*>(ys)[at] = c10::BFloat16(with_bias);
+              else static_cast<float*>(ys)[at] = with_bias;
+            }
         }
-        for (int64_t r = 0; r < R; ++r)
-          for (int64_t i = 0; i < lanes; ++i) {
-            const float v = bias_f.empty() ? out[r * kLanes + i] : out[r * kLanes + i] + bias_f[n0 + i];
-            const int64_t at = (m + r) * N + n0 + i;
-            if (bf16) static_cast<c10::BFloat16*>(ys)[at] = c10::BFloat16(v);
-            else static_cast<float*>(ys)[at] = v;
-          }
       }
     }
   });
@@ -651,11 +824,11 @@ at::Tensor linear_path(const at::Tensor& x, std::vector<at::Tensor> packed, std:
 }
 
 // The row quantization the products use, for tests: (codes [M, K] int8, scales [M, K/32] float32).
-std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x) {
+std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, std::string path) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) &&
                   x.size(1) % kBlock == 0,
               "x: contiguous [M, K] bf16 or float32, K a multiple of 32");
-  const Acts a = quantize(x);
+  const Acts a = quantize(x, path_named(path));
   at::Tensor q = at::empty({x.size(0), x.size(1)}, x.options().dtype(at::kChar));
   at::Tensor d = at::empty({x.size(0), a.blocks}, x.options().dtype(at::kFloat));
   if (!a.q.empty()) std::memcpy(q.data_ptr(), a.q.data(), a.q.size());
@@ -672,7 +845,7 @@ TORCH_LIBRARY_FRAGMENT(longspec_native, m) {
   m.impl("gguf_linear", c10::DispatchKey::CPU, TORCH_FN(linear));
   m.def("gguf_linear_on(Tensor x, Tensor[] packed, int[] kinds, int[] rows, Tensor? bias, str path) -> Tensor");
   m.impl("gguf_linear_on", c10::DispatchKey::CPU, TORCH_FN(linear_path));
-  m.def("gguf_quantize_rows(Tensor x) -> (Tensor, Tensor)");
+  m.def("gguf_quantize_rows(Tensor x, str path=\"native\") -> (Tensor, Tensor)");
   m.impl("gguf_quantize_rows", c10::DispatchKey::CPU, TORCH_FN(quantize_rows));
   m.def("gguf_linear_path() -> str", []() { return path_name(best_path()); });
   m.def("gguf_linear_paths() -> str[]", []() {
