@@ -225,9 +225,9 @@ def _gguf_parsed_once():
 
 def load_gguf(path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16,
               keep_quantization: bool = False) -> LoadedTarget:
-    """Dequantize a GGUF file through `transformers`' converter; keep_quantization: the layer
-    products stay in the file's quantization (`runtime.gguf_layers`), the rest (embedding,
-    head, norms) is dequantized as before."""
+    """Dequantize a GGUF file through `transformers`' converter; keep_quantization: the
+    quantized target read from the file directly (`runtime.gguf_reading`): the layer products,
+    the embedding and the output layer stay the file's blocks."""
     path = Path(path)
     with _gguf_parsed_once():
         return _load_gguf(path, dtype, keep_quantization)
@@ -245,33 +245,38 @@ def _load_gguf(path: Path, dtype: torch.dtype, keep_quantization: bool = False) 
         raise ValueError(f"{path} is truncated or not a GGUF file ({_first_line(error)})") from None
     config = DecoderConfig.from_hf(hf_config)
     check_dtype_fits(hf_config, dtype)
-    reader = None
     if keep_quantization:
-        from longspec.runtime.gguf_layers import check_layer_tensors
         from longspec.runtime.quantized import quantized_available
 
         keep_quantization = dtype == torch.bfloat16 and quantized_available()
-        if keep_quantization:
-            import gguf
-
-            reader = gguf.GGUFReader(path)  # the one `_gguf_parsed_once` hands transformers too
-            check_layer_tensors(reader, config)  # before the slow dequantization below
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(hf_config)
-    try:
-        checkpoint = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)
-    except Exception as error:
-        raise ValueError(f"{path} is truncated or corrupt ({_first_line(error)})") from None
-    quantized = None
-    if reader is not None:
-        from longspec.runtime.gguf_layers import quantized_layers
-
-        architecture = str(reader.fields["general.architecture"].contents())
-        quantized = quantized_layers(reader, config, architecture)
-    model = decoder_from_state_dict(hf_config, checkpoint["tensors"], dtype, quantized)
+    if keep_quantization:
+        model = _quantized_from_gguf(path, hf_config)
+    else:
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(hf_config)
+        try:
+            checkpoint = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)
+        except Exception as error:
+            raise ValueError(f"{path} is truncated or corrupt ({_first_line(error)})") from None
+        model = decoder_from_state_dict(hf_config, checkpoint["tensors"], dtype)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
     check_tokenizer_fits(tokenizer, model.config.vocab_size, str(path))
     return LoadedTarget(model, tokenizer, hf_config, str(path))
+
+
+def _quantized_from_gguf(path: Path, hf_config) -> Decoder:
+    """The quantized target read from the file's memory map (`runtime.gguf_reading`): every
+    tensor checked first, none dequantized whole."""
+    import gguf
+
+    from longspec.runtime.gguf_reading import quantized_decoder
+
+    try:
+        reader = gguf.GGUFReader(path)  # the one `_gguf_parsed_once` hands transformers too
+    except Exception as error:  # numpy raises on tensors that run past the end of a short file
+        raise ValueError(f"{path} is truncated or corrupt ({_first_line(error)}); copy or convert it again") from None
+    architecture = str(reader.fields["general.architecture"].contents())
+    return quantized_decoder(reader, hf_config, architecture)
 
 
 def write_checkpoint_from_gguf(gguf_path: Path, directory: Path) -> None:
