@@ -17,6 +17,7 @@ from longspec import content_tokens
 from longspec.runtime import setup_time
 from longspec.runtime.device import HOST
 from longspec.runtime.loading import LoadedTarget, load_target
+from longspec.runtime.tokenizer import Tokenizer
 from longspec.speculation.batch_engine import BatchEngine, BatchOptions, RequestHandle
 from longspec.speculation.decoding_request import DecodingRequest
 from longspec.speculation.engine import EngineOptions, SpeculativeEngine
@@ -276,8 +277,11 @@ class LongSpecModel:
     def separate_encoding(self) -> None:
         """Tokenize prompts with a copy of the tokenizer under a lock of its own, so that
         a long prompt being tokenized never holds up the detokenizing of streams (a
-        server's generation thread). Costs a copy of the tokenizer (~2 s for Gemma's)."""
-        if self.tokenizer is not None and self._encoder is self.tokenizer:
+        server's generation thread). A `transformers` tokenizer is copied for it (seconds for
+        Gemma's); ours encodes beside its own decoding and is shared."""
+        if isinstance(self.tokenizer, Tokenizer):  # encodes beside its own decoding: no copy needed
+            self._encoding_lock = threading.Lock()
+        elif self.tokenizer is not None and self._encoder is self.tokenizer:
             self._encoder, self._encoding_lock = copy.deepcopy(self.tokenizer), threading.Lock()
 
     @property

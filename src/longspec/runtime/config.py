@@ -113,8 +113,6 @@ def rope_tables(hf_config, config: DecoderConfig) -> dict[bool, tuple[torch.Tens
     """Inverse frequencies and attention scaling for full (False) and sliding (True)
     layers, computed by `transformers`' own RoPE initialisers so every scaling type
     (linear, llama3, yarn, dynamic at its base length, ...) matches exactly."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
     if getattr(hf_config, "model_type", None) == "gemma3" and hasattr(hf_config, "text_config"):
         hf_config = hf_config.text_config
     params = getattr(hf_config, "rope_parameters", None) or {}
@@ -129,6 +127,8 @@ def rope_tables(hf_config, config: DecoderConfig) -> dict[bool, tuple[torch.Tens
             # float32 arithmetic, as transformers computes it, so tables agree bit for bit
             inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
             return inv, 1.0
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # only a scaled RoPE needs transformers
+
         kwargs = {"layer_type": layer_type} if layer_type else {}
         inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu", **kwargs)
         return inv.float(), float(scaling)

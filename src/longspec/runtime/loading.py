@@ -25,7 +25,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"
 @dataclass
 class LoadedTarget:
     model: Decoder
-    tokenizer: object  # a transformers tokenizer, or None when the checkpoint has none
+    tokenizer: object  # runtime.tokenizer.Tokenizer, a transformers tokenizer, or None when the checkpoint has none
     hf_config: object
     source: str
 
@@ -136,15 +136,16 @@ def _load_on_host(source: str | os.PathLike | None, dtype: torch.dtype, keep_qua
 
 def load_checkpoint_dir(directory: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16) -> LoadedTarget:
     from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoTokenizer
+
+    from longspec.runtime.checkpoint_config import read_config
+    from longspec.runtime.tokenizer import read_tokenizer
 
     directory = Path(directory)
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{directory} has no config.json; is it a Hugging Face checkpoint directory?")
     try:
-        json.loads(config_file.read_text())
-        hf_config = AutoConfig.from_pretrained(directory, local_files_only=True)
+        hf_config = read_config(directory)  # without transformers where the file is complete
     except (ValueError, OSError) as error:
         raise ValueError(f"{config_file} is not a valid model config ({_first_line(error)}); restore it from the "
                          "checkpoint's source") from None
@@ -153,12 +154,13 @@ def load_checkpoint_dir(directory: str | os.PathLike, *, dtype: torch.dtype = to
     shards = sorted(directory.glob("*.safetensors"))
     if not shards:
         raise FileNotFoundError(f"{directory} holds no *.safetensors weights (PyTorch .bin files are not loaded)")
-    # The tokenizer is read beside the weights: a large vocabulary's (Gemma's 262k) takes seconds of
-    # parsing that overlap the weights' conversion and packing (docs/lab-notes/startup.md).
+    # The tokenizer is read on a thread beside the weights: transformers' (Python parsing, where our
+    # Rust-only one cannot stand in) overlaps their torch work; the Rust one holds the GIL while it
+    # parses, about a second for Gemma's 262k entries (docs/lab-notes/startup.md).
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="longspec-tokenizer") as pool:
         tokenizer_loaded = None
         if any((directory / name).is_file() for name in _TOKENIZER_FILES):
-            tokenizer_loaded = pool.submit(AutoTokenizer.from_pretrained, directory, local_files_only=True)
+            tokenizer_loaded = pool.submit(read_tokenizer, directory)  # Rust `tokenizers` alone where it can
         state_dict: dict[str, torch.Tensor] = {}
         for shard in shards:
             try:

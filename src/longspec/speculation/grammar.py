@@ -145,17 +145,27 @@ class GrammarVocabulary:
             raise ValueError("structured output needs the model's EOS token (its config names none): a finished "
                              "grammar ends the output with it")
         llguidance = _llguidance()
-        import llguidance.hf
-
         self.vocab_size, self.eos_token_ids = vocab_size, tuple(eos_token_ids)
         try:  # fast tokenizers of the usual kinds: exact token bytes
-            self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+            self.tokenizer = _from_rust_pipeline(llguidance, tokenizer, vocab_size, list(eos_token_ids))
         except ValueError:  # others (a word-level vocabulary, say): each token's text alone
             self.tokenizer = llguidance.LLTokenizer(
                 llguidance.TokenizerWrapper(_DecodedTokens(tokenizer, vocab_size, eos_token_ids)), n_vocab=vocab_size)
 
     def matcher(self, constraint: OutputConstraint) -> GrammarState:
         return GrammarState(self, constraint)
+
+
+def _from_rust_pipeline(llguidance, tokenizer, vocab_size: int, eos: list[int]):
+    """llguidance's vocabulary from the tokenizer's Rust pipeline: ours handed over as
+    `llguidance.hf` hands over `transformers`' (whose module imports `transformers`)."""
+    from longspec.runtime.tokenizer import Tokenizer
+
+    if isinstance(tokenizer, Tokenizer):
+        return llguidance.LLTokenizer(tokenizer.backend_json(), n_vocab=vocab_size, eos_token=eos)
+    import llguidance.hf
+
+    return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
 
 
 class _DecodedTokens:
