@@ -65,7 +65,7 @@ class Tokenizer:
                           and type(backend.model).__name__ != "BPE")
         self._lock = threading.Lock()
 
-    def __deepcopy__(self, memo) -> "Tokenizer":
+    def __deepcopy__(self, memo) -> Tokenizer:
         with self._lock:
             backend = tokenizers.Tokenizer.from_str(self.backend_tokenizer.to_str())
         return Tokenizer(backend, copy.deepcopy(self._settings), self.chat_template, self.name_or_path)
@@ -150,7 +150,10 @@ class Tokenizer:
             raise ValueError("this tokenizer has no chat template: set tokenizer.chat_template or pass chat_template")
         if not conversation:
             raise ValueError("the conversation is empty")
-        from transformers.utils.chat_template_utils import _normalize_chat_messages, render_jinja_template
+        from transformers.utils.chat_template_utils import (
+            _normalize_chat_messages,
+            render_jinja_template,
+        )
 
         rendered, _ = render_jinja_template(conversations=[_normalize_chat_messages(conversation)],
                                             chat_template=template, add_generation_prompt=add_generation_prompt,
