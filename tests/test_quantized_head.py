@@ -162,3 +162,110 @@ def test_batch_rows_of_the_file_target_equal_their_single_runs(tmp_path):
         for prompt, n, handle in zip(prompts, max_new, handles):
             assert torch.equal(handle.tokens, single_run(model, prompt, params=params, max_new_tokens=n, seed=7))
 
+
+def adversarial_head(kind: int, vocab: int = 400, cols: int = 256, seed: int = 0):
+    """File rows built to sit at the screen's bound: near-copies of one top row (one code
+    apart), exact duplicates (ties, the later index must lose), and rows far below."""
+    from longspec.runtime.file_rows import FileRows
+    from quantized_blocks import quantize
+
+    rng = np.random.default_rng(seed)
+    weights = (rng.standard_normal((vocab, cols)) * 0.02).astype(np.float32)
+    top = weights[7].copy()
+    for i in range(20, 120):  # near copies: the top row plus a perturbation a code's size or less
+        weights[i] = top + (rng.standard_normal(cols) * 0.0005 * (i % 5)).astype(np.float32)
+    raw = quantize(kind, weights)
+    raw[300] = raw[7]  # an exact duplicate of the top row
+    raw[301] = raw[45]
+    return FileRows("output.weight", kind, raw, cols), weights
+
+
+def adversarial_activations(rows, weights, count: int = 24, seed: int = 1) -> torch.Tensor:
+    """Rows aligned with the top row, with the screen's residual direction (Cauchy-Schwarz
+    tight), large and tiny scales, and a few random rows."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    exact = np.asarray(gguf.quants.dequantize(rows.raw, gguf.GGMLQuantizationType(rows.kind)),
+                       dtype=np.float64).reshape(rows.rows, rows.cols)
+    screen = gguf.quants.quantize(exact.astype(np.float32), gguf.GGMLQuantizationType.Q5_0)
+    v = np.asarray(gguf.quants.dequantize(screen, gguf.GGMLQuantizationType.Q5_0), dtype=np.float64)
+    v = v.reshape(rows.rows, rows.cols)
+    out = []
+    for n in range(count):
+        i = [7, 45, 300, 21, 22][n % 5]
+        direction = exact[i] if n % 3 == 0 else (exact[i] - v[i]) if n % 3 == 1 else rng.standard_normal(rows.cols)
+        scale = [1.0, 300.0, 1e-3, 40.0][n % 4] / (np.abs(direction).max() + 1e-30)
+        out.append(direction * scale)
+    return torch.tensor(np.array(out), dtype=torch.float32).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("kind", (Q8_0, Q6_K, Q4_K))
+def test_the_screens_bound_holds_on_adversarial_rows_and_is_not_vacuous(kind):
+    from longspec.runtime.file_screen import FileCertifiedHead, derive_screen
+
+    rows, weights = adversarial_head(kind)
+    head = FileCertifiedHead(rows, derive_screen(rows))
+    hidden = adversarial_activations(rows, weights)
+    exact = rows.quantized().linear(hidden).double()
+    scores, bounds = head.bounds(hidden)
+    error = (exact - scores.double()).abs()
+    assert bool((error <= bounds).all())
+    assert float((error / bounds).max()) > 0.5  # the adversarial rows come near the bound: it is not vacuous
+
+
+@pytest.mark.parametrize("kind", (Q8_0, Q6_K, Q4_K))
+def test_the_certified_argmax_is_the_full_heads_ties_included(kind):
+    from longspec.runtime.argmax import row_argmax
+    from longspec.runtime.file_screen import FileCertifiedHead, derive_screen
+
+    rows, weights = adversarial_head(kind)
+    head = FileCertifiedHead(rows, derive_screen(rows))
+    hidden = adversarial_activations(rows, weights, count=40)
+    full = lambda h: rows.quantized().linear(h)
+    logits = full(hidden)
+    expected = row_argmax(logits)
+    assert torch.equal(head.argmax(hidden, full), expected)
+    assert head.stats.fallbacks == 0 and max(head.stats.candidates) > 1  # certified, with real contests
+    tied = [r for r in range(40) if int((logits[r] == logits[r].max()).sum()) > 1]
+    assert tied and all(int(expected[r]) == int(torch.nonzero(logits[r] == logits[r].max())[0]) for r in tied)
+    allowed = torch.rand(40, rows.rows, generator=torch.Generator().manual_seed(0)) < 0.5
+    allowed[:, 0] = True
+    masked = row_argmax(logits.masked_fill(~allowed, float("-inf")))
+    assert torch.equal(head.argmax(hidden, full, allowed=allowed), masked)
+
+
+def test_the_screen_reads_the_codes_the_product_quantizes_from_bf16():
+    from longspec.runtime.native import native_ops
+
+    hidden = (torch.randn(9, 256) * 7).to(torch.bfloat16)
+    ours, theirs = native_ops().gguf_quantize_rows(hidden), native_ops().gguf_quantize_rows(hidden.float())
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+
+
+@pytest.mark.parametrize("family", ("gemma3", "llama"))
+def test_the_file_targets_certified_head_serves_greedy_and_sampled_decoding_exactly(tmp_path, family, monkeypatch):
+    from longspec.runtime.certified_head import DISABLE_VARIABLE
+    from longspec.runtime.file_screen import FileCertifiedHead
+    from longspec.speculation.drafters import PromptLookupDrafter
+    from longspec.speculation.methods import make_drafter
+    from longspec.speculation.processors import SamplingParams
+    from exactness import DIVERSE, single_run
+    from tiny_models import random_ids
+
+    monkeypatch.setenv("LONGSPEC_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "m.gguf"
+    config = write_model(path, family, vocab=300)
+    certified, full = read_model(path, family, config), read_model(path, family, config)
+    assert isinstance(certified.certified_head, FileCertifiedHead)
+    monkeypatch.setenv(DISABLE_VARIABLE, "0")
+    assert full.certified_head is None  # plain decoding over the full quantized head
+    monkeypatch.delenv(DISABLE_VARIABLE)
+    prompt = random_ids(30, seed=2)[0] % 40
+    for setting in SETTINGS.values():
+        params = SamplingParams(**DIVERSE[family][1], **setting)
+        reference = single_run(full, prompt, params=params, max_new_tokens=120, seed=4)
+        for drafter in (None, PromptLookupDrafter(num_tokens=6), make_drafter("auto")):
+            assert torch.equal(single_run(certified, prompt, params=params, max_new_tokens=120, seed=4,
+                                          drafter=drafter), reference)
+    assert certified.certified_head.stats.rows > 0

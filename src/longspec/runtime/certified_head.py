@@ -44,12 +44,16 @@ import math
 import os
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from longspec.runtime.argmax import row_argmax
 from longspec.runtime.native import bf16_linear_ops, native_ops
 from longspec.runtime.setup_time import one_time
+
+if TYPE_CHECKING:
+    from longspec.runtime.file_screen import FileCertifiedHead
 
 GROUP = 64  # columns per int8 scale, and per int16 activation scale (docs/lab-notes/certified-head.md)
 LANES = 16  # output rows per packed block
@@ -215,6 +219,8 @@ class CertifiedHead:
     arrays: `quantize_head(head_weight, group)` made earlier (the model cache's copy);
     None derives them now."""
 
+    draws = True  # its screen also serves sampled draws (`speculation/certified_sampling.py`)
+
     def __init__(self, head_weight: torch.Tensor, *, group: int = GROUP, cap: int = CANDIDATE_CAP,
                  arrays: dict[str, torch.Tensor] | None = None) -> None:
         V, H = head_weight.shape
@@ -235,14 +241,23 @@ class CertifiedHead:
         self.stats = HeadStats()
 
     @classmethod
-    def for_model(cls, model) -> "CertifiedHead | None":
+    def for_model(cls, model) -> "CertifiedHead | FileCertifiedHead | None":
         """The certified head of a prepared `Decoder`, or None where it does not apply:
         no native packed head (other dtypes, devices, no kernels), soft-capped logits,
-        a non-finite head weight, or LONGSPEC_CERTIFIED_HEAD=0."""
+        a non-finite head weight, or LONGSPEC_CERTIFIED_HEAD=0. A quantized GGUF target's
+        head (the file's rows) gets its own screen (`runtime/file_screen.py`)."""
         packed = model._packed_head
-        if os.environ.get(DISABLE_VARIABLE, "1") == "0" or packed is None or packed.tiles is None:
+        if os.environ.get(DISABLE_VARIABLE, "1") == "0" or packed is None:
             return None
         if model.config.final_logit_softcapping or native_ops() is None:
+            return None
+        if model.file_head is not None:
+            from longspec.runtime.file_screen import FileCertifiedHead
+            from longspec.runtime.head_cache import cached_file_screen
+
+            with one_time("certified_head"):
+                return FileCertifiedHead(model.file_head, cached_file_screen(model.file_head))
+        if packed.tiles is None:
             return None
         from longspec.runtime.head_cache import cached_head_arrays
 

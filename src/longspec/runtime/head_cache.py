@@ -85,21 +85,55 @@ def cached_head_arrays(weight: torch.Tensor, group: int, directory: Path | None 
         _save(arrays, temporary / FILE, key)
         built.append(True)
 
+    return _cached(root, name, key, build, built, lambda: quantize_head(weight, group),
+                   "the certified head's int8 copy", _estimated_bytes(weight, group))
+
+
+def _cached(root: Path, name: str, key: dict, build, built: list, in_memory, what: str, needed: int):
+    """The entry `name` (built by `build` where missing), its arrays checked; `in_memory()`
+    where the cache cannot be written."""
     for attempt in range(2):
         try:
-            entry = cached_entry(root, name, build, what="the certified head's int8 copy",
-                                 needed_bytes=_estimated_bytes(weight, group))
+            entry = cached_entry(root, name, build, what=what, needed_bytes=needed)
         except CacheWriteError as error:
-            log.warning("%s; the certified head's int8 copy is built in memory this time", error)
-            return quantize_head(weight, group)
-        arrays, problem = _load(entry / FILE)
+            log.warning("%s; %s is built in memory this time", error, what)
+            return in_memory()
+        arrays, problem = _load(entry / FILE, key["format"])
         if problem is None:
             if built:
                 _remove_older_copies(root, name, key)
             return arrays
-        log.warning("the cached certified head at %s is damaged (%s); rebuilding it", entry, problem)
+        log.warning("the cached copy at %s is damaged (%s); rebuilding it", entry, problem)
         discard_entry(entry)
-    raise RuntimeError(f"the certified head's copy in {root} was damaged twice in a row; delete that directory")
+    raise RuntimeError(f"{what} in {root} was damaged twice in a row; delete that directory")
+
+
+SCREEN_FORMAT = "longspec-file-screen/1"
+
+
+def cached_file_screen(rows, directory: Path | None = None) -> dict[str, torch.Tensor]:
+    """`file_screen.derive_screen(rows)` (a quantized GGUF head's Q5_0 screen and bound
+    constants), from the cache or built and stored there, like the int8 copy above. Keyed
+    by the file rows' own bytes: the screen depends on them alone."""
+    import numpy as np
+
+    from longspec.runtime.file_screen import derive_screen
+
+    raw = np.ascontiguousarray(rows.raw)
+    key = {"format": SCREEN_FORMAT, "source": xxhash.xxh3_128(memoryview(raw).cast("B")).hexdigest(),
+           "shape": [rows.rows, rows.cols], "kind": rows.kind}
+    name = "certified-head-" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    root = directory or default_directory()
+    built = []
+
+    def build(temporary: Path) -> None:
+        with phase("building the quantized head's screen (once per machine)"):
+            arrays = derive_screen(rows)
+        _save(arrays, temporary / FILE, key)
+        built.append(True)
+
+    return _cached(root, name, key, build, built, lambda: derive_screen(rows), "the quantized head's screen",
+                   rows.rows * (rows.cols // 32 * 22 + 8))
 
 
 def _estimated_bytes(weight: torch.Tensor, group: int) -> int:
@@ -127,12 +161,12 @@ def _remove_older_copies(root: Path, name: str, key: dict) -> None:
 def _save(arrays: dict[str, torch.Tensor], path: Path, key: dict) -> None:
     from safetensors.torch import save_file
 
-    metadata = {"format": FORMAT, "key": json.dumps(key, sort_keys=True),
+    metadata = {"format": key.get("format", FORMAT), "key": json.dumps(key, sort_keys=True),
                 "xxh3": json.dumps({name: tensor_digest(t) for name, t in arrays.items()})}
     save_file({name: t.contiguous() for name, t in arrays.items()}, str(path), metadata=metadata)
 
 
-def _load(path: Path) -> tuple[dict[str, torch.Tensor], str | None]:
+def _load(path: Path, expected: str = FORMAT) -> tuple[dict[str, torch.Tensor], str | None]:
     """The arrays, memory-mapped (safetensors maps the file), and what is wrong with
     them (None: each array's bytes hash to what the build recorded)."""
     from safetensors import safe_open
@@ -145,8 +179,8 @@ def _load(path: Path) -> tuple[dict[str, torch.Tensor], str | None]:
         recorded = json.loads(metadata.get("xxh3", "{}"))
     except Exception as error:  # safetensors raises its own error type for a bad header or short file
         return {}, f"unreadable: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
-    if metadata.get("format") != FORMAT:
-        return {}, f"format {metadata.get('format')!r}, expected {FORMAT!r}"
+    if metadata.get("format") != expected:
+        return {}, f"format {metadata.get('format')!r}, expected {expected!r}"
     for name, tensor in arrays.items():
         if recorded.get(name) != tensor_digest(tensor):
             return {}, f"{name} does not hash to the value recorded when it was built"

@@ -461,7 +461,10 @@ class BatchEngine:
             for i, argmax in zip(deciding, tokens):
                 scores[i] = NodeScores(model=self.model, hidden=hidden_rows[i], argmax=argmax)
         drawing = [i for i in range(len(rows)) if served[i] and scores[i] is None]
-        if drawing:  # every sampled row's nodes in one screen
+        if drawing and not self.model.certified_head.draws:  # its draws read the full head, as needed
+            for i in drawing:
+                scores[i] = NodeScores(model=self.model, hidden=hidden_rows[i])
+        elif drawing:  # every sampled row's nodes in one screen
             screen = self.model.certified_head.screen(torch.cat([hidden_rows[i] for i in drawing]))
             start = 0
             for i in drawing:

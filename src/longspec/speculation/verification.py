@@ -78,7 +78,7 @@ class NodeScores:
              generator: torch.Generator | None) -> int:
         """One token from node `node`'s processed distribution."""
         head = self._model.certified_head if self._model is not None and self._logits is None else None
-        if head is not None and certified_sampling_applies(params):
+        if head is not None and head.draws and certified_sampling_applies(params):
             if self._screen is None:  # every node in one screen
                 self._screen, self._screen_offset = head.screen(self._hidden), 0
             token = certified_draw(self._screen, self._screen_offset + node, self._hidden[node], params, generator,
