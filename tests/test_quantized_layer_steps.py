@@ -133,3 +133,17 @@ def test_a_malformed_step_weight_is_refused_before_work():
         native_ops().layer_head(*args, parts, kinds[:-1], rows, *tail)
     with pytest.raises(RuntimeError, match="output rows where the heads need"):
         native_ops().layer_head(*args, parts[:1], kinds[:1], rows[:1], *tail)
+
+
+def test_a_quantized_model_runs_its_steps_eagerly_under_compiled_steps():
+    """The compiled step is PyTorch operations only: a quantized model keeps the fused native
+    steps (eager), the same logits as without compiled steps."""
+    from longspec.runtime.static_step import CompileOptions
+
+    decoder = quantized_decoder("gemma3")
+    ids = random_ids(5, seed=4)
+    with torch.inference_mode():
+        eager = decoder(ids, decoder.new_cache(64)).logits
+        decoder.compile_steps(CompileOptions(backend=None))
+        assert torch.equal(decoder(ids, decoder.new_cache(64)).logits, eager)
+    assert decoder.static_steps.calls == 0
