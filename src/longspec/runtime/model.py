@@ -20,6 +20,7 @@ from longspec.runtime.cache import KVCache
 from longspec.runtime.certified_head import CertifiedHead
 from longspec.runtime.config import DecoderConfig
 from longspec.runtime.device import HOST
+from longspec.runtime.file_rows import FileRows
 from longspec.runtime.huge_pages import HUGE_PAGE_BYTES, move_to_huge_pages
 from longspec.runtime.linear import PackedWeight, packed_linear, prepack
 from longspec.runtime.native import native_ops
@@ -315,6 +316,10 @@ class Decoder(nn.Module):
         self._certified_head: CertifiedHead | None | bool = False  # False: not built yet (`certified_head`)
         self.static_steps: StaticSteps | None = None  # compiled decode/verify steps (`compile_steps`); off by default
         self.on_huge_pages = False  # whether prepare() moved the large CPU weights onto huge pages
+        # A quantized GGUF target's embedding and output layer as the file's rows (`runtime.file_rows`):
+        # lookups dequantize the rows they read, the logits are the `gguf_linear` kernel's.
+        self.file_embedding: FileRows | None = None
+        self.file_head: FileRows | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -326,6 +331,12 @@ class Decoder(nn.Module):
 
     @property
     def head_weight(self) -> torch.Tensor:
+        """The head as a dense weight (a quantized target's: a bf16 copy made on first ask,
+        for drafters that read the target's head rows; its logits never read it)."""
+        return self._head_param if self.file_head is None else self.file_head.dense()
+
+    @property
+    def _head_param(self) -> torch.Tensor:
         return self.embed_weight if self.lm_head_weight is None else self.lm_head_weight
 
     def new_cache(self, capacity: int, *, batch_size: int = 1, max_forward_tokens: int = 256) -> KVCache:
@@ -339,14 +350,17 @@ class Decoder(nn.Module):
         )
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = F.embedding(input_ids, self.embed_weight)
+        if self.file_embedding is not None:
+            x = self.file_embedding.lookup(input_ids)
+        else:
+            x = F.embedding(input_ids, self.embed_weight)
         if self.config.embedding_scale is not None:
             # transformers rounds the scale to the activation dtype first; so do we.
             x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype, device=x.device)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = packed_linear(hidden, self.head_weight, self._packed_head)
+        logits = packed_linear(hidden, self._head_param, self._packed_head)
         cap = self.config.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap
@@ -443,10 +457,10 @@ class Decoder(nn.Module):
         the product the served logits come from, and on CPUs without AVX-512 BF16 faster
         than slices of the plain bf16 head (docs/lab-notes/training.md#training-the-longspec-draft-on-avx2-cpus-11-faster-first-epochs-the-noisy-shift-weighted-toward-depth-1-issue-longspec-draft-that-pays).
         Elsewhere the head is scored a slice of the vocabulary (`vocab_chunk` rows) at a time."""
-        if self._packed_head is not None and hidden.device.type == "cpu" and hidden.dtype == self.head_weight.dtype:
+        if self._packed_head is not None and hidden.device.type == "cpu" and hidden.dtype == self._head_param.dtype:
             rows = hidden.reshape(-1, hidden.shape[-1])
-            step = max(1, GREEDY_LOGITS_ELEMENTS // self.head_weight.shape[0])
-            best = [row_argmax(packed_linear(rows[i : i + step], self.head_weight, self._packed_head))
+            step = max(1, GREEDY_LOGITS_ELEMENTS // self._head_param.shape[0])
+            best = [row_argmax(packed_linear(rows[i : i + step], self._head_param, self._packed_head))
                     for i in range(0, rows.shape[0], step)]
             return (torch.cat(best) if best else rows.new_empty(0, dtype=torch.long)).view(hidden.shape[:-1])
         best_value = best_index = None
@@ -485,6 +499,8 @@ class Decoder(nn.Module):
     def place(self, device: torch.device) -> "Decoder":
         """Move the weights to `device` and derive its inference-time weights again
         (keeping the choice of native CPU kernels)."""
+        if self.file_embedding is not None and torch.device(device).type != "cpu":
+            raise ValueError("a quantized GGUF target runs on the CPU; load it with dtype='bfloat16' for another device")
         if torch.device(device) != self.device:
             self.on_huge_pages = False  # the copies made on the new device are ordinary memory
         self.to(device).prepare(self.native_kernels)
@@ -506,7 +522,8 @@ class Decoder(nn.Module):
             layer.prepare(native_kernels, bulk)
         self.final_norm.prepare(native_kernels)
         self.native_kernels = native_kernels
-        self._packed_head = prepack(self.head_weight, native_kernels=native_kernels)
+        self._packed_head = (prepack(self.head_weight, native_kernels=native_kernels) if self.file_head is None else
+                             PackedWeight(onednn=None, quantized=self.file_head.quantized()))
         self._certified_head = False  # built again from the prepared head on first use
         if huge_pages:
             # Only the packed copies, which every product streams: the plain weights are read a row at a time
