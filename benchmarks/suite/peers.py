@@ -7,19 +7,14 @@ the goals are stated in.
     python benchmarks/suite/peers.py --llama-bin /tmp/llama.cpp/build/bin --contexts 1024 4096 --threads 2
 
 llama.cpp is optional and never a dependency of the library or the tests. Build it
-from the PyPI source distribution of `llama-cpp-python` (its vendored llama.cpp):
+from the PyPI source distribution of `llama-cpp-python` (its vendored llama.cpp) with
 
-    pip download --no-deps --no-binary :all: llama-cpp-python && tar xzf llama_cpp_python-*.tar.gz
-    cd llama_cpp_python-*/vendor/llama.cpp
-    cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \\
-      -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON \\
-      -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \\
-      -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF
-    cmake --build build --target llama-bench llama-quantize
+    benchmarks/quantized/build_llama_cpp.sh            # into /tmp/llama.cpp/build/bin
 
-(GGML_NATIVE=OFF with AMX off: on these VMs the AMX tile loads die with SIGILL.) The
-other GGUFs are made once from the shipped Q4_K_M with `llama-quantize --allow-requantize
-IN OUT TYPE` (kept under --work). Writes JSON lines to --out and prints a markdown table.
+which names the commands (on these AVX-512 VMs the instruction sets are named with
+GGML_NATIVE=OFF and AMX off: native builds die with SIGILL; NATIVE=1 elsewhere).
+The other GGUFs are made once from the shipped Q4_K_M with `llama-quantize
+--allow-requantize IN OUT TYPE` (kept under --work). Writes JSON lines to --out and prints a markdown table.
 """
 
 from __future__ import annotations

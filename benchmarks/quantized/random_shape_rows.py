@@ -1,0 +1,83 @@
+"""Rows on the random-weight files of real shapes (`random_gguf`): per file and depth,
+AR decode (ours vs llama-bench -p 0 -n N -d depth), prefill (ours' prefill of the same
+call vs llama-bench -p depth -n 0) and one 16-token verification forward over the
+cache (ours vs llama-bench -p 16 -n 0 -d depth), in turns. A file our loader refuses
+becomes a row naming the error, with its traceback in the results."""
+
+from __future__ import annotations
+
+import gc
+import traceback
+from pathlib import Path
+
+import torch
+
+import llama_cpp
+import ours
+from gemma_rows import Settings
+from random_gguf import random_gguf
+from rows import alternate, load_average, median_rate, row
+from shapes import SHAPES
+
+VERIFY_TOKENS = 16
+
+
+def random_ids(vocab: int, count: int, seed: int = 0) -> list[int]:
+    """Ordinary tokens (below the control tokens at the end of the vocabulary)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(256, vocab - 512, (count,), generator=generator).tolist()
+
+
+def shape_rows(s: Settings, shape_names: list[str], kinds: list[str], contexts: list[int], gguf_dir: Path) -> list[dict]:
+    import longspec
+
+    out = []
+    for name in shape_names:
+        files = random_gguf(SHAPES[name], gguf_dir, s.bin_dir, kinds=tuple(kinds), threads=s.threads)
+        for kind, path in files.items():
+            fields = {"file": f"{name} {kind}"}
+            try:
+                model = longspec.load(path, suffix_cache_mb=0)
+            except Exception as error:  # reported as the row, not hidden: the loader is what is being judged
+                out.append({"row": "load", **fields, "error": "".join(traceback.format_exception(error))})
+                print(out[-1]["error"], flush=True)
+                continue
+            ids = random_ids(model.config.vocab_size, max(contexts))
+            ours.warm_up(model, ids[:64])
+            for context in contexts:
+                out += depth_rows(s, model, path, ids[:context], fields)
+            del model
+            gc.collect()
+    return out
+
+
+def depth_rows(s: Settings, model, path: Path, prompt: list[int], fields: dict) -> list[dict]:
+    context = len(prompt)
+    bench = dict(threads=s.threads)
+    load = load_average()
+    samples = alternate(s.repeats, {
+        "ours": lambda: ours.decode(model, prompt, new_tokens=s.ar_new_tokens),
+        "llama": lambda: {"decode_tokens_per_s": llama_cpp.bench(s.bin_dir, path, prompt=0, generate=s.ar_new_tokens,
+                                                                 depth=context, **bench)},
+        "llama_prefill": lambda: {"prefill_tokens_per_s": llama_cpp.bench(s.bin_dir, path, prompt=context, generate=0,
+                                                                          depth=0, **bench)},
+        "ours_verify": lambda: {"verify_tokens_per_s": VERIFY_TOKENS / ours.verification_seconds(
+            model, context=context, tokens=VERIFY_TOKENS)},
+        "llama_verify": lambda: {"verify_tokens_per_s": llama_cpp.bench(s.bin_dir, path, prompt=VERIFY_TOKENS,
+                                                                        generate=0, depth=context, **bench)},
+    })
+    fields = {**fields, "context": context, "prompt": "random ids"}
+    goal = 1.0 if fields["file"] == "llama-3.1-8b Q4_K_M" and context >= 4096 else None
+    rows = [
+        row("ar", ours=median_rate(samples["ours"]), peer=median_rate(samples["llama"]), peer_name="llama-bench AR",
+            load=load, goal=goal, samples={"ours": samples["ours"], "llama": samples["llama"]}, **fields),
+        row("prefill", ours=median_rate(samples["ours"], "prefill_tokens_per_s"),
+            peer=median_rate(samples["llama_prefill"], "prefill_tokens_per_s"), peer_name="llama-bench pp",
+            load=load, goal=None, samples={"ours": samples["ours"], "llama": samples["llama_prefill"]}, **fields),
+        row(f"verify {VERIFY_TOKENS}", ours=median_rate(samples["ours_verify"], "verify_tokens_per_s"),
+            peer=median_rate(samples["llama_verify"], "verify_tokens_per_s"), peer_name=f"llama-bench pp{VERIFY_TOKENS} at depth",
+            load=load, goal=None, samples={"ours": samples["ours_verify"], "llama": samples["llama_verify"]}, **fields),
+    ]
+    for r in rows:
+        print(r["row"], r["file"], context, f"{r['ratio']:.2f}", flush=True)
+    return rows
