@@ -53,14 +53,22 @@ def test_float_tensors_and_embedding_rows_are_the_dequantized_loads_bits(tmp_pat
 
 
 @pytest.mark.parametrize("kind", (Q8_0, Q6_K, Q4_K))
-def test_the_head_is_the_kernels_product_of_the_files_rows_and_any_rows_give_its_bits(tmp_path, kind):
+def test_the_head_is_the_kernels_product_of_the_files_rows_and_any_rows_give_its_bits(tmp_path, kind, monkeypatch):
     from longspec.runtime.quantized import QuantizedWeight, segment
 
+    monkeypatch.delenv("LONGSPEC_FILE_SCREEN", raising=False)
     path = tmp_path / "m.gguf"
     config = write_model(path, "llama", head_kind=kind, vocab=333)
     model = read_model(path, "llama", config)
     head = model.file_head
     assert head.kind == kind and model.embed_weight.stride() == (0, 0)  # no dense embedding resident
+    assert model.certified_head is None  # by default the full file head decides (the screen is opt-in)
+    from longspec.speculation.cost_defaults import decode_bytes
+
+    layers = sum(w.nbytes for layer in model.layers for w in layer.quantized.values())
+    norms = sum(p.numel() * 2 for layer in model.layers for p in layer.parameters() if 0 not in p.stride())
+    assert decode_bytes(model) == layers + norms + model.packed_head.quantized.nbytes  # the bytes a step reads
+    assert head._dense is None  # no dense copy was made to count them
     hidden = (torch.randn(7, 256) * 3).to(torch.bfloat16)
     full = model.logits(hidden)
     expected = QuantizedWeight((segment("h", kind, head.raw, 333, 256),), 256).linear(hidden)
@@ -254,6 +262,7 @@ def test_the_file_targets_certified_head_serves_greedy_and_sampled_decoding_exac
     from tiny_models import random_ids
 
     monkeypatch.setenv("LONGSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("LONGSPEC_FILE_SCREEN", "1")  # opt-in: the default reads the full file head
     path = tmp_path / "m.gguf"
     config = write_model(path, family, vocab=300)
     certified, full = read_model(path, family, config), read_model(path, family, config)

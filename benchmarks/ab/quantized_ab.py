@@ -9,6 +9,15 @@ Prints per round the tokens/s of each and the load average; then the medians and
 --steps N also times N decode steps of each (a 1-token forward over `context` committed keys
 and its decision), alternating model by model step by step: on a machine shared with other
 work the lower quartile of many short interleaved samples is steadier than whole decodes.
+The steps compare three models: the quantized target (`quantized`: its head the gguf_linear
+product of the file's own rows, for Gemma the Q8_0 codes read directly), the previous quantized
+step (quantized layers, a bf16 copy of the head and its int8 certified screen: `dense-head`),
+and the bf16 model.
+
+    python benchmarks/ab/quantized_ab.py --gguf /tmp/gemma-3-270m-q4_k_m.gguf --rss 512
+
+--rss N: only the quantized model, in this process: resident memory after the load, after
+its certified head is built, and after an N-token generation, beside the file's size.
 """
 
 from __future__ import annotations
@@ -33,8 +42,12 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=["ar"])
     parser.add_argument("--steps", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--rss", type=int, default=0)
     args = parser.parse_args()
     import torch
+
+    if args.rss:
+        return report_memory(args.gguf, args.rss, args.threads)
 
     sys.path.insert(0, str(HERE.parent))  # benchmarks/: common.py
     import longspec
@@ -62,8 +75,10 @@ def main() -> None:
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     if args.steps:
+        decoders = {"quantized": models["quantized"].model, "dense-head": dense_head(args.gguf),
+                    "bf16": models["bf16"].model}
         for context in args.contexts:
-            rows += step_rows({name: m.model for name, m in models.items()}, context, args.steps)
+            rows += step_rows(decoders, context, args.steps)
     print("\ncontext method   quantized tok/s   bf16 tok/s   quantized / bf16")
     for context in args.contexts:
         for method in args.methods:
@@ -110,10 +125,51 @@ def step_rows(decoders: dict, context: int, steps: int) -> list[dict]:
                "ms_median": 1e3 * median, "ms_min": 1e3 * times[0], "load_average": os.getloadavg()[0]}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    q, b = (next(r for r in rows if r["variant"] == v) for v in ("quantized", "bf16"))
-    print(f"decode step at {context}: quantized {q['ms_lower_quartile']:.2f} ms, bf16 {b['ms_lower_quartile']:.2f} ms "
-          f"(lower quartiles), bf16 / quantized {b['ms_lower_quartile'] / q['ms_lower_quartile']:.2f}x", flush=True)
+    q = next(r for r in rows if r["variant"] == "quantized")
+    for other in rows:
+        if other is not q:
+            print(f"decode step at {context}: quantized {q['ms_lower_quartile']:.2f} ms, {other['variant']} "
+                  f"{other['ms_lower_quartile']:.2f} ms (lower quartiles), {other['variant']} / quantized "
+                  f"{other['ms_lower_quartile'] / q['ms_lower_quartile']:.2f}x", flush=True)
     return rows
+
+
+def dense_head(gguf):
+    """The quantized layers with a bf16 copy of the (tied) head and its int8 certified head:
+    the quantized step before the file head."""
+    import torch
+    from longspec.runtime.loading import load_target
+
+    model = load_target(gguf).model
+    model.embed_weight = torch.nn.Parameter(model.file_embedding.dense(), requires_grad=False)
+    model.file_head = None
+    return model.prepare()
+
+
+def report_memory(gguf: Path, tokens: int, threads: int) -> None:
+    import torch
+
+    import longspec
+    from longspec.speculation.engine import EngineOptions
+
+    def rss_mb() -> float:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    torch.set_num_threads(threads)
+    before = rss_mb()
+    model = longspec.load(gguf, engine=EngineOptions(progress=False))
+    decoder = model.model
+    after_load = rss_mb()
+    head = decoder.certified_head
+    weights = sum(w.nbytes for layer in decoder.layers for w in layer.quantized.values())
+    weights += sum(p.numel() * p.element_size() for p in decoder.parameters() if 0 not in p.stride())
+    weights += decoder.packed_head.quantized.nbytes + (0 if head is None else head.nbytes)
+    result = model.generate("Write a long story about a lighthouse keeper.", max_new_tokens=tokens, ignore_eos=True)
+    row = {"file_mb": gguf.stat().st_size / 2**20, "weights_mb": weights / 2**20, "rss_before_load_mb": before,
+           "rss_after_load_mb": after_load, "rss_after_generation_mb": rss_mb(), "new_tokens": result.stats.new_tokens,
+           "head": type(head).__name__}
+    row["weights_over_file"] = row["weights_mb"] / row["file_mb"]
+    print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

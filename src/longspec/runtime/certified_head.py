@@ -60,6 +60,7 @@ LANES = 16  # output rows per packed block
 CANDIDATE_CAP = 4096  # beyond this a row's full head is cheaper to read than its candidates
 BF16_UNIT = 2.0**-8  # bf16 rounds to 8 significant bits: |bf16(x) - x| <= 2^-8 |x|
 DISABLE_VARIABLE = "LONGSPEC_CERTIFIED_HEAD"
+FILE_SCREEN_VARIABLE = "LONGSPEC_FILE_SCREEN"  # 1: a quantized GGUF head's Q5_0 screen (`runtime/file_screen.py`)
 
 
 @dataclass
@@ -252,6 +253,11 @@ class CertifiedHead:
         if model.config.final_logit_softcapping or native_ops() is None:
             return None
         if model.file_head is not None:
+            # The file head's Q5_0 screen is opt-in: on Gemma 3 270M its bound spans several logits
+            # and certifies no row, and the full product reads a Q8_0 head's own bytes, no more
+            # than a screen of those codes would (docs/lab-notes/quantized-targets.md).
+            if os.environ.get(FILE_SCREEN_VARIABLE, "0") != "1":
+                return None
             from longspec.runtime.file_screen import FileCertifiedHead
             from longspec.runtime.head_cache import cached_file_screen
 

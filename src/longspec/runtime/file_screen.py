@@ -30,7 +30,12 @@ package's float32 dequantization, exact for Q8_0, inflated by 2^-22 for the K fo
 one rounding) and rounded up to float32; the per-call norms in float64, inflated by 2^-40.
 
 Draws (sampled decoding) do not use this screen: they read the full quantized head, the
-same logits (`CertifiedHead.draws`)."""
+same logits (`CertifiedHead.draws`).
+
+Opt-in (LONGSPEC_FILE_SCREEN=1): by measurement it does not pay on Gemma 3 270M, whose final
+hidden rows have ||a||_2 of 60-90, so R_i ||a||_2 spans 3-10 logits (the errors seen stay under
+1) and every row's candidates overflow the cap; its Q8_0 head read in full is the same bytes a
+screen of the file's own codes would read (docs/lab-notes/quantized-targets.md)."""
 
 from __future__ import annotations
 

@@ -54,12 +54,21 @@ def cpu_kind(model=None) -> str:
 
 
 def decode_bytes(model) -> int:
-    """Bytes one decode forward reads: every layer weight and the head (its int8 copy
-    where the certified head decides)."""
-    layers = sum(p.numel() * p.element_size() for layer in model.layers for p in layer.parameters())
+    """Bytes one decode forward reads: every layer weight (a GGUF file's quantized products
+    at their own size) and the head (its int8 copy where the certified head decides, the
+    file's rows for a quantized target)."""
+    layers = 0
+    for layer in model.layers:
+        for name, p in layer.named_parameters():
+            packed = layer.packed.get(name)
+            quantized = packed.quantized if packed is not None else None
+            layers += quantized.nbytes if quantized is not None else p.numel() * p.element_size()
     head = model._certified_head
+    packed_head = model.packed_head
     if head not in (None, False):
         head_bytes = head.nbytes
+    elif packed_head is not None and packed_head.quantized is not None:
+        head_bytes = packed_head.quantized.nbytes
     else:
         head_bytes = model.head_weight.numel() * model.head_weight.element_size()
     return layers + head_bytes
