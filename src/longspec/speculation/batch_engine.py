@@ -152,7 +152,7 @@ class _Row(DecodingSequence):
 
     @property
     def prefill_done(self) -> bool:
-        return self.prefilled == self.prompt.numel() - 1
+        return self.prefilled == self.request.prompt.numel() - 1
 
 
 class BatchEngine:
@@ -208,7 +208,7 @@ class BatchEngine:
         request = DecodingRequest.given(request, keywords)
         row = _Row.create(self.model, prompt_ids, request, tree_budget=self.options.max_tree_nodes)
         max_new_tokens = request.max_new_tokens
-        prompt, budget = row.prompt, row.tree_budget
+        prompt, budget = row.request.prompt, row.request.tree_budget
         needed = prompt.numel() + max_new_tokens + budget + 1
         if needed > self.batch.row_capacity:
             raise ValueError(
@@ -220,8 +220,8 @@ class BatchEngine:
         if (self.batch.max_waiting is not None and not self.cache.free_rows
                 and len(self._waiting) >= self.batch.max_waiting):
             raise EngineBusy(f"all {self.batch.max_rows} rows are busy and {len(self._waiting)} requests wait; retry later")
-        row.stats.kv_cache_bytes = self.cache.bytes_per_row()
-        row.handle = RequestHandle(self._next_id, row.stats)
+        row.request.stats.kv_cache_bytes = self.cache.bytes_per_row()
+        row.handle = RequestHandle(self._next_id, row.request.stats)
         self._next_id += 1
         self._waiting.append(row)
         return row.handle
@@ -313,8 +313,8 @@ class BatchEngine:
             row.prefilled = end
             if budget is not None:
                 budget -= end - begin
-        row.stats.prefill_s += watch.stop()
-        row.stats.add_setup(watch.setup)
+        row.request.stats.prefill_s += watch.stop()
+        row.request.stats.add_setup(watch.setup)
         return budget
 
     def _start_decoding(self, row: _Row) -> None:
@@ -332,7 +332,7 @@ class BatchEngine:
                   learns_while_verifying=learns_while_verifying(self.options, self.model.device),
                   plain_rounds=not self.batch.fill_padding)
         watch.stop()
-        row.stats.add_setup(watch.setup)
+        row.request.stats.add_setup(watch.setup)
 
     # ----------------------------------------- the round's target (decode_round.RoundTarget)
     # The engine is the target of its decoding rows' round: each row's drafting context
@@ -340,11 +340,11 @@ class BatchEngine:
     # one commit.
     def context(self, row: _Row) -> DraftContext:
         rows = max(len(self._decoding), 1)
-        budget = row.tree_budget
+        budget = row.request.tree_budget
         if self.batch.max_forward_nodes is not None:
             budget = min(budget, self.batch.max_forward_nodes // rows)
         if rows > 1 and budget > 0 and self.batch.forward_cost_limit is not None and not self.batch.joint_budget:
-            budget = min(budget, self._affordable_nodes(rows, row.length))
+            budget = min(budget, self._affordable_nodes(rows, row.state.length))
         return row.context(budget, rows_in_forward=rows)
 
     # -------------------------------------------------------------------- round
@@ -354,14 +354,15 @@ class BatchEngine:
         width = max(tree.size for tree in trees) - 1
         vocab = self.model.config.vocab_size
         for index, (row, tree) in enumerate(zip(rows, trees)):
-            if row.drafter is None or tree.size - 1 >= width:
+            if row.request.drafter is None or tree.size - 1 >= width:
                 continue
             watch = Stopwatch()
             context = self.context(row)
-            grown = checked_proposal(row.drafter, context, vocab, lambda c: row.drafter.widen(c, width) or tree)
+            drafter = row.request.drafter
+            grown = checked_proposal(drafter, context, vocab, lambda c: drafter.widen(c, width) or tree)
             trees[index] = grown
-            row.stats.draft_s += watch.stop()
-            row.stats.add_setup(watch.setup)
+            row.request.stats.draft_s += watch.stop()
+            row.request.stats.add_setup(watch.setup)
 
     def forward_cost(self, rows: int, length: int) -> ForwardCost:
         """The measured cost of a verification forward over `rows` rows (rounded up to
@@ -391,10 +392,10 @@ class BatchEngine:
 
     def _drafter_reach(self, row: _Row) -> ReachHistory:
         """The acceptance history of every row (and request) drafted by this kind of drafter."""
-        return self._reach_by_drafter.setdefault(type(row.drafter), ReachHistory())
+        return self._reach_by_drafter.setdefault(type(row.request.drafter), ReachHistory())
 
     def _cut_jointly(self, rows: list[_Row], trees: list[Tree]) -> list[Tree]:
-        cost = self.forward_cost(len(rows), max(row.length for row in rows))
+        cost = self.forward_cost(len(rows), max(row.state.length for row in rows))
         measured_rows = int(cost.key.get("rows", len(rows)))
 
         def seconds(tokens: float) -> float:  # the same tokens spread over the measured rows
@@ -403,7 +404,7 @@ class BatchEngine:
         levels = [tree_levels(tree) for tree in trees]
         reach = [row.reach.reach(level, self._drafter_reach(row).conditionals(level))
                  for row, level in zip(rows, levels)]
-        whole = [row.drafter is not None and row.drafter.sizes_tree_from_cost for row in rows]
+        whole = [row.request.drafter is not None and row.request.drafter.sizes_tree_from_cost for row in rows]
         depths = joint_depths(trees, reach, seconds, whole)
         return [cut_to_depth(tree, depth) for tree, depth in zip(trees, depths)]
 
@@ -451,11 +452,11 @@ class BatchEngine:
         self._pending_view = view
         hidden_rows = list(hidden.split(sizes))
         certified = self.model.certified_head is not None
-        served = [certified and certified_head_serves(row.params, tree) for row, tree in zip(rows, trees)]
+        served = [certified and certified_head_serves(row.request.params, tree) for row, tree in zip(rows, trees)]
         if not any(served):
             return [NodeScores(logits) for logits in self.model.logits(hidden).split(sizes)], hidden_rows
         scores: list[NodeScores | None] = [None] * len(rows)
-        deciding = [i for i, row in enumerate(rows) if served[i] and needs_argmax_only(row.params)]
+        deciding = [i for i, row in enumerate(rows) if served[i] and needs_argmax_only(row.request.params)]
         if deciding:  # every greedy row's decisions in one screen
             tokens = self.model.decide(torch.cat([hidden_rows[i] for i in deciding])).split([sizes[i] for i in deciding])
             for i, argmax in zip(deciding, tokens):
@@ -498,10 +499,10 @@ class BatchEngine:
                 self._decoding[i], self._decoding[j] = last, row
             self._decoding.pop()
             self.cache.release(row.cache_row)
-        row.view = None
+        row.state.view = None
         if row.handle.stats.stop_reason != "stop":  # a stop string found by the caller's text pipeline stays
             row.handle.stats.stop_reason = reason
-        row.handle.stats.record_output(row.tokens[row.prompt.numel() : row.length].tolist())
+        row.handle.stats.record_output(row.state.tokens[row.request.prompt.numel() : row.state.length].tolist())
         row.handle.finished = True
 
 

@@ -17,7 +17,7 @@ single run's, token for token, by construction. Prefill is shared the same way
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -53,9 +53,9 @@ def check_request(model: Decoder, prompt_length: int, max_new_tokens: int) -> No
         )
 
 
-@dataclass(eq=False)  # compared by identity
-class DecodingSequence:
-    """One sequence being decoded: its request, its drafter and what it has committed."""
+@dataclass(frozen=True)
+class SequenceRequest:
+    """The request a sequence serves, checked: fixed for the sequence's life."""
 
     prompt: torch.Tensor
     params: SamplingParams
@@ -63,25 +63,48 @@ class DecodingSequence:
     drafter: Drafter | None
     eos: torch.Tensor
     generator: torch.Generator | None  # the verifier's stream
-    stats: GenerationStats
+    stats: GenerationStats  # filled in place as the sequence decodes
     tree_budget: int  # speculative nodes the drafter may propose per round
+    logprobs: LogprobRecorder | None = None  # collects the tokens' log-probabilities, when asked
+
+
+@dataclass(eq=False)
+class DecodingState:
+    """What the sequence has decoded so far; changes every round."""
+
     tokens: torch.Tensor  # committed tokens (prompt, then output), preallocated
     length: int  # committed tokens, the root included
     produced: int = 0
-    view: TargetView | None = None  # set by `start`
+    grammar: GrammarState | None = None  # the grammar the output follows, matched to the committed tokens
+    # Set by `DecodingSequence.start`, after prefill:
+    view: TargetView | None = None
     draft_generator: torch.Generator | None = None
     plain: PlainRounds | None = None
     learns_while_verifying: bool = False  # its drafter's `learn` runs during the forward
-    logprobs: LogprobRecorder | None = None  # collects the tokens' log-probabilities, when asked
-    round_histories: NodeHistories | None = None  # the processors' histories of this round's tree nodes
-    grammar: GrammarState | None = None  # the grammar the output follows, matched to the committed tokens
-    round_constraint: tuple[Tree, torch.Tensor] | None = None  # this round's pruned tree and its nodes' masks
+
+
+@dataclass(eq=False)
+class RoundScratch:
+    """Made by this round's propose and verify, read by its advance; stale after it."""
+
+    histories: NodeHistories | None = None  # the processors' histories of the tree's nodes
+    constraint: tuple[Tree, torch.Tensor] | None = None  # the pruned tree and its nodes' allowed tokens
+
+
+@dataclass(eq=False)  # compared by identity
+class DecodingSequence:
+    """One sequence being decoded: the request it serves, its decoding state and the
+    current round's scratch."""
+
+    request: SequenceRequest
+    state: DecodingState
+    scratch: RoundScratch = field(default_factory=RoundScratch)
 
     @classmethod
     def create(cls, model: Decoder, prompt_ids, request: DecodingRequest, *, tree_budget: int) -> "DecodingSequence":
         """A checked request: everything that can be refused is refused here, before prefill."""
-        params, max_new_tokens, drafter, grammar = request.params, request.max_new_tokens, request.drafter, request.grammar
-        eos_token_ids, generator, stats, logprobs = request.eos_token_ids, request.generator, request.stats, request.logprobs
+        params, drafter, grammar, eos_token_ids = (request.params, request.drafter, request.grammar,
+                                                   request.eos_token_ids)
         prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=HOST).reshape(-1)
         if params.constrained != (grammar is not None):
             raise ValueError("a grammar comes with SamplingParams(constrained=True), and constrained params with a "
@@ -89,102 +112,110 @@ class DecodingSequence:
         if grammar is not None and not set(grammar.eos_token_ids) <= set(eos_token_ids):
             raise ValueError(f"a grammar's output ends at EOS {list(grammar.eos_token_ids)}: generation must stop "
                              "there (eos_token_ids must include them; ignore_eos cannot go with a grammar)")
-        check_request(model, prompt.numel(), max_new_tokens)
+        check_request(model, prompt.numel(), request.max_new_tokens)
         check_drafter(drafter)
         if drafter is not None:
             drafter.check_target(model.config)  # weights that do not fit fail before prefill
-        stats = stats if stats is not None else GenerationStats()
+        stats = request.stats if request.stats is not None else GenerationStats()
         stats.prompt_tokens = prompt.numel()
-        tokens = torch.empty(prompt.numel() + max_new_tokens, dtype=torch.long, device=HOST)
+        tokens = torch.empty(prompt.numel() + request.max_new_tokens, dtype=torch.long, device=HOST)
         tokens[: prompt.numel()] = prompt
         eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=HOST)
-        return cls(prompt, params, max_new_tokens, drafter, eos, generator, stats,
-                   tree_budget if drafter is not None else 0, tokens, prompt.numel(), logprobs=logprobs,
-                   grammar=grammar)
+        served = SequenceRequest(prompt, params, request.max_new_tokens, drafter, eos, request.generator, stats,
+                                 tree_budget if drafter is not None else 0, request.logprobs)
+        return cls(served, DecodingState(tokens, prompt.numel(), grammar=grammar))
 
     @property
     def prefill_ids(self) -> torch.Tensor:
         """What prefill puts in the cache: every prompt token but the root."""
-        return self.prompt[:-1]
+        return self.request.prompt[:-1]
 
     @property
     def prefill_hidden_rows(self) -> int:
-        return self.drafter.prefill_hidden_rows if self.drafter is not None else 0
+        return self.request.drafter.prefill_hidden_rows if self.request.drafter is not None else 0
 
     def context(self, max_nodes: int | None = None, rows_in_forward: int = 1) -> DraftContext:
-        return DraftContext(self.tokens[: self.length], self.view, self.tree_budget if max_nodes is None else max_nodes,
-                            self.draft_generator, rows_in_forward=rows_in_forward,
-                            learns_while_verifying=self.learns_while_verifying, sampled=not self.params.is_greedy)
+        request, state = self.request, self.state
+        return DraftContext(state.tokens[: state.length], state.view,
+                            request.tree_budget if max_nodes is None else max_nodes, state.draft_generator,
+                            rows_in_forward=rows_in_forward, learns_while_verifying=state.learns_while_verifying,
+                            sampled=not request.params.is_greedy)
 
     def start(self, view: TargetView, prefill_hidden: torch.Tensor | None, *, learns_while_verifying: bool,
               plain_rounds: bool = True) -> None:
         """After prefill: the drafter begins. `plain_rounds` False asks the drafter every
         round (a batch whose padding it may fill)."""
+        request, state = self.request, self.state
         view.prefill_hidden = prefill_hidden
-        self.view = view
-        self.draft_generator = drafter_generator(self.generator) if self.generator is not None else None
-        self.learns_while_verifying = learns_while_verifying and self.drafter is not None
-        self.plain = PlainRounds(self.drafter, enabled=plain_rounds)
-        if self.drafter is not None:
+        state.view = view
+        state.draft_generator = drafter_generator(request.generator) if request.generator is not None else None
+        state.learns_while_verifying = learns_while_verifying and request.drafter is not None
+        state.plain = PlainRounds(request.drafter, enabled=plain_rounds)
+        if request.drafter is not None:
             # Buffers sized at begin hold the whole budget (a batch's cost cap loosens as rows leave).
-            self.drafter.begin(self.context())
+            request.drafter.begin(self.context())
 
     def propose(self, context: DraftContext) -> Tree:
-        if self.plain.now():
-            tree = Tree.chain(int(self.tokens[self.length - 1]), [])
+        state = self.state
+        if state.plain.now():
+            tree = Tree.chain(int(state.tokens[state.length - 1]), [])
         else:
-            tree = checked_proposal(self.drafter, context, self.view.config.vocab_size)
-        if self.grammar is not None:  # the drafts the grammar forbids go before the forward
-            tree, allowed, pruned = self.grammar.constrain(tree)
-            self.round_constraint = (tree, allowed)
-            self.stats.pruned_tokens += pruned
+            tree = checked_proposal(self.request.drafter, context, state.view.config.vocab_size)
+        if state.grammar is not None:  # the drafts the grammar forbids go before the forward
+            tree, allowed, pruned = state.grammar.constrain(tree)
+            self.scratch.constraint = (tree, allowed)
+            self.request.stats.pruned_tokens += pruned
         return tree
 
     def allowed_tokens(self, tree: Tree) -> torch.Tensor:
         """[n, V] bool: the tokens the grammar allows at each node of the verified tree."""
-        if self.round_constraint is not None and self.round_constraint[0] is tree:
-            return self.round_constraint[1]
-        return self.grammar.constrain(tree, prune=False)[1]  # a batch reshaped the proposal
+        constraint = self.scratch.constraint
+        if constraint is not None and constraint[0] is tree:
+            return constraint[1]
+        return self.state.grammar.constrain(tree, prune=False)[1]  # a batch reshaped the proposal
 
     def verify(self, tree: Tree, scores: NodeScores, hidden: torch.Tensor) -> Verdict:
+        request, state, params = self.request, self.state, self.request.params
         histories = None
-        if self.params.uses_history or self.params.counts_outputs or self.params.constrained:
+        if params.uses_history or params.counts_outputs or params.constrained:
             recent = outputs = allowed = None
-            if self.params.uses_history:
-                recent = node_histories(self.tokens[: self.length], tree, self.params.penalty_window)
-            if self.params.counts_outputs:  # every generated token so far, then the node's path
-                outputs = node_histories(self.tokens[self.prompt.numel() : self.length], tree, max(self.produced, 1))
-            if self.params.constrained:
+            if params.uses_history:
+                recent = node_histories(state.tokens[: state.length], tree, params.penalty_window)
+            if params.counts_outputs:  # every generated token so far, then the node's path
+                outputs = node_histories(state.tokens[request.prompt.numel() : state.length], tree,
+                                         max(state.produced, 1))
+            if params.constrained:
                 allowed = self.allowed_tokens(tree)
             histories = NodeHistories(recent, outputs, allowed)
-        self.round_histories = histories
-        verdict = verify(tree, scores, histories, self.params, self.generator)
-        self.view.last_hidden = verdict.path_rows(hidden)
+        self.scratch.histories = histories
+        verdict = verify(tree, scores, histories, params, request.generator)
+        state.view.last_hidden = verdict.path_rows(hidden)
         return verdict
 
     def advance(self, tree: Tree, verdict: Verdict, scores: NodeScores | None = None) -> "Committed":
         """Append the round's tokens (up to a stop), tell the drafter, record the round
         (and, when asked, the tokens' log-probabilities from the rows that predicted them)."""
+        request, state, stats = self.request, self.state, self.request.stats
         accepted = torch.cat([tree.tokens[verdict.path[1:]], torch.tensor([verdict.bonus], device=HOST)])
-        new, stop_reason = truncate_at_stop(accepted, self.eos, self.max_new_tokens - self.produced)
-        if self.logprobs is not None and scores is not None:
+        new, stop_reason = truncate_at_stop(accepted, request.eos, request.max_new_tokens - state.produced)
+        if request.logprobs is not None and scores is not None:
             rows = verdict.path[: new.numel()]
-            histories = self.round_histories.select(rows) if self.round_histories is not None else None
-            self.logprobs.record(scores.logits_of(rows), new, self.params, histories)
-        if self.grammar is not None:
-            self.grammar.advance(new)
-        self.tokens[self.length : self.length + new.numel()] = new
-        self.length += new.numel()
-        self.produced += new.numel()
-        observed = self.plain.told(new, stop_reason, self.view)  # never the last round's tokens
+            histories = self.scratch.histories.select(rows) if self.scratch.histories is not None else None
+            request.logprobs.record(scores.logits_of(rows), new, request.params, histories)
+        if state.grammar is not None:
+            state.grammar.advance(new)
+        state.tokens[state.length : state.length + new.numel()] = new
+        state.length += new.numel()
+        state.produced += new.numel()
+        observed = state.plain.told(new, stop_reason, state.view)  # never the last round's tokens
         if observed is not None:
-            self.drafter.observe(observed)
-        self.stats.new_tokens = self.produced
-        self.stats.record_round(tree.max_depth, verdict.accepted_tokens, tree.size - 1)
+            request.drafter.observe(observed)
+        stats.new_tokens = state.produced
+        stats.record_round(tree.max_depth, verdict.accepted_tokens, tree.size - 1)
         if observed is not None:
-            telemetry = self.drafter.telemetry()
+            telemetry = request.drafter.telemetry()
             if telemetry is not None:
-                self.stats.controller = telemetry
+                stats.controller = telemetry
         return Committed(new, stop_reason, accepted)
 
 
@@ -249,19 +280,19 @@ def decode_round(sequences: list[DecodingSequence], target: RoundTarget, *,
             if not contain_errors:
                 raise
             result.error = error
-            proposed.append(Tree.chain(int(sequence.tokens[sequence.length - 1]), []))
-        sequence.stats.draft_s += watch.stop()
-        sequence.stats.add_setup(watch.setup)
+            proposed.append(Tree.chain(int(sequence.state.tokens[sequence.state.length - 1]), []))
+        sequence.request.stats.draft_s += watch.stop()
+        sequence.request.stats.add_setup(watch.setup)
     trees = target.shape(sequences, proposed)
 
     watch = Stopwatch()
     scores, hidden = target.forward(sequences, trees)
     for sequence in sequences:  # queued on a GPU, the forward runs meanwhile; its result is read below
-        if sequence.learns_while_verifying:
-            sequence.drafter.learn()
+        if sequence.state.learns_while_verifying:
+            sequence.request.drafter.learn()
     forward_s = watch.stop() / len(sequences)  # the shared forward, split evenly
     for sequence in sequences:
-        sequence.stats.add_setup(watch.setup)
+        sequence.request.stats.add_setup(watch.setup)
 
     verdicts: list[Verdict | None] = []
     for sequence, result, tree, tree_scores, tree_hidden in zip(sequences, results, trees, scores, hidden):
@@ -275,8 +306,8 @@ def decode_round(sequences: list[DecodingSequence], target: RoundTarget, *,
                     raise
                 result.error = error
         verdicts.append(verdict)
-        sequence.stats.verify_s += forward_s + watch.stop()
-        sequence.stats.add_setup(watch.setup)
+        sequence.request.stats.verify_s += forward_s + watch.stop()
+        sequence.request.stats.add_setup(watch.setup)
     watch = Stopwatch()
     root_only = torch.zeros(1, dtype=torch.long, device=HOST)
     target.commit([root_only if verdict is None else verdict.path for verdict in verdicts])
@@ -294,8 +325,8 @@ def decode_round(sequences: list[DecodingSequence], target: RoundTarget, *,
                 raise
             result.error = error
         result.proposed, result.verified = whole, tree
-        sequence.stats.bookkeeping_s += commit_s + watch.stop()
-        sequence.stats.add_setup(watch.setup)
+        sequence.request.stats.bookkeeping_s += commit_s + watch.stop()
+        sequence.request.stats.add_setup(watch.setup)
     cost_measurement.note_round()
     return results
 

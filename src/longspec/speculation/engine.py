@@ -67,10 +67,10 @@ class SpeculativeEngine:
         request = DecodingRequest.given(request, keywords)
         sequence = DecodingSequence.create(self.model, prompt_ids, request, tree_budget=self.options.max_tree_nodes)
         max_new_tokens = request.max_new_tokens
-        stats = sequence.stats
-        capacity = sequence.prompt.numel() + max_new_tokens + sequence.tree_budget + 1
+        stats = sequence.request.stats
+        capacity = sequence.request.prompt.numel() + max_new_tokens + sequence.request.tree_budget + 1
         cache = self.model.new_cache(capacity, max_forward_tokens=max(self.options.prefill_chunk,
-                                                                      sequence.tree_budget + 1))
+                                                                      sequence.request.tree_budget + 1))
         stats.kv_cache_bytes = cache.nbytes()
 
         watch = Stopwatch()
@@ -128,7 +128,7 @@ class _OneSequence:
         (sequence,), (tree,) = sequences, trees
         mask = None if tree.is_chain() else tree.ancestor_mask()
         positions = self.cache.length + tree.depths
-        if certified_head_serves(sequence.params, tree) and self.model.certified_head is not None:
+        if certified_head_serves(sequence.request.params, tree) and self.model.certified_head is not None:
             # Decisions and draws from the certified head, without the full head.
             out = self.model(tree.tokens.unsqueeze(0), self.cache, tree_mask=mask, positions=positions, with_logits=False)
             hidden = out.hidden[0]
