@@ -36,7 +36,7 @@ import math
 import torch
 
 from longspec.runtime.certified_head import Candidates, Screen
-from longspec.speculation.processors import SamplingParams
+from longspec.speculation.processors import SamplingParams, min_p_kept
 
 # Candidates reach this many temperatures below the largest logit; the rows further down
 # are drawn through the tail's bins. A truncation the first selection cannot decide (a
@@ -116,13 +116,20 @@ class _Draw:
         self.full_logits = full_logits
         self.rows, self.cut, self.margin, self.T = candidates.rows, candidates.cut, candidates.margin, params.temperature
         self.head = screen.head
-        self.logits = self.head.exact_logits(hidden.unsqueeze(0), self.rows)[0].double()
-        self.scores = self.logits / self.T
+        logits = self.head.exact_logits(hidden.unsqueeze(0), self.rows)[0]
+        self.logits = logits.double()
+        self.scores = self._scores(logits)  # float32 logit / T, as the full-head sampler holds them
         self.top = float(self.scores.max())  # the largest logit is a candidate
         self.weights = torch.exp(self.scores - self.top)  # the candidates' untruncated mass, relative to the top
         self.known = float(self.weights.sum())
         self._tail: tuple[torch.Tensor, torch.Tensor] | None = None
         self.counts_tails = True  # HeadStats.tails counts draws, not their wider selections
+
+    def _scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """Float32 logits / T, computed as the full-head sampler computes them (then held in
+        float64): min-p's rule (`processors.min_p_kept`) then sees the same numbers in both."""
+        logits = logits.float()
+        return (logits if self.T == 1.0 else logits / self.T).double()
 
     def tail(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows outside the candidates counted in bins by upper bound (`Screen.tail_counts`),
@@ -161,7 +168,7 @@ class _Draw:
             last = int((mass_above < self.params.top_p * values.sum()).sum()) - 1
             kept &= self.logits >= ranked[max(last, 0)]  # ties with the last kept survive
         if self.params.min_p:  # 0 keeps every token, as None does
-            kept &= self.scores >= self.top + math.log(self.params.min_p)  # p_i >= min_p p_max
+            kept &= min_p_kept(self.scores, self.top, self.params.min_p)
         weights = torch.exp(self.scores - self.top) * kept
         return self._pick(weights, _uniform(self.generator) * float(weights.sum()))
 
@@ -178,8 +185,11 @@ class _Draw:
         T, cut, weights, known = self.T, self.cut, self.weights, self.known
         top_p = self.params.top_p if self.params.top_p is not None and self.params.top_p < 1.0 else None
         min_p = self.params.min_p or None  # 0 keeps every token, as None does
-        # The same float expressions as min-p's test below: a tail logit <= cut fails it.
-        tail_removed = min_p is not None and cut / T < self.top + math.log(min_p)
+        # Min-p's rule at the cut rounded up to a float32: no tail row (logit <= cut) scores
+        # above it, so where it fails, every tail row fails min-p too.
+        cut_up = torch.tensor([cut], dtype=torch.float64).float()
+        cut_up = torch.nextafter(cut_up, torch.tensor(math.inf)) if float(cut_up) < cut else cut_up
+        tail_removed = min_p is not None and not bool(min_p_kept(self._scores(cut_up), self.top, min_p))
         open_decisions = top_p is not None and self.full_logits is None
         if open_decisions and float(self.tail()[1].sum()) > 0:
             return None  # a decision the bounds leave open would need the full head
@@ -205,7 +215,7 @@ class _Draw:
                 logit = float(self.head.exact_logits(self.hidden.unsqueeze(0), torch.tensor([token]))[0, 0])
                 if not _uniform(self.generator) < math.exp((logit - (cut - b * step)) / T):
                     continue
-            if min_p is not None and logit / T < self.top + math.log(min_p):
+            if min_p is not None and not bool(min_p_kept(self._scores(torch.tensor([logit])), self.top, min_p)):
                 continue
             if top_p is not None and not self._in_nucleus(logit, top_p):
                 continue

@@ -274,11 +274,22 @@ def _top_p(scores: torch.Tensor, top_p: float) -> torch.Tensor:
     return scores.masked_fill(scores < cut, _NEG_INF)
 
 
+def min_p_kept(scores: torch.Tensor, top: torch.Tensor | float, min_p: float) -> torch.Tensor:
+    """Min-p's rule, stated once for every sampler (this module's, the native kernel's,
+    the certified head's): a token stays when p_i >= min_p p_max, decided as
+    score_i - score_max >= ln(min_p) in float64 over the scores as the samplers hold
+    them (float32 logit / T). One expression in one precision, so a threshold that falls
+    between float32's and float64's resolution is decided alike by all of them."""
+    if min_p <= 0:  # 0 keeps every token
+        return torch.ones_like(scores, dtype=torch.bool)
+    top = top.double() if isinstance(top, torch.Tensor) else top
+    return scores.double() - top >= math.log(min_p)
+
+
 def _min_p(scores: torch.Tensor, min_p: float) -> torch.Tensor:
-    probs = scores.softmax(dim=-1)
     # min_p <= 1 means the top token always survives; no explicit keep-one needed.
-    remove = probs < min_p * probs.amax(dim=-1, keepdim=True)
-    return scores.masked_fill(remove, _NEG_INF)
+    kept = min_p_kept(scores, scores.amax(dim=-1, keepdim=True), min_p)
+    return scores.masked_fill(~kept, _NEG_INF)
 
 
 def _typical(scores: torch.Tensor, mass: float) -> torch.Tensor:

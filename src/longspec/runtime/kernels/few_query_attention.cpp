@@ -54,6 +54,7 @@
 #include <vector>
 
 #include "cpu_features.h"
+#include "simd_exp.h"
 
 namespace {
 
@@ -99,24 +100,6 @@ struct Avx512Bf16 {
   static constexpr bool kFloatQueries = false;
   static constexpr bool kTiles = false;  // scores by AMX tiles (`Avx512Tiles`)
 
-  // exp(x) for x <= 0 (Cephes' single-precision polynomial, within ~2 float ulps; far below one bf16 ulp);
-  // -inf gives exactly 0.
-  LONGSPEC_AVX512_BF16 static inline __m512 exp_nonpositive(__m512 x) {
-    const __mmask16 finite = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kNone), _CMP_NEQ_OQ);
-    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));  // below, exp rounds to 0 anyway
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // x - n ln2, ln2 split in two
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_maskz_mov_ps(finite, _mm512_scalef_ps(p, n));
-  }
 
   LONGSPEC_AVX512_BF16 static inline __m512 widen(const uint16_t* values) {
     const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(values)));
@@ -147,7 +130,7 @@ struct Avx512Bf16 {
     __m512 total = _mm512_setzero_ps();
     const __m512 by = _mm512_set1_ps(shift);
     for (int64_t i = 0; i < kBlock; i += kFloats) {
-      const __m512 prob = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + i), by));
+      const __m512 prob = simd_exp::exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + i), by));
       _mm512_storeu_ps(row + i, prob);
       total = _mm512_add_ps(total, prob);
     }
@@ -210,26 +193,6 @@ struct Avx2Fma {
   static constexpr bool kFloatQueries = true;
   static constexpr bool kTiles = false;
 
-  // exp(x) for x <= 0, the same polynomial; 2^n built in the exponent field, so x is held at
-  // -87 or above (exp(-87) is the smallest normal float's order: what it adds to a sum with a
-  // largest term of 1 is below float32's resolution); -inf gives exactly 0.
-  LONGSPEC_AVX2_FMA static inline __m256 exp_nonpositive(__m256 x) {
-    const __m256 finite = _mm256_cmp_ps(x, _mm256_set1_ps(kNone), _CMP_NEQ_OQ);
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i two_to_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_and_ps(finite, _mm256_mul_ps(p, _mm256_castsi256_ps(two_to_n)));
-  }
 
   LONGSPEC_AVX2_FMA static inline __m256 widen(const uint16_t* values) {
     const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(values)));
@@ -269,7 +232,7 @@ struct Avx2Fma {
     __m256 total = _mm256_setzero_ps();
     const __m256 by = _mm256_set1_ps(shift);
     for (int64_t i = 0; i < kBlock; i += kFloats) {
-      const __m256 prob = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(row + i), by));
+      const __m256 prob = simd_exp::exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(row + i), by));
       _mm256_storeu_ps(row + i, prob);
       total = _mm256_add_ps(total, prob);
     }

@@ -45,6 +45,8 @@
 #include <utility>
 #include <vector>
 
+#include "simd_exp.h"
+
 namespace {
 
 // Channels whose states live in the buffer at once: the forward keeps h for a block,
@@ -56,25 +58,8 @@ constexpr int64_t kLanes = 16;  // float32 values per 512-bit register
 
 #define LONGSPEC_AVX512 __attribute__((target("avx512f")))
 
-// exp(x) for x <= 0 (decays: delta > 0, A < 0), Cephes' single-precision polynomial, as in
-// few_query_attention.cpp but without its -inf mask (a decay is never -inf here). The
-// copies differ in their edges, so they are not one shared header (headers do rebuild:
-// ninja tracks them, as for `kernels/cpu_features.h`).
-LONGSPEC_AVX512 inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));  // below, exp rounds to 0 anyway
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // x - n ln2, ln2 split in two
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
+// exp(x) for x <= 0 (decays: delta > 0, A < 0): simd_exp.h.
+using simd_exp::exp_nonpositive;
 
 struct Shapes {
   int64_t batch, length, channels, states;

@@ -34,6 +34,8 @@
 #include <limits>
 #include <vector>
 
+#include "simd_exp.h"
+
 #define LONGSPEC_AVX512 __attribute__((target("avx512f")))
 
 namespace {
@@ -77,27 +79,8 @@ LONGSPEC_AVX512 float avx512_row_max(const float* s, int64_t V) {
   return answer;
 }
 
-// exp(x) for x <= 0 (a score minus the row's best), Cephes' single-precision polynomial as in
-// few_query_attention.cpp, ~1 ulp; below -87.3 (and -inf) the result is 0. The copies
-// differ in their edges, so they are not one shared header (headers do rebuild: ninja
-// tracks them, as for `kernels/cpu_features.h`).
-LONGSPEC_AVX512 __m512 exp_nonpositive(__m512 x) {
-  const __m512 low = _mm512_set1_ps(-87.3f);
-  const __mmask16 underflow = _mm512_cmp_ps_mask(x, low, _CMP_LT_OQ);
-  x = _mm512_max_ps(x, low);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), _mm512_scalef_ps(p, n));
-}
+// exp(x) for x <= 0 (a score minus the row's best): simd_exp.h.
+using simd_exp::exp_nonpositive;
 
 // sum over the row of exp(s - top), in double (float lanes, folded every 1024 tokens).
 LONGSPEC_AVX512 double avx512_exp_sum(const float* s, int64_t V, float top) {
@@ -220,8 +203,11 @@ void truncate_row(const float* s, float* out, int64_t V, const Warpers& w, bool 
     n = with_ties(c, std::max<int64_t>(kept, 1));
   }
   if (min_p_on) {
-    int64_t kept = 1;  // the best token always stays (weight 1)
-    while (kept < n && weight[kept] >= w.min_p) ++kept;
+    // Min-p's rule as processors.min_p_kept states it for every sampler: score - top >=
+    // ln(min_p) in double over the float32 scores.
+    const double floor = std::log(w.min_p);
+    int64_t kept = 1;  // the best token always stays
+    while (kept < n && static_cast<double>(c[kept].score) - static_cast<double>(top) >= floor) ++kept;
     n = with_ties(c, kept);
   }
   double total = 0.0;
