@@ -195,6 +195,8 @@ def static_forward(decoder, ids, positions, mask, length, ring_slots, full_k, fu
             buffers = full_k[j], full_v[j], full_slots, full_visible
         x = _layer(layer, x, rope[layer.sliding], *buffers)
     hidden = decoder.final_norm.plain(x)
+    if decoder.file_head is not None:  # a quantized GGUF target's logits: the kernel's product of its file rows
+        return decoder.logits(hidden), hidden
     logits = F.linear(hidden, decoder.head_weight)
     cap = config.final_logit_softcapping
     if cap:
