@@ -146,7 +146,8 @@ def test_every_method_returns_plain_decodings_tokens_of_the_file_target(tmp_path
         assert run.stats.tau > 1.2 or name != "oracle"
 
 
-def test_batch_rows_of_the_file_target_equal_their_single_runs(tmp_path):
+@pytest.mark.parametrize("screen", ("0", "1"))
+def test_batch_rows_of_the_file_target_equal_their_single_runs(tmp_path, screen, monkeypatch):
     from longspec.speculation.batch_engine import BatchEngine, BatchOptions
     from longspec.speculation.drafters import PromptLookupDrafter
     from longspec.speculation.engine import EngineOptions
@@ -155,8 +156,11 @@ def test_batch_rows_of_the_file_target_equal_their_single_runs(tmp_path):
     from exactness import DIVERSE, single_run
     from tiny_models import random_ids
 
+    monkeypatch.setenv("LONGSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("LONGSPEC_FILE_SCREEN", screen)  # with the screen, greedy rows decide through it
     path = tmp_path / "m.gguf"
     model = read_model(path, "gemma3", write_model(path, "gemma3", vocab=300))
+    assert (model.certified_head is not None) == (screen == "1")
     for setting in SETTINGS.values():
         params = SamplingParams(**DIVERSE["gemma3"][1], **setting)
         drafters = [lambda: None, lambda: PromptLookupDrafter(num_tokens=5), lambda: make_drafter("auto")]

@@ -152,8 +152,11 @@ def report_memory(gguf: Path, tokens: int, threads: int) -> None:
     import longspec
     from longspec.speculation.engine import EngineOptions
 
-    def rss_mb() -> float:
-        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    def rss_mb() -> dict:
+        """Resident memory: anonymous (what the process holds) and file-backed (the GGUF file's
+        mapped pages it has read: the kernel may drop them)."""
+        fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+        return {name: int(fields[name].split()[0]) / 1024 for name in ("VmRSS", "RssAnon", "RssFile")}
 
     torch.set_num_threads(threads)
     before = rss_mb()
