@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from longspec.runtime.cache import EMPTY_SLOT, layer_groups, ring_prefix_mask, ring_slots
+from longspec.runtime.cache import EMPTY_SLOT, KVTensors, layer_groups, ring_prefix_mask, ring_slots
 from longspec.runtime.config import DecoderConfig
 from longspec.runtime.device import HOST
 
@@ -47,7 +47,7 @@ class CacheRow:
         return self._cache.rows(self.slot, self.slot + 1)
 
 
-class BatchKVCache:
+class BatchKVCache(KVTensors):
     def __init__(
         self,
         config: DecoderConfig,
@@ -62,24 +62,11 @@ class BatchKVCache:
             raise ValueError(f"row_capacity must be >= 1, got {row_capacity}")
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
-        if max_forward_tokens < 1:
-            raise ValueError(f"max_forward_tokens must be >= 1, got {max_forward_tokens}")
-        self.config = config
-        self.device = torch.device(device)
+        super().__init__(config, rows=max_rows, slots=row_capacity, max_forward_tokens=max_forward_tokens,
+                         ring_size=ring_slots(config, row_capacity, max(max_forward_tokens, 1)), dtype=dtype,
+                         device=device, ring_per_row=True)
         self.row_capacity = row_capacity
         self.max_rows = max_rows
-        self.max_forward_tokens = max_forward_tokens
-        self.window = config.sliding_window
-        groups = layer_groups(config)
-        self.group_index = groups.index
-        tail = (max_rows, config.num_kv_heads)
-        D = config.head_dim
-        self.full_k = torch.zeros((len(groups.full), *tail, row_capacity, D), dtype=dtype, device=device)
-        self.full_v = torch.zeros_like(self.full_k)
-        self.ring_size = ring_slots(config, row_capacity, max_forward_tokens)
-        self.ring_k = torch.zeros((len(groups.ring), *tail, self.ring_size, D), dtype=dtype, device=device)
-        self.ring_v = torch.zeros_like(self.ring_k)
-        self.ring_positions = torch.full((max_rows, self.ring_size), EMPTY_SLOT, dtype=torch.long, device=device)
         self.lengths = torch.zeros(max_rows, dtype=torch.long, device=device)
         # The same on the host: what the host reads (the longest row, a row's length) it
         # reads here, so that no forward on a GPU waits for the device to answer.

@@ -62,7 +62,35 @@ def ring_prefix_mask(slot_positions: torch.Tensor, length: int, query_positions:
     return committed.unsqueeze(0) & in_window
 
 
-class KVCache:
+class KVTensors:
+    """What every K/V cache here holds (`KVCache`, `BatchKVCache`, the drafters'
+    `PartialKVCache`): the layers split into full-attention and sliding (ring) groups,
+    one K and one V tensor per group [layers, rows, kv heads, slots, head dim], and the
+    position each ring slot holds (EMPTY_SLOT when empty; one ring per row where
+    `ring_per_row`)."""
+
+    def __init__(self, config: DecoderConfig, *, rows: int, slots: int, ring_size: int, max_forward_tokens: int,
+                 dtype: torch.dtype, device: torch.device | str, ring_per_row: bool = False) -> None:
+        if max_forward_tokens < 1:
+            raise ValueError(f"max_forward_tokens must be >= 1, got {max_forward_tokens}")
+        self.config = config
+        self.device = torch.device(device)
+        self.max_forward_tokens = max_forward_tokens
+        self.window = config.sliding_window
+        self.groups = layer_groups(config)
+        self.group_index = self.groups.index  # layer index -> index within its group (full or ring)
+        tail = (rows, config.num_kv_heads)
+        D = config.head_dim
+        self.full_k = torch.zeros((len(self.groups.full), *tail, slots, D), dtype=dtype, device=self.device)
+        self.full_v = torch.zeros_like(self.full_k)
+        self.ring_size = ring_size
+        self.ring_k = torch.zeros((len(self.groups.ring), *tail, ring_size, D), dtype=dtype, device=self.device)
+        self.ring_v = torch.zeros_like(self.ring_k)
+        shape = (rows, ring_size) if ring_per_row else (ring_size,)
+        self.ring_positions = torch.full(shape, EMPTY_SLOT, dtype=torch.long, device=self.device)
+
+
+class KVCache(KVTensors):
     def __init__(
         self,
         config: DecoderConfig,
@@ -75,23 +103,9 @@ class KVCache:
     ) -> None:
         if capacity < 1:
             raise ValueError(f"cache capacity must be >= 1, got {capacity}")
-        if max_forward_tokens < 1:
-            raise ValueError(f"max_forward_tokens must be >= 1, got {max_forward_tokens}")
-        self.config = config
-        self.device = torch.device(device)
+        super().__init__(config, rows=batch_size, slots=capacity, max_forward_tokens=max_forward_tokens,
+                         ring_size=ring_slots(config, capacity, max(max_forward_tokens, 1)), dtype=dtype, device=device)
         self.capacity = capacity
-        self.max_forward_tokens = max_forward_tokens
-        self.window = config.sliding_window
-        shape_tail = (batch_size, config.num_kv_heads)
-        D = config.head_dim
-        groups = layer_groups(config)
-        self.group_index = groups.index  # layer index -> index within its group (full or ring)
-        self.full_k = torch.zeros((len(groups.full), *shape_tail, capacity, D), dtype=dtype, device=device)
-        self.full_v = torch.zeros_like(self.full_k)
-        self.ring_size = ring_slots(config, capacity, max_forward_tokens)
-        self.ring_k = torch.zeros((len(groups.ring), *shape_tail, self.ring_size, D), dtype=dtype, device=device)
-        self.ring_v = torch.zeros_like(self.ring_k)
-        self.ring_positions = torch.full((self.ring_size,), EMPTY_SLOT, dtype=torch.long, device=device)
         self.length = 0  # committed tokens
         self.pending = 0  # tokens appended by the last forward, not yet committed or dropped
         self.pending_ring_slots = torch.empty(0, dtype=torch.long, device=self.device)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from longspec.runtime.cache import EMPTY_SLOT, layer_groups
+from longspec.runtime.cache import EMPTY_SLOT, KVTensors
 from longspec.runtime.config import DecoderConfig
 
 # layer index -> that full-attention layer's K/V [B, Hkv, N, D] of positions 0..N-1
@@ -77,7 +77,7 @@ class PartialBudget:
         return max(budget, sinks + forward_chunk), sinks
 
 
-class PartialKVCache:
+class PartialKVCache(KVTensors):
     def __init__(
         self,
         config: DecoderConfig,
@@ -96,30 +96,19 @@ class PartialKVCache:
                 f"partial cache budget {budget} is smaller than sinks ({sinks}) + tokens per drafting forward "
                 f"({max_forward_tokens}); raise the budget or lower the sinks"
             )
-        self.config = config
-        self.device = device = torch.device(device)
+        slots = budget + max_forward_tokens
+        ring_size = (config.sliding_window or 0) + max_forward_tokens if any(config.layer_is_sliding) else 0
+        super().__init__(config, rows=batch_size, slots=slots, ring_size=ring_size,
+                         max_forward_tokens=max_forward_tokens, dtype=dtype, device=device)
+        device = self.device
         self.budget = budget
         self.sinks = sinks
-        self.max_forward_tokens = max_forward_tokens
-        self.window = config.sliding_window
-        groups = layer_groups(config)
-        self.full_layers = groups.full
-        ring_layers = groups.ring
-        self.group_index = groups.index
-        shape_tail = (batch_size, config.num_kv_heads)
-        D = config.head_dim
-        slots = budget + max_forward_tokens
-        self.full_k = torch.zeros((len(self.full_layers), *shape_tail, slots, D), dtype=dtype, device=device)
-        self.full_v = torch.zeros_like(self.full_k)
+        self.full_layers = self.groups.full
         self.slot_positions = torch.full((len(self.full_layers), slots), -1, dtype=torch.long, device=device)
         self.used = 0  # filled slots of every full layer
         self.victims = torch.empty((len(self.full_layers), 0), dtype=torch.long, device=device)  # ascending importance
         self.next_victim = 0
         self.rebuilds = 0
-        self.ring_size = (self.window or 0) + max_forward_tokens if ring_layers else 0
-        self.ring_k = torch.zeros((len(ring_layers), *shape_tail, self.ring_size, D), dtype=dtype, device=device)
-        self.ring_v = torch.zeros_like(self.ring_k)
-        self.ring_positions = torch.full((self.ring_size,), EMPTY_SLOT, dtype=torch.long, device=device)
         self.length = 0  # sequence positions forwarded and committed
         self.pending = 0
         self.pending_ring_slots = torch.empty(0, dtype=torch.long, device=device)
