@@ -282,3 +282,19 @@ def test_the_file_targets_certified_head_serves_greedy_and_sampled_decoding_exac
             assert torch.equal(single_run(certified, prompt, params=params, max_new_tokens=120, seed=4,
                                           drafter=drafter), reference)
     assert certified.certified_head.stats.rows > 0
+
+
+def test_static_steps_of_the_file_target_compute_its_logits(tmp_path):
+    """Static steps serve a quantized target eagerly or through its file head, never a dense copy."""
+    from longspec.runtime.static_step import CompileOptions
+    from tiny_models import random_ids
+
+    path = tmp_path / "m.gguf"
+    model = read_model(path, "llama", write_model(path, "llama", vocab=300))
+    ids = random_ids(9, seed=3)
+    eager = model(ids, model.new_cache(64)).logits
+    model.compile_steps(CompileOptions(backend=None, buckets=(1, 4, 16)))
+    cache = model.new_cache(64)
+    static = model(ids, cache).logits
+    assert torch.equal(static, eager)  # a static step (where one serves) computes the file head's logits
+    assert model.file_head._dense is None
