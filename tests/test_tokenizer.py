@@ -237,3 +237,20 @@ def test_gemma_grammar_vocabulary_matches_transformers():
     directory = default_checkpoint_dir()
     ours, _ = read_fast(directory)
     assert_same_grammar_vocabulary(ours, AutoTokenizer.from_pretrained(directory, local_files_only=True), 262144, (1, 106))
+
+
+_CLI_NO_TRANSFORMERS = """
+import sys
+from longspec.cli.main import main
+code = main(["generate", "--model", {source}, "def fib(n):", "--max-new-tokens", "2"])
+loaded = sorted(name for name in sys.modules if name.split(".")[0] == "transformers")
+print("transformers modules:", loaded)
+sys.exit(code or (1 if loaded else 0))
+"""
+
+
+def test_cli_generate_never_imports_transformers(tiny_dir):
+    done = subprocess.run([sys.executable, "-c", _CLI_NO_TRANSFORMERS.format(source=repr(str(tiny_dir)))],
+                          capture_output=True, text=True, timeout=600, check=False,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
