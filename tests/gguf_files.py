@@ -6,13 +6,12 @@ needs, in chosen formats), for the quantized target read from the file directly
 from __future__ import annotations
 
 import numpy as np
-
 from quantized_blocks import Q4_K, Q5_0, Q6_K, Q8_0, quantize
 from tiny_models import tiny_config
 
 F32 = 0
-SHAPE = dict(head_dim=32, hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
-             max_position_embeddings=4096)
+SHAPE = {"head_dim": 32, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8,
+         "num_key_value_heads": 2, "max_position_embeddings": 4096}
 # Per layer tensor, its format: a Q4_K_M-like mix.
 LAYER_KINDS = {"attn_q": Q5_0, "attn_k": Q5_0, "attn_v": Q8_0, "attn_output": Q4_K, "ffn_gate": Q4_K, "ffn_up": Q4_K,
                "ffn_down": Q6_K}

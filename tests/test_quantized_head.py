@@ -10,10 +10,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from gguf_files import F32, read_model, write_model
+from quantized_blocks import Q4_K, Q6_K, Q8_0
 
 from longspec.runtime.native import attention_ops, native_ops
-from gguf_files import F32, read_model, write_model
-from quantized_blocks import Q4_K, Q5_0, Q6_K, Q8_0
 
 pytestmark = pytest.mark.skipif(native_ops() is None or attention_ops() is None,
                                 reason="native kernels unavailable here (reason logged)")
@@ -116,19 +116,20 @@ def test_a_truncated_file_is_refused(tmp_path):
         _quantized_from_gguf(path, config)
 
 
-SETTINGS = {"greedy": {}, "seeded": dict(temperature=1.0, top_p=0.9)}
+SETTINGS = {"greedy": {}, "seeded": {"temperature": 1.0, "top_p": 0.9}}
 
 
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
 @pytest.mark.parametrize("family", ("gemma3", "llama"))
 def test_every_method_returns_plain_decodings_tokens_of_the_file_target(tmp_path, family, setting):
+    from exactness import DIVERSE, Run, assert_same_caches
+    from oracles import OracleGarbageDrafter
+    from tiny_models import random_ids
+
     from longspec.speculation.drafters import PromptLookupDrafter
     from longspec.speculation.engine import EngineOptions, SpeculativeEngine
     from longspec.speculation.methods import make_drafter
     from longspec.speculation.processors import SamplingParams
-    from exactness import DIVERSE, Run, assert_same_caches
-    from oracles import OracleGarbageDrafter
-    from tiny_models import random_ids
 
     path = tmp_path / "m.gguf"
     model = read_model(path, family, write_model(path, family, vocab=300))
@@ -148,13 +149,14 @@ def test_every_method_returns_plain_decodings_tokens_of_the_file_target(tmp_path
 
 @pytest.mark.parametrize("screen", ("0", "1"))
 def test_batch_rows_of_the_file_target_equal_their_single_runs(tmp_path, screen, monkeypatch):
+    from exactness import DIVERSE, single_run
+    from tiny_models import random_ids
+
     from longspec.speculation.batch_engine import BatchEngine, BatchOptions
     from longspec.speculation.drafters import PromptLookupDrafter
     from longspec.speculation.engine import EngineOptions
     from longspec.speculation.methods import make_drafter
     from longspec.speculation.processors import SamplingParams
-    from exactness import DIVERSE, single_run
-    from tiny_models import random_ids
 
     monkeypatch.setenv("LONGSPEC_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("LONGSPEC_FILE_SCREEN", screen)  # with the screen, greedy rows decide through it
@@ -178,8 +180,9 @@ def test_batch_rows_of_the_file_target_equal_their_single_runs(tmp_path, screen,
 def adversarial_head(kind: int, vocab: int = 400, cols: int = 256, seed: int = 0):
     """File rows built to sit at the screen's bound: near-copies of one top row (one code
     apart), exact duplicates (ties, the later index must lose), and rows far below."""
-    from longspec.runtime.file_rows import FileRows
     from quantized_blocks import quantize
+
+    from longspec.runtime.file_rows import FileRows
 
     rng = np.random.default_rng(seed)
     weights = (rng.standard_normal((vocab, cols)) * 0.02).astype(np.float32)
@@ -257,13 +260,14 @@ def test_the_screen_reads_the_codes_the_product_quantizes_from_bf16():
 
 @pytest.mark.parametrize("family", ("gemma3", "llama"))
 def test_the_file_targets_certified_head_serves_greedy_and_sampled_decoding_exactly(tmp_path, family, monkeypatch):
+    from exactness import DIVERSE, single_run
+    from tiny_models import random_ids
+
     from longspec.runtime.certified_head import DISABLE_VARIABLE
     from longspec.runtime.file_screen import FileCertifiedHead
     from longspec.speculation.drafters import PromptLookupDrafter
     from longspec.speculation.methods import make_drafter
     from longspec.speculation.processors import SamplingParams
-    from exactness import DIVERSE, single_run
-    from tiny_models import random_ids
 
     monkeypatch.setenv("LONGSPEC_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("LONGSPEC_FILE_SCREEN", "1")  # opt-in: the default reads the full file head
@@ -286,8 +290,9 @@ def test_the_file_targets_certified_head_serves_greedy_and_sampled_decoding_exac
 
 def test_static_steps_of_the_file_target_compute_its_logits(tmp_path):
     """Static steps serve a quantized target eagerly or through its file head, never a dense copy."""
-    from longspec.runtime.static_step import CompileOptions
     from tiny_models import random_ids
+
+    from longspec.runtime.static_step import CompileOptions
 
     path = tmp_path / "m.gguf"
     model = read_model(path, "llama", write_model(path, "llama", vocab=300))

@@ -16,7 +16,11 @@ and the bf16 model.
 
     python benchmarks/ab/quantized_ab.py --gguf /tmp/gemma-3-270m-q4_k_m.gguf --rss 512
 
---rss N: only the quantized model, in this process: resident memory after the load, after
+    python benchmarks/ab/quantized_ab.py --gguf /tmp/gemma-3-270m-q4_k_m.gguf --head 400
+
+--head N: the heads alone, N decisions of each alternated on one final hidden row: the file head
+(the full gguf_linear product and its argmax), the previous dense head's int8 certified screen,
+and the full bf16 head. --rss N: only the quantized model, in this process: resident memory after the load, after
 its certified head is built, and after an N-token generation, beside the file's size.
 """
 
@@ -43,15 +47,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--rss", type=int, default=0)
+    parser.add_argument("--head", type=int, default=0)
     args = parser.parse_args()
     import torch
 
     if args.rss:
         return report_memory(args.gguf, args.rss, args.threads)
+    if args.head:
+        torch.set_num_threads(args.threads)
+        return head_rows(args.gguf, args.head)
 
     sys.path.insert(0, str(HERE.parent))  # benchmarks/: common.py
-    import longspec
     from common import prompt_ids, stdlib_source_text
+
+    import longspec
     from longspec.speculation.engine import EngineOptions
 
     torch.set_num_threads(args.threads)
@@ -99,6 +108,7 @@ def step_rows(decoders: dict, context: int, steps: int) -> list[dict]:
     import time
 
     import torch
+
     from longspec.speculation.cost_model import commit_random_keys
 
     caches = {}
@@ -134,13 +144,48 @@ def step_rows(decoders: dict, context: int, steps: int) -> list[dict]:
     return rows
 
 
+def head_rows(gguf: Path, samples: int) -> None:
+    """Each head's decision on one real final hidden row, alternated sample by sample."""
+    import time
+
+    import torch
+
+    from longspec.runtime.argmax import row_argmax
+    from longspec.runtime.linear import packed_linear
+
+    quantized, dense = quantized_target(gguf), dense_head(gguf)
+    ids = torch.tensor([[2] + [1000 + (i * 7) % 50 for i in range(40)]])
+    hidden = quantized(ids, quantized.new_cache(64), with_logits=False).hidden[0, -1:]
+    certified = dense.certified_head
+    heads = {"file-head": lambda: row_argmax(quantized.logits(hidden)),
+             "dense-int8-screen": lambda: certified.argmax(hidden, dense.logits),
+             "dense-bf16-full": lambda: row_argmax(packed_linear(hidden, dense.head_weight, dense.packed_head))}
+    tokens = {name: int(head()[0]) for name, head in heads.items()}
+    times = {name: [] for name in heads}
+    for _ in range(samples):
+        for name, head in heads.items():
+            start = time.perf_counter()
+            head()
+            times[name].append(time.perf_counter() - start)
+    for name, values in times.items():
+        values.sort()
+        print(json.dumps({"head": name, "ms_min": 1e3 * values[0], "ms_lower_quartile": 1e3 * values[len(values) // 4],
+                          "ms_median": 1e3 * statistics.median(values), "token": tokens[name],
+                          "load_average": os.getloadavg()[0]}), flush=True)
+
+
+def quantized_target(gguf):
+    from longspec.runtime.loading import load_target
+
+    return load_target(gguf).model
+
+
 def dense_head(gguf):
     """The quantized layers with a bf16 copy of the (tied) head and its int8 certified head:
     the quantized step before the file head."""
     import torch
-    from longspec.runtime.loading import load_target
 
-    model = load_target(gguf).model
+    model = quantized_target(gguf)
     model.embed_weight = torch.nn.Parameter(model.file_embedding.dense(), requires_grad=False)
     model.file_head = None
     return model.prepare()

@@ -101,7 +101,7 @@ class Screen:
     [N, spans]: the kernel's largest score of each span of output rows, so that only the
     spans near the top are read (None: every row is scanned, as after a mask)."""
 
-    head: "CertifiedHead"
+    head: CertifiedHead
     scores: torch.Tensor
     coefficients: torch.Tensor
     finite: torch.Tensor
@@ -242,7 +242,7 @@ class CertifiedHead:
         self.stats = HeadStats()
 
     @classmethod
-    def for_model(cls, model) -> "CertifiedHead | FileCertifiedHead | None":
+    def for_model(cls, model) -> CertifiedHead | FileCertifiedHead | None:
         """The certified head of a prepared `Decoder`, or None where it does not apply:
         no native packed head (other dtypes, devices, no kernels), soft-capped logits,
         a non-finite head weight, or LONGSPEC_CERTIFIED_HEAD=0. A quantized GGUF target's

@@ -16,6 +16,7 @@ import torch
 
 from longspec.runtime.quantized import FORMATS, QuantizedWeight, segment, stacked
 
+
 @dataclass
 class FileRows:
     name: str  # the GGUF tensor

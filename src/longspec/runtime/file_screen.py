@@ -45,7 +45,12 @@ import numpy as np
 import torch
 
 from longspec.runtime.argmax import row_argmax
-from longspec.runtime.certified_head import BF16_UNIT, CANDIDATE_CAP, HeadStats, _round_up_float32
+from longspec.runtime.certified_head import (
+    BF16_UNIT,
+    CANDIDATE_CAP,
+    HeadStats,
+    _round_up_float32,
+)
 from longspec.runtime.file_rows import FileRows
 from longspec.runtime.native import native_ops
 from longspec.runtime.quantized import QuantizedWeight, segment

@@ -16,7 +16,12 @@ import torch
 
 from longspec.runtime.config import DecoderConfig, rope_tables
 from longspec.runtime.file_rows import FileRows
-from longspec.runtime.gguf_layers import FLOAT_KINDS, PRODUCTS, _llama_row_order, _shapes, quantized_layers
+from longspec.runtime.gguf_layers import (
+    PRODUCTS,
+    _llama_row_order,
+    _shapes,
+    quantized_layers,
+)
 from longspec.runtime.model import Decoder
 from longspec.runtime.quantized import format_name
 

@@ -26,7 +26,12 @@ from pathlib import Path
 import torch
 import xxhash
 
-from longspec.runtime.model_cache import CacheWriteError, cached_entry, discard_entry, entry_problem
+from longspec.runtime.model_cache import (
+    CacheWriteError,
+    cached_entry,
+    discard_entry,
+    entry_problem,
+)
 from longspec.runtime.native import sources_identity
 from longspec.runtime.progress import phase
 
