@@ -303,3 +303,15 @@ def test_static_steps_of_the_file_target_compute_its_logits(tmp_path):
     static = model(ids, cache).logits
     assert torch.equal(static, eager)  # a static step (where one serves) computes the file head's logits
     assert model.file_head._dense is None
+
+
+def test_doctor_names_what_the_file_targets_decisions_read(tmp_path, monkeypatch):
+    from longspec.cli.doctor import _head_line
+
+    monkeypatch.setenv("LONGSPEC_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "m.gguf"
+    config = write_model(path, "llama", vocab=300)
+    monkeypatch.delenv("LONGSPEC_FILE_SCREEN", raising=False)
+    assert "the file's own rows, read in full" in _head_line(read_model(path, "llama", config))
+    monkeypatch.setenv("LONGSPEC_FILE_SCREEN", "1")
+    assert _head_line(read_model(path, "llama", config)).startswith("on: decisions read a Q5_0 screen of the file's")

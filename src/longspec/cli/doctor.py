@@ -100,17 +100,19 @@ def _kernels_line() -> str:
 
 def _head_line(decoder) -> str:
     """On, or off with the reason `CertifiedHead.for_model` had."""
-    from longspec.runtime.certified_head import DISABLE_VARIABLE
+    from longspec.runtime.certified_head import DISABLE_VARIABLE, FILE_SCREEN_VARIABLE
     from longspec.speculation.cost_model import certified_head_gain
 
     gain = certified_head_gain(decoder)
     measured = "" if gain is None else f"; measured here: a decode step {gain:.2f}x as fast with it as without"
     head = decoder.certified_head
     if head is not None:
-        return (f"on: decisions read an int8 copy of the {head.vocab:,} x {head.hidden} head ({head.nbytes / 2**20:.0f} "
-                f"MiB) and recompute the few rows that can matter{measured}; {DISABLE_VARIABLE}=0 turns it off")
+        return f"on: decisions read {head.describe()}{measured}; {DISABLE_VARIABLE}=0 turns it off"
     if os.environ.get(DISABLE_VARIABLE, "1") == "0":
         return f"off ({DISABLE_VARIABLE}=0)"
+    if decoder.file_head is not None:
+        return (f"off: the quantized target's head is the file's own rows, read in full ({FILE_SCREEN_VARIABLE}=1 "
+                "turns on their Q5_0 screen)")
     if gain is not None and decoder._packed_head is not None and decoder._packed_head.tiles is not None:
         return f"off: the full head is faster on this machine{measured}; {DISABLE_VARIABLE}=1 turns it on"
     if decoder._packed_head is None or decoder._packed_head.tiles is None:

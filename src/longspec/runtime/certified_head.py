@@ -277,6 +277,11 @@ class CertifiedHead:
         return sum(t.numel() * t.element_size()
                    for t in (self.codes, self.scales, self.residual, self.row_norm, self.magnitude))
 
+    def describe(self) -> str:
+        """What its decisions read (for `longspec doctor`)."""
+        return (f"an int8 copy of the {self.vocab:,} x {self.hidden} head ({self.nbytes / 2**20:.0f} MiB), "
+                "recomputing the few rows that can matter")
+
     def quantize(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Activation rows [N, H] (bf16) -> int16 codes [N, K], float32 scales [N, G], the
         bound's coefficients [N, 3] (float64: for ||r_i||, ||w_i||, and M_i + W_i) and

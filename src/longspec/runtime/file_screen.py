@@ -124,6 +124,11 @@ class FileCertifiedHead:
     def nbytes(self) -> int:
         return self.screen_weight.nbytes + 8 * self.rows.rows  # + the two float32 constants a row
 
+    def describe(self) -> str:
+        """What its decisions read (for `longspec doctor`)."""
+        return (f"a Q5_0 screen of the file's {self.rows.rows:,} x {self.rows.cols} head rows "
+                f"({self.nbytes / 2**20:.0f} MiB), recomputing the candidates from the file's rows")
+
     def _norms(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """||a||_2 and ||a||_1 [N] of each row's quantized activation, float64, inflated."""
         codes, scales = native_ops().gguf_quantize_rows(hidden)
