@@ -245,7 +245,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, keep_quantization: bool = False) 
         if "not supported" in str(error):
             raise ValueError(f"cannot read {path}: {_first_line(error)}") from None
         raise ValueError(f"{path} is truncated or not a GGUF file ({_first_line(error)})") from None
-    config = DecoderConfig.from_hf(hf_config)
+    DecoderConfig.from_hf(hf_config)  # fail on unsupported families before reading weights
     check_dtype_fits(hf_config, dtype)
     if keep_quantization:
         from longspec.runtime.quantized import quantized_available
