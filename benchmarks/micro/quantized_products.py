@@ -3,14 +3,21 @@ Gemma 3 270M Q4_K_M (the file's own tensors, repacked), against the bytes it mus
 this machine's streaming read bandwidth, and against the bf16 kernel over the same weights
 dequantized (what a dequantizing load runs). Also a few-row product (a verified chain).
 
-    python benchmarks/micro/quantized_products.py --threads 2 --gguf /tmp/gemma-3-270m-q4_k_m.gguf
+    python benchmarks/micro/quantized_products.py --threads 2 --gguf /tmp/gemma-3-270m-q4_k_m.gguf \
+        --previous 1ad6055
+
+--previous COMMIT builds that commit's `kernels/gguf_linear.cpp` as a library of its own and
+times it beside today's kernel in the same process, the two alternated call by call (the
+repacked layout is the same): the ratio previous / today per product and row count.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -26,6 +33,39 @@ def read_bandwidth(threads: int, megabytes: int = 512) -> float:
         data.sum()
         times.append(time.perf_counter() - start)
     return data.numel() * 4 / statistics.median(times)
+
+
+def previous_kernel(commit: str):
+    """`torch.ops.longspec_previous`: gguf_linear.cpp (and its header) as of `commit`, built
+    under another library name so both kernels load in one process."""
+    import subprocess
+    import tempfile
+
+    from torch.utils.cpp_extension import load
+
+    root = Path(__file__).resolve().parents[2]
+    kernels = "src/longspec/runtime/kernels"
+    directory = Path(tempfile.mkdtemp(prefix="longspec-previous-"))
+    for name in ("gguf_linear.cpp", "cpu_features.h"):
+        text = subprocess.run(["git", "show", f"{commit}:{kernels}/{name}"], cwd=root, check=True,
+                              capture_output=True, text=True).stdout
+        (directory / name).write_text(text.replace("TORCH_LIBRARY_FRAGMENT(longspec_native", "TORCH_LIBRARY_FRAGMENT(longspec_previous"))
+    load(name=f"longspec_previous_{commit}", sources=[str(directory / "gguf_linear.cpp")],
+         extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    return torch.ops.longspec_previous
+
+
+def alternated(first, second, calls: int = 1000) -> tuple[float, float]:
+    """Lower quartiles of single calls of two functions, alternated call by call."""
+    for _ in range(20):
+        first(), second()
+    samples = ([], [])
+    for _ in range(calls):
+        for fn, times in zip((first, second), samples):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    return tuple(sorted(times)[len(times) // 4] for times in samples)
 
 
 def timed(fn, calls: int = 1000) -> float:
@@ -48,8 +88,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--layer", type=int, default=0)
     parser.add_argument("--rows", type=int, nargs="*", default=[1, 4, 16])
+    parser.add_argument("--previous", default=None, help="a commit whose gguf_linear.cpp to time beside today's")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    previous = previous_kernel(args.previous) if args.previous else None
     import gguf
 
     from longspec.runtime.linear import prepack, packed_linear
@@ -85,7 +127,14 @@ def main() -> None:
                 total_q, total_b, floor_q, floor_b = total_q + tq, total_b + tb, floor_q + fq, floor_b + fb
             print(f"{label:8s} [{bf16.shape[0]:5d} x {cols:5d}] rows {m:3d}: quantized {tq * 1e6:7.1f} us "
                   f"(floor {fq * 1e6:6.1f}, {weight.nbytes / 1e6:.2f} MB)   bf16 {tb * 1e6:7.1f} us "
-                  f"(floor {fb * 1e6:6.1f})   bf16/quantized {tb / tq:.2f}x")
+                  f"(floor {fb * 1e6:6.1f})   bf16/quantized {tb / tq:.2f}x", flush=True)
+            if previous is not None:
+                segments = weight.segments
+                args_of = ([s.packed for s in segments], [s.kind for s in segments], [s.rows for s in segments], None)
+                tn, tp = alternated(lambda: native_ops().gguf_linear(x, *args_of), lambda: previous.gguf_linear(x, *args_of))
+                same = torch.equal(native_ops().gguf_linear(x, *args_of), previous.gguf_linear(x, *args_of))
+                print(f"{'':8s} today {tn * 1e6:7.1f} us, previous {tp * 1e6:7.1f} us: previous / today {tp / tn:.2f}x, "
+                      f"same bits {same}, load {os.getloadavg()[0]:.1f}", flush=True)
     print(f"one layer, one row: quantized {total_q * 1e6:.0f} us (floor {floor_q * 1e6:.0f}),"
           f" bf16 {total_b * 1e6:.0f} us (floor {floor_b * 1e6:.0f})")
 
