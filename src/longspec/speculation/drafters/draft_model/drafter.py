@@ -23,7 +23,8 @@ import torch
 
 from longspec.runtime.device import HOST
 from longspec.runtime.model import Decoder
-from longspec.speculation.drafters.base import DraftContext, Drafter
+from longspec.speculation.drafters.base import DraftContext
+from longspec.speculation.drafters.shared.own_cache import OwnCacheDrafter
 from longspec.speculation.drafters.shared.errors import DraftMismatchError
 from longspec.speculation.drafters.shared.vocab_map import VocabMap
 from longspec.speculation.processors import sample
@@ -38,7 +39,7 @@ def shipped_drafter_path() -> Path:
     return Path(str(resources.files("longspec") / "weights" / SHIPPED_DRAFTER))
 
 
-class DraftModelDrafter(Drafter):
+class DraftModelDrafter(OwnCacheDrafter):
     runs_model = True  # each proposal runs the draft network (see drafters.base)
 
     def __init__(
@@ -121,16 +122,9 @@ class DraftModelDrafter(Drafter):
             self._vocab_size = self.model.config.vocab_size
         self._allocate(context.tokens.numel() + INITIAL_HEADROOM)
 
-    def observe(self, committed: torch.Tensor) -> None:
-        """Nothing to do: the next propose runs the newly committed tokens through the draft."""
-
-    def state_nbytes(self) -> int:
-        return self.cache.nbytes() if self.cache is not None else 0
-
     @torch.inference_mode()
     def propose(self, context: DraftContext) -> Tree:
-        if self.cache is None:
-            raise RuntimeError("call begin() before propose()")
+        self.begun_cache()
         tokens, root = context.tokens, context.root
         n = tokens.numel()
         budget = min(self.length, int(context.max_nodes), self.model.config.max_position_embeddings - n)

@@ -30,13 +30,14 @@ import contextlib
 import torch
 
 from longspec.runtime.device import HOST
-from longspec.speculation.drafters.base import DraftContext, Drafter
+from longspec.speculation.drafters.base import DraftContext
+from longspec.speculation.drafters.shared.own_cache import OwnCacheDrafter
 from longspec.speculation.drafters.shared.checks import check_positive_int
 from longspec.speculation.drafters.shared.partial_cache import PartialBudget, PartialKVCache, recording_queries
 from longspec.speculation.tree import Tree
 
 
-class MagicDecDrafter(Drafter):
+class MagicDecDrafter(OwnCacheDrafter):
     """Options:
     length: γ, tokens drafted per round.
     budget: full-attention slots of the partial cache (sinks included); None scales
@@ -79,16 +80,9 @@ class MagicDecDrafter(Drafter):
                                     dtype=model.dtype, device=model.device)
         self.cache.warm_up(view.layer_kv, tokens, self._forward)
 
-    def observe(self, committed: torch.Tensor) -> None:
-        """Nothing to do: the next propose runs the newly committed tokens."""
-
-    def state_nbytes(self) -> int:
-        return self.cache.nbytes() if self.cache is not None else 0
-
     @torch.inference_mode()
     def propose(self, context: DraftContext) -> Tree:
-        if self.cache is None:
-            raise RuntimeError("call begin() before propose()")
+        self.begun_cache()
         tokens = torch.as_tensor(context.tokens, dtype=torch.long, device=HOST).reshape(-1)
         if tokens.numel() < self.cache.length:
             self.begin(context)  # a different (shorter) sequence: start over
