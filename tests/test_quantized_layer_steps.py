@@ -76,12 +76,12 @@ def test_the_fused_quantized_layer_is_the_unfused_layers_bits(family, keep_bf16)
             rope = decoder._rope(torch.arange(11, 11 + rows), layer.sliding)
             with torch.inference_mode():
                 fused = layer.project(x, rope)
-            for ours, theirs in zip(fused, unfused(decoder, lambda: layer.project(x, rope))):
+            for ours, theirs in zip(fused, unfused(decoder, lambda layer=layer, x=x, rope=rope: layer.project(x, rope))):
                 assert ours.shape == theirs.shape and ours.stride() == theirs.stride()
                 assert torch.equal(ours, theirs), (batch, rows)
             with torch.inference_mode():
                 fused = layer.finish(x, attn)
-            theirs = unfused(decoder, lambda: layer.finish(x, attn))
+            theirs = unfused(decoder, lambda layer=layer, x=x, attn=attn: layer.finish(x, attn))
             assert fused.shape == (batch, rows, c.hidden_size) and torch.equal(fused, theirs), (batch, rows)
             # A prefill's products are a step's for a quantized weight: the fused call runs them too.
             with torch.inference_mode():

@@ -86,6 +86,7 @@ def steps(decoders: dict, context: int, count: int) -> list[dict]:
     """Decode steps (a 1-token forward over `context` committed keys, then its decision) of each
     decoder, alternating; the forward and the decision timed apart."""
     import torch
+
     from longspec.speculation.cost_model import commit_random_keys
 
     caches = {}
@@ -120,6 +121,7 @@ def profile(decoder, context: int, count: int) -> dict:
     """Share of the forward in the products (self time of the product ops, wherever called:
     from the fused layer steps too) over `count` quantized steps."""
     import torch
+
     from longspec.speculation.cost_model import commit_random_keys
 
     cache = decoder.new_cache(context + 2, max_forward_tokens=512)

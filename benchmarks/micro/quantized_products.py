@@ -94,7 +94,7 @@ def main() -> None:
     previous = previous_kernel(args.previous) if args.previous else None
     import gguf
 
-    from longspec.runtime.linear import prepack, packed_linear
+    from longspec.runtime.linear import packed_linear, prepack
     from longspec.runtime.native import native_ops
     from longspec.runtime.quantized import segment, stacked
 
@@ -131,7 +131,8 @@ def main() -> None:
             if previous is not None:
                 segments = weight.segments
                 args_of = ([s.packed for s in segments], [s.kind for s in segments], [s.rows for s in segments], None)
-                tn, tp = alternated(lambda: native_ops().gguf_linear(x, *args_of), lambda: previous.gguf_linear(x, *args_of))
+                tn, tp = alternated(lambda x=x, a=args_of: native_ops().gguf_linear(x, *a),
+                                    lambda x=x, a=args_of: previous.gguf_linear(x, *a))
                 same = torch.equal(native_ops().gguf_linear(x, *args_of), previous.gguf_linear(x, *args_of))
                 print(f"{'':8s} today {tn * 1e6:7.1f} us, previous {tp * 1e6:7.1f} us: previous / today {tp / tn:.2f}x, "
                       f"same bits {same}, load {os.getloadavg()[0]:.1f}", flush=True)
