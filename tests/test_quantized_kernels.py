@@ -48,6 +48,7 @@ def test_rows_are_quantized_exactly_as_defined(dtype, path):
     x[3, :32] = 0  # an all-zero block: scale 0, codes 0
     x[4, 40] = 1e-30  # a tiny value among ordinary ones
     x[5, 64:96] = torch.arange(32) - 15.5  # halves: round-half-even decides codes
+    x[5, 64] = 127  # scale 1: the halves above stay exact halves
     x[6, 96:128] = -x[6, 96:128].abs()  # an all-negative block (its amax from the most negative)
     codes, scales = OPS.gguf_quantize_rows(x, path)
     expected_codes, expected_scales = quantized_rows_reference(x)
