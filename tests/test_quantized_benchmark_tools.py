@@ -77,9 +77,10 @@ def test_a_written_file_reads_back_with_its_shapes_and_tokenizer(tmp_path):
 
 
 COMPLETION_LOG = """\
-common_perf_print:    sampling time =       3.10 ms
-common_perf_print: prompt eval time =    1200.50 ms /  1024 tokens (    1.17 ms per token,   852.98 tokens per second)
-common_perf_print:        eval time =     300.00 ms /    15 runs   (   20.00 ms per token,    50.00 tokens per second)
+0.22.618.968 I common_perf_print:    sampling time =     472.45 ms
+0.22.619.017 I common_perf_print: prompt eval time =   16669.83 ms /  1024 tokens (   16.28 ms per token,    61.43 tokens per second)
+0.22.619.031 I common_perf_print:        eval time =     300.00 ms /    15 runs   (   20.00 ms per token,    50.00 tokens per second)
+0.22.619.044 I common_perf_print:       total time =   19273.01 ms /  1039 tokens
 """
 
 LOOKUP_LOG = """\

@@ -19,6 +19,7 @@ WORK=$(mktemp -d)
 if [ ! -f "$DEST/CMakeLists.txt" ]; then
   (cd "$WORK" && pip download --no-deps --no-binary :all: "llama-cpp-python==$VERSION" && tar xzf llama_cpp_python-*.tar.gz)
   cp -r "$WORK"/llama_cpp_python-*/vendor/llama.cpp "$DEST"
+  echo "$VERSION" > "$DEST/LLAMA_CPP_PYTHON_VERSION"  # quantized_peers.py records it: the copy has no git commit
 fi
 if [ "${NATIVE:-0}" = 1 ]; then
   ISA=(-DGGML_NATIVE=ON)

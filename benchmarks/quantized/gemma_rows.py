@@ -33,8 +33,8 @@ def ar_rows(s: Settings, models: dict, files: dict[str, Path], ids: list[int], c
             load = load_average()
             samples = alternate(s.repeats, {
                 "ours": lambda: ours.decode(model, prompt, new_tokens=s.ar_new_tokens),
-                "llama": lambda: {"decode_tokens_per_s": llama_cpp.bench(
-                    s.bin_dir, files[kind], threads=s.threads, prompt=0, generate=s.ar_new_tokens, depth=context)},
+                "llama": lambda: llama_cpp.bench(s.bin_dir, files[kind], threads=s.threads, prompt=0,
+                                                 generate=s.ar_new_tokens, depth=context),
             })
             out.append(row("ar", ours=median_rate(samples["ours"]), peer=median_rate(samples["llama"]),
                            peer_name="llama-bench AR", load=load, goal=goals.get(kind), samples=samples,

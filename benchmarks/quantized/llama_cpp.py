@@ -21,8 +21,12 @@ def check_tools(bin_dir: Path) -> None:
 
 
 def version(bin_dir: Path) -> str:
+    """The tools' own version line, and the llama-cpp-python release whose llama.cpp they were
+    built from (written by build_llama_cpp.sh: the vendored copy reports no commit)."""
     out = subprocess.run([str(bin_dir / "llama-completion"), "--version"], capture_output=True, text=True)
-    return " ".join((out.stdout + out.stderr).split()[:8])
+    line = " ".join((out.stdout + out.stderr).split()[:8])
+    release = bin_dir.parents[1] / "LLAMA_CPP_PYTHON_VERSION"
+    return f"{line}; llama-cpp-python {release.read_text().strip()}" if release.is_file() else line
 
 
 def requantized(bin_dir: Path, source: Path, work: Path, kind: str) -> Path:
@@ -36,13 +40,19 @@ def requantized(bin_dir: Path, source: Path, work: Path, kind: str) -> Path:
     return path
 
 
-def bench(bin_dir: Path, model: Path, *, threads: int, prompt: int, generate: int, depth: int) -> float:
-    """llama-bench tokens/s of one repetition: generation of `generate` tokens (prompt 0) or
-    processing of `prompt` tokens, after `depth` tokens in the cache (not timed)."""
+def bench(bin_dir: Path, model: Path, *, threads: int, prompt: int, generate: int, depth: int,
+          warmup: bool = True) -> dict:
+    """llama-bench's rates of one repetition after `depth` tokens in the cache (computed once
+    per call, not timed): `prompt` tokens processed in one batch, and `generate` tokens decoded
+    one at a time (either 0: not run). Its warm-up runs the prompt test once more before."""
     command = [str(bin_dir / "llama-bench"), "-m", str(model), "-t", str(threads), "-p", str(prompt),
-               "-n", str(generate), "-d", str(depth), "-r", "1", "-o", "json"]
+               "-n", str(generate), "-d", str(depth), "-r", "1", "-o", "json", *([] if warmup else ["--no-warmup"])]
     result = subprocess.run(command, check=True, capture_output=True, text=True)
-    return float(json.loads(result.stdout)[0]["avg_ts"])
+    rates = {}
+    for test in json.loads(result.stdout):
+        key = "decode_tokens_per_s" if test["n_gen"] > 0 else "prompt_tokens_per_s"
+        rates[key] = float(test["avg_ts"])
+    return rates
 
 
 @dataclass(frozen=True)
@@ -61,10 +71,10 @@ class Sampling:
 
 def _common(model: Path, prompt_file: Path, new_tokens: int, threads: int, context: int) -> list[str]:
     return ["-m", str(model), "-f", str(prompt_file), "-n", str(new_tokens), "-c", str(context), "-t", str(threads),
-            "-tb", str(threads), "--ignore-eos", "--no-warmup"]
+            "-tb", str(threads), "--ignore-eos"]
 
 
-_EVAL = re.compile(r"^\S*:?\s+eval time =\s*([\d.]+) ms /\s*(\d+) runs", re.M)
+_EVAL = re.compile(r"eval time =\s*([\d.]+) ms /\s*(\d+) runs")  # the prompt's line counts "tokens"
 _PROMPT = re.compile(r"prompt eval time =\s*[\d.]+ ms /\s*(\d+) tokens")
 _DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
 

@@ -1,7 +1,7 @@
 """Rows on the random-weight files of real shapes (`random_gguf`): per file and depth,
-AR decode (ours vs llama-bench -p 0 -n N -d depth), prefill (ours' prefill of the same
-call vs llama-bench -p depth -n 0) and one 16-token verification forward over the
-cache (ours vs llama-bench -p 16 -n 0 -d depth), in turns. A file our loader refuses
+AR decode and one 16-token verification forward over the cache (ours vs one
+`llama-bench -p 16 -n N -d depth`, whose depth is prefilled once for both tests) and
+prefill (ours' prefill of the decoding call vs `llama-bench -p depth -n 0`), in turns. A file our loader refuses
 becomes a row naming the error, with its traceback in the results."""
 
 from __future__ import annotations
@@ -57,14 +57,13 @@ def depth_rows(s: Settings, model, path: Path, prompt: list[int], fields: dict) 
     load = load_average()
     samples = alternate(s.repeats, {
         "ours": lambda: ours.decode(model, prompt, new_tokens=s.ar_new_tokens),
-        "llama": lambda: {"decode_tokens_per_s": llama_cpp.bench(s.bin_dir, path, prompt=0, generate=s.ar_new_tokens,
-                                                                 depth=context, **bench)},
-        "llama_prefill": lambda: {"prefill_tokens_per_s": llama_cpp.bench(s.bin_dir, path, prompt=context, generate=0,
-                                                                          depth=0, **bench)},
-        "ours_verify": lambda: {"verify_tokens_per_s": VERIFY_TOKENS / ours.verification_seconds(
+        # one depth prefill serves both tests: 16 tokens in one batch, then N decoded one by one
+        "llama": lambda: llama_cpp.bench(s.bin_dir, path, prompt=VERIFY_TOKENS, generate=s.ar_new_tokens,
+                                         depth=context, **bench),
+        "llama_prefill": lambda: llama_cpp.bench(s.bin_dir, path, prompt=context, generate=0, depth=0, warmup=False,
+                                                 **bench),
+        "ours_verify": lambda: {"prompt_tokens_per_s": VERIFY_TOKENS / ours.verification_seconds(
             model, context=context, tokens=VERIFY_TOKENS)},
-        "llama_verify": lambda: {"verify_tokens_per_s": llama_cpp.bench(s.bin_dir, path, prompt=VERIFY_TOKENS,
-                                                                        generate=0, depth=context, **bench)},
     })
     fields = {**fields, "context": context, "prompt": "random ids"}
     goal = 1.0 if fields["file"] == "llama-3.1-8b Q4_K_M" and context >= 4096 else None
@@ -72,11 +71,12 @@ def depth_rows(s: Settings, model, path: Path, prompt: list[int], fields: dict) 
         row("ar", ours=median_rate(samples["ours"]), peer=median_rate(samples["llama"]), peer_name="llama-bench AR",
             load=load, goal=goal, samples={"ours": samples["ours"], "llama": samples["llama"]}, **fields),
         row("prefill", ours=median_rate(samples["ours"], "prefill_tokens_per_s"),
-            peer=median_rate(samples["llama_prefill"], "prefill_tokens_per_s"), peer_name="llama-bench pp",
+            peer=median_rate(samples["llama_prefill"], "prompt_tokens_per_s"), peer_name="llama-bench pp",
             load=load, goal=None, samples={"ours": samples["ours"], "llama": samples["llama_prefill"]}, **fields),
-        row(f"verify {VERIFY_TOKENS}", ours=median_rate(samples["ours_verify"], "verify_tokens_per_s"),
-            peer=median_rate(samples["llama_verify"], "verify_tokens_per_s"), peer_name=f"llama-bench pp{VERIFY_TOKENS} at depth",
-            load=load, goal=None, samples={"ours": samples["ours_verify"], "llama": samples["llama_verify"]}, **fields),
+        row(f"verify {VERIFY_TOKENS}", ours=median_rate(samples["ours_verify"], "prompt_tokens_per_s"),
+            peer=median_rate(samples["llama"], "prompt_tokens_per_s"),
+            peer_name=f"llama-bench pp{VERIFY_TOKENS} at depth", load=load, goal=None,
+            samples={"ours": samples["ours_verify"], "llama": samples["llama"]}, **fields),
     ]
     for r in rows:
         print(r["row"], r["file"], context, f"{r['ratio']:.2f}", flush=True)
