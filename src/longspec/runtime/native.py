@@ -32,9 +32,19 @@ LIBRARY = "longspec_native"
 DISABLE_VARIABLE = "LONGSPEC_NATIVE_KERNELS"
 
 
-@functools.cache
+# `functools.cache` lets two threads' first calls both run the body (`prebuild`'s thread and a
+# load): both would register the library's operators, and a second registration aborts the process.
+_FIRST_CALL = threading.Lock()
+
+
 def native_ops():
     """`torch.ops.longspec_native`, or None (the reason logged once)."""
+    with _FIRST_CALL:
+        return _built_or_loaded()
+
+
+@functools.cache
+def _built_or_loaded():
     if os.environ.get(DISABLE_VARIABLE, "1") == "0":
         log.info("native CPU kernels off (%s=0): PyTorch and oneDNN run instead", DISABLE_VARIABLE)
         return None
