@@ -13,10 +13,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "quantized"))
 
-import llama_cpp  # noqa: E402
-from random_gguf import tensor_plan, write_f16  # noqa: E402
-from shapes import SHAPES  # noqa: E402
-from synthetic_vocab import CONTROL, byte_symbols, synthetic_vocabulary  # noqa: E402
+import llama_cpp
+from random_gguf import tensor_plan, write_f16
+from shapes import SHAPES
+from synthetic_vocab import CONTROL, byte_symbols, synthetic_vocabulary
 
 
 def test_byte_symbols_are_gpt2s_spelling():

@@ -1,11 +1,12 @@
 """The rows of issue 67's goals on the embedded Gemma 3 270M: AR decode of the Q4_K_M
 and Q8_0 files beside llama-bench at each depth; `auto` on book prompts, sampled
 (T = 1, top-p 0.95, each seed) and greedy, beside llama.cpp's plain decoding of the same
-prompt file with the same sampler; greedy `auto` beside llama-lookup and llama-lookahead."""
+prompt file with the same sampler; greedy `auto` beside llama-lookup (and llama-lookahead where asked)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import llama_cpp
@@ -21,6 +22,7 @@ class Settings:
     ar_new_tokens: int  # llama-bench -n and ours' max_new_tokens on the AR rows
     book_new_tokens: int  # on the `auto` rows
     work: Path
+    speculation: tuple[str, ...] = ("llama-lookup",)  # llama.cpp's lossless speculation tools compared
 
 
 def ar_rows(s: Settings, models: dict, files: dict[str, Path], ids: list[int], contexts: list[int]) -> list[dict]:
@@ -32,9 +34,9 @@ def ar_rows(s: Settings, models: dict, files: dict[str, Path], ids: list[int], c
         for kind, model in models.items():
             load = load_average()
             samples = alternate(s.repeats, {
-                "ours": lambda: ours.decode(model, prompt, new_tokens=s.ar_new_tokens),
-                "llama": lambda: llama_cpp.bench(s.bin_dir, files[kind], threads=s.threads, prompt=0,
-                                                 generate=s.ar_new_tokens, depth=context),
+                "ours": partial(ours.decode, model, prompt, new_tokens=s.ar_new_tokens),
+                "llama": partial(llama_cpp.bench, s.bin_dir, files[kind], threads=s.threads, prompt=0,
+                                 generate=s.ar_new_tokens, depth=context),
             })
             out.append(row("ar", ours=median_rate(samples["ours"]), peer=median_rate(samples["llama"]),
                            peer_name="llama-bench AR", load=load, goal=goals.get(kind), samples=samples,
@@ -56,10 +58,10 @@ def book_rows(s: Settings, model, q4: Path, books: dict[str, list[int]], seeds: 
             sampling = llama_cpp.Sampling(1.0, 0.95, seed)
             load = load_average()
             samples = alternate(s.repeats, {
-                "ours": lambda: ours.decode(model, ids, new_tokens=s.book_new_tokens, method="auto",
-                                            temperature=1.0, top_p=0.95, seed=seed),
-                "llama": lambda: llama_cpp.completion(s.bin_dir, q4, prompt_file, new_tokens=s.book_new_tokens,
-                                                      threads=s.threads, context=context, sampling=sampling),
+                "ours": partial(ours.decode, model, ids, new_tokens=s.book_new_tokens, method="auto",
+                                temperature=1.0, top_p=0.95, seed=seed),
+                "llama": partial(llama_cpp.completion, s.bin_dir, q4, prompt_file, new_tokens=s.book_new_tokens,
+                                 threads=s.threads, context=context, sampling=sampling),
             })
             out.append(row(f"auto sampled seed {seed}", ours=median_rate(samples["ours"]),
                            peer=median_rate(samples["llama"]), peer_name="llama.cpp AR (same sampler)", load=load,
@@ -73,16 +75,17 @@ def greedy_rows(s: Settings, model, q4: Path, ids: list[int], prompt_file: Path,
                 fields: dict) -> list[dict]:
     spec = {"new_tokens": s.book_new_tokens, "threads": s.threads, "context": context}
     load = load_average()
-    samples = alternate(s.repeats, {
+    sides = {
         "ours": lambda: ours.decode(model, ids, new_tokens=s.book_new_tokens, method="auto"),
         "llama": lambda: llama_cpp.completion(s.bin_dir, q4, prompt_file, sampling=llama_cpp.Sampling(0.0), **spec),
-        "lookup": lambda: llama_cpp.speculation(s.bin_dir, "llama-lookup", q4, prompt_file, **spec),
-        "lookahead": lambda: llama_cpp.speculation(s.bin_dir, "llama-lookahead", q4, prompt_file, **spec),
-    })
+    }
+    for tool in s.speculation:
+        sides[tool] = lambda tool=tool: llama_cpp.speculation(s.bin_dir, tool, q4, prompt_file, **spec)
+    samples = alternate(s.repeats, sides)
     mine = median_rate(samples["ours"])
     out = []
-    for peer, label, goal in (("llama", "llama.cpp AR greedy", 2.0), ("lookup", "llama-lookup", 1.3),
-                              ("lookahead", "llama-lookahead", 1.3)):
+    for peer, goal in (("llama", 2.0), *((tool, 1.3) for tool in s.speculation)):
+        label = "llama.cpp AR greedy" if peer == "llama" else peer
         out.append(row("auto greedy", ours=mine, peer=median_rate(samples[peer]), peer_name=label, load=load,
                        goal=goal, samples={"ours": samples["ours"], peer: samples[peer]}, **fields))
         print(out[-1]["row"], fields["prompt"], label, f"{out[-1]['ratio']:.2f}", flush=True)

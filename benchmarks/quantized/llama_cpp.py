@@ -23,7 +23,7 @@ def check_tools(bin_dir: Path) -> None:
 def version(bin_dir: Path) -> str:
     """The tools' own version line, and the llama-cpp-python release whose llama.cpp they were
     built from (written by build_llama_cpp.sh: the vendored copy reports no commit)."""
-    out = subprocess.run([str(bin_dir / "llama-completion"), "--version"], capture_output=True, text=True)
+    out = subprocess.run([str(bin_dir / "llama-completion"), "--version"], capture_output=True, text=True, check=False)
     line = " ".join((out.stdout + out.stderr).split()[:8])
     release = bin_dir.parents[1] / "LLAMA_CPP_PYTHON_VERSION"
     return f"{line}; llama-cpp-python {release.read_text().strip()}" if release.is_file() else line
@@ -108,7 +108,7 @@ def speculation(bin_dir: Path, tool: str, model: Path, prompt_file: Path, *, new
 
 
 def _run(command: list[str]) -> str:
-    result = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    result = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed ({result.returncode}):\n{result.stderr[-3000:]}")
     return result.stdout + "\n" + result.stderr

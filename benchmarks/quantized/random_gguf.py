@@ -25,8 +25,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from shapes import SHAPES, Shape  # noqa: E402
-from synthetic_vocab import synthetic_vocabulary  # noqa: E402
+from shapes import SHAPES, Shape
+from synthetic_vocab import synthetic_vocabulary
 
 F16_FILE_TYPE = 1  # llama.cpp's LLAMA_FTYPE_MOSTLY_F16
 CHUNK = 1 << 26  # elements drawn and written at a time: the 8B embedding never sits in memory whole
@@ -154,7 +154,7 @@ def main() -> None:
     for name in args.shapes:
         paths = random_gguf(SHAPES[name], args.work, args.llama_bin, kinds=tuple(args.kinds), threads=args.threads,
                             keep_f16=args.keep_f16)
-        for kind, path in paths.items():
+        for path in paths.values():
             types = tensor_types(path)
             note = "  (Q5_K present: our quantized products do not read it)" if "Q5_K" in types else ""
             print(f"{path.name}: {path.stat().st_size / 2**30:.2f} GiB, tensor types {dict(types)}{note}", flush=True)

@@ -10,10 +10,9 @@ import gc
 import traceback
 from pathlib import Path
 
-import torch
-
 import llama_cpp
 import ours
+import torch
 from gemma_rows import Settings
 from random_gguf import random_gguf
 from rows import alternate, load_average, median_rate, row
@@ -38,7 +37,7 @@ def shape_rows(s: Settings, shape_names: list[str], kinds: list[str], contexts: 
             fields = {"file": f"{name} {kind}"}
             try:
                 model = longspec.load(path, suffix_cache_mb=0)
-            except Exception as error:  # reported as the row, not hidden: the loader is what is being judged
+            except Exception as error:  # noqa: BLE001  reported as the row, not hidden: the loader is what is being judged
                 out.append({"row": "load", **fields, "error": "".join(traceback.format_exception(error))})
                 print(out[-1]["error"], flush=True)
                 continue
@@ -53,7 +52,7 @@ def shape_rows(s: Settings, shape_names: list[str], kinds: list[str], contexts: 
 
 def depth_rows(s: Settings, model, path: Path, prompt: list[int], fields: dict) -> list[dict]:
     context = len(prompt)
-    bench = dict(threads=s.threads)
+    bench = {"threads": s.threads}
     load = load_average()
     samples = alternate(s.repeats, {
         "ours": lambda: ours.decode(model, prompt, new_tokens=s.ar_new_tokens),

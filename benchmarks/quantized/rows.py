@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import statistics
-from typing import Callable
+from collections.abc import Callable
 
 
 def alternate(repeats: int, sides: dict[str, Callable[[], dict]]) -> dict[str, list[dict]]:

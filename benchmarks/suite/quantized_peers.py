@@ -14,8 +14,9 @@ with `llama-quantize --allow-requantize`, kept under --work):
   ar            ours AR greedy after 1k and 4k tokens vs `llama-bench -p 0 -n N -d depth`, both files
   auto sampled  `auto`, T = 1, top-p 0.95, each seed, on a 4k-token prompt cut from each book in
                 --books (held-out prose) vs `llama-completion` on the same prompt file with the same sampler
-  auto greedy   greedy `auto` on the same prompts vs llama-completion greedy, `llama-lookup` and
-                `llama-lookahead` (llama.cpp's lossless speculation), the four in turns
+  auto greedy   greedy `auto` on the same prompts vs llama-completion greedy and `llama-lookup`
+                (llama.cpp's prompt-lookup speculation; `--speculation llama-lookup llama-lookahead`
+                adds its lookahead decoding), all in turns
 --random-shapes rows: see benchmarks/quantized/random_shape_rows.py.
 
 Every process runs on --threads threads (torch and OpenMP here, -t and -tb there). The
@@ -42,13 +43,16 @@ def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--llama-bin", type=Path, default=Path("/tmp/llama.cpp/build/bin"))
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=5, help="turns per row (the median of each side is compared)")
+    parser.add_argument("--repeats", type=int, default=3, help="turns per row (the median of each side is compared)")
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--ar-new-tokens", type=int, default=128)
     parser.add_argument("--book-context", type=int, default=4096, help="prompt tokens cut from each book")
     parser.add_argument("--book-new-tokens", type=int, default=256)
     parser.add_argument("--books", type=Path, default=ROOT.parent / "shared" / "data" / "books")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--speculation", nargs="+", default=["llama-lookup"], choices=["llama-lookup", "llama-lookahead"],
+                        help="llama.cpp's lossless speculation to compare greedy auto with (lookahead verifies "
+                             "~120-token batches per step: on 2 cores several times slower than its own AR)")
     parser.add_argument("--random-shapes", action="store_true", help="the random-weight files of real shapes instead")
     parser.add_argument("--shapes", nargs="+", default=["llama-3.2-1b", "qwen2.5-1.5b", "llama-3.2-3b", "llama-3.1-8b"])
     parser.add_argument("--kinds", nargs="+", default=["Q4_K_M", "Q8_0"])
@@ -70,10 +74,10 @@ def header(args, bin_dir: Path) -> dict:
     import llama_cpp
     from common import machine
 
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
     fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
     commit = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True,
-                            text=True).stdout.strip()
+                            text=True, check=False).stdout.strip()
     return {"benchmark": "quantized_peers", "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "commit": commit,
             "machine": machine(), "cpu": fields.get("Model name", "").strip(),
             "cpu_flags": fields.get("Flags", "").split(), "llama_cpp": llama_cpp.version(bin_dir),
@@ -97,9 +101,9 @@ def gemma(args, settings) -> list[dict]:
     import gemma_rows
     import llama_cpp
     import ours
+    from peers import shipped_gguf
 
     import longspec
-    from peers import shipped_gguf
 
     q4 = shipped_gguf(args.work)
     files = {"Q4_K_M": q4, "Q8_0": llama_cpp.requantized(args.llama_bin, q4, args.work, "Q8_0")}
@@ -118,9 +122,8 @@ def gemma(args, settings) -> list[dict]:
 def main() -> None:
     args = arguments()
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    import torch
-
     import llama_cpp
+    import torch
     from common import write_results
     from gemma_rows import Settings
     from rows import markdown
@@ -129,7 +132,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     args.work.mkdir(parents=True, exist_ok=True)
     out = args.out or args.work / ("results-quick" if args.quick else "results")
-    settings = Settings(args.llama_bin, args.threads, args.repeats, args.ar_new_tokens, args.book_new_tokens, args.work)
+    settings = Settings(args.llama_bin, args.threads, args.repeats, args.ar_new_tokens, args.book_new_tokens, args.work,
+                        tuple(args.speculation))
     info = header(args, args.llama_bin)
     if args.random_shapes:
         from random_shape_rows import shape_rows
