@@ -36,7 +36,7 @@ def gemma():
 
 
 def encode(tokenizer, text: str) -> torch.Tensor:
-    return tokenizer(text, return_tensors="pt").input_ids
+    return torch.tensor([tokenizer(text).input_ids])
 
 
 def our_greedy(model, prompt: torch.Tensor, new_tokens: int) -> list[int]:

@@ -355,7 +355,7 @@ def test_native_rms_norm_computes_what_the_pytorch_path_computes(gemma, shape, n
 def test_switched_off_by_the_environment_with_a_log(monkeypatch, caplog):
     monkeypatch.setenv(native.DISABLE_VARIABLE, "0")
     with caplog.at_level(logging.INFO, logger=native.__name__):
-        assert native.native_ops.__wrapped__() is None
+        assert native._built_or_loaded.__wrapped__() is None
     assert native.DISABLE_VARIABLE in caplog.text
 
 
@@ -368,9 +368,9 @@ def test_a_failed_build_falls_back_to_onednn_with_the_reason_logged(monkeypatch,
     monkeypatch.delenv(native.DISABLE_VARIABLE, raising=False)
     monkeypatch.setattr(cpp_extension, "load", fail)
     with caplog.at_level(logging.WARNING, logger=native.__name__):
-        assert native.native_ops.__wrapped__() is None
+        assert native._built_or_loaded.__wrapped__() is None
     assert "could not be built" in caplog.text and "c++: not found" in caplog.text
-    monkeypatch.setattr(native, "native_ops", native.native_ops.__wrapped__)
+    monkeypatch.setattr(native, "native_ops", native._built_or_loaded.__wrapped__)
     monkeypatch.setattr("longspec.runtime.linear.bf16_linear_ops", native.bf16_linear_ops.__wrapped__)
     weight = torch.randn(16, 8).bfloat16()
     packed = prepack(weight)
