@@ -97,7 +97,9 @@ def speculation(bin_dir: Path, tool: str, model: Path, prompt_file: Path, *, new
                 context: int) -> dict:
     """llama-lookup (prompt n-grams) or llama-lookahead, greedy: decoded tokens/s from its
     printout (the prompt's encoding excluded), and its acceptance counts."""
-    command = [str(bin_dir / tool), *_common(model, prompt_file, new_tokens, threads, context), "--temp", "0"]
+    # These tools put the whole prompt in one batch: its logical size must hold it (default 2,048).
+    command = [str(bin_dir / tool), *_common(model, prompt_file, new_tokens, threads, context), "--temp", "0",
+               "-b", str(context)]
     log = _run(command)
     decoded = _DECODED.search(log)
     if decoded is None:
