@@ -106,8 +106,10 @@ def run_one(tree: Path, args) -> list[dict]:
         command += ["--prompt-file", str(args.prompt_file.resolve())]
     # Each checkout keeps its own build of the native kernels: sharing one cache would rebuild them every turn.
     env = {**os.environ, "PYTHONPATH": str(tree / "src"), "TORCH_EXTENSIONS_DIR": str(tree / ".torch-extensions")}
-    out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
-    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the worker in {tree} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
 def main() -> None:
