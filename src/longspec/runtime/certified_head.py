@@ -321,20 +321,29 @@ class CertifiedHead:
             screen = Screen(self, screen.scores.masked_fill(~allowed, float("-inf")), screen.coefficients,
                             screen.finite)  # no summary: the mask lowered some spans' largest score
         found = screen.select()
-        tokens = torch.empty(hidden.shape[0], dtype=torch.long)
-        certified = [r for r, c in enumerate(found) if c is not None]
-        refused = [r for r, c in enumerate(found) if c is None]
-        if certified:
-            # Every row's candidates at once: a row's extra candidates (another row's) lie
-            # strictly below its largest (allowed) logit, so they change nothing.
-            union = torch.unique(torch.cat([found[r].rows for r in certified]))  # ascending
-            exact = self.exact_logits(hidden[certified], union)
-            if allowed is not None:
-                exact = exact.masked_fill(~allowed[certified][:, union], float("-inf"))
-            tokens[certified] = union[row_argmax(exact)]
-        if refused:
-            logits = full_logits(hidden[refused])
-            if allowed is not None:
-                logits = logits.masked_fill(~allowed[refused].to(logits.device), float("-inf"))
-            tokens[refused] = row_argmax(logits).to(tokens.device)
-        return tokens
+        return decide_rows(hidden, [None if c is None else c.rows for c in found], self.exact_logits, full_logits,
+                           allowed)
+
+
+def decide_rows(hidden: torch.Tensor, found: list[torch.Tensor | None], exact_logits, full_logits,
+                allowed: torch.Tensor | None) -> torch.Tensor:
+    """The argmax of each row of `hidden` from its certified candidates (`found[r]`, output
+    rows ascending; None: no certificate), recomputed by `exact_logits(hidden, rows)`, or
+    from `full_logits(hidden)` where none holds; `allowed` [N, V] masks a grammar's tokens."""
+    tokens = torch.empty(hidden.shape[0], dtype=torch.long)
+    certified = [r for r, c in enumerate(found) if c is not None]
+    refused = [r for r, c in enumerate(found) if c is None]
+    if certified:
+        # Every row's candidates at once: a row's extra candidates (another row's) lie
+        # strictly below its largest (allowed) logit, so they change nothing.
+        union = torch.unique(torch.cat([found[r] for r in certified]))  # ascending
+        exact = exact_logits(hidden[certified], union)
+        if allowed is not None:
+            exact = exact.masked_fill(~allowed[certified][:, union], float("-inf"))
+        tokens[certified] = union[row_argmax(exact)]
+    if refused:
+        logits = full_logits(hidden[refused])
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed[refused].to(logits.device), float("-inf"))
+        tokens[refused] = row_argmax(logits).to(tokens.device)
+    return tokens

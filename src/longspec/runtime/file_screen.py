@@ -44,12 +44,12 @@ import math
 import numpy as np
 import torch
 
-from longspec.runtime.argmax import row_argmax
 from longspec.runtime.certified_head import (
     BF16_UNIT,
     CANDIDATE_CAP,
     HeadStats,
     _round_up_float32,
+    decide_rows,
 )
 from longspec.runtime.file_rows import FileRows
 from longspec.runtime.native import native_ops
@@ -198,23 +198,14 @@ class FileCertifiedHead:
         """The full head's argmax for every row of `hidden` [N, H] (bf16): int64 [N]. As
         `CertifiedHead.argmax` (allowed: a grammar's mask; full_logits: the fallback)."""
         found = self.candidates(hidden, allowed)
-        tokens = torch.empty(hidden.shape[0], dtype=torch.long)
-        certified = [r for r, c in enumerate(found) if c is not None]
-        refused = [r for r, c in enumerate(found) if c is None]
-        for r in refused:
-            self.stats.fallbacks += 1
-        for r in certified:
-            self.stats.candidates[found[r].numel()] += 1
+        for rows in found:
+            if rows is None:
+                self.stats.fallbacks += 1
+            else:
+                self.stats.candidates[rows.numel()] += 1
         self.stats.rows += hidden.shape[0]
-        if certified:
-            union = torch.unique(torch.cat([found[r] for r in certified]))  # ascending
-            exact = self.rows.select(union).linear(hidden[certified].to(torch.bfloat16).contiguous())
-            if allowed is not None:
-                exact = exact.masked_fill(~allowed[certified][:, union], float("-inf"))
-            tokens[certified] = union[row_argmax(exact)]
-        if refused:
-            logits = full_logits(hidden[refused])
-            if allowed is not None:
-                logits = logits.masked_fill(~allowed[refused].to(logits.device), float("-inf"))
-            tokens[refused] = row_argmax(logits).to(tokens.device)
-        return tokens
+        return decide_rows(hidden, found, self._exact_logits, full_logits, allowed)
+
+    def _exact_logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The file head's logits of output `rows`: the kernel over just those file rows."""
+        return self.rows.select(rows).linear(hidden.to(torch.bfloat16).contiguous())

@@ -143,14 +143,7 @@ def quantized_decoder(reader, hf_config, architecture: str) -> Decoder:
         if c.qk_norm:
             params[p + "qk_norm.weight"] = torch.cat([plan.dense(p + "q_norm").expand(c.num_heads, -1),
                                                       plan.dense(p + "k_norm").expand(c.num_kv_heads, -1)])
-    model.load_state_dict(params, strict=False, assign=True)
-    for sliding, (inv_freq, _) in tables.items():
-        setattr(model, f"inv_freq_{'sliding' if sliding else 'full'}", inv_freq)
-    missing = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
-    if missing:
-        raise KeyError(f"parameters not loaded: {missing[:5]}")
-    for layer, kept in zip(model.layers, layers):
-        layer.quantized = dict(kept)
+    model.assign(params, tables, layers)
     model.file_embedding = plan.embedding
     model.file_head = plan.head if head_kept else None
     return model.eval().prepare()

@@ -72,14 +72,7 @@ def decoder_from_state_dict(hf_config, state_dict: dict[str, torch.Tensor], dtyp
             q_norm = take(p + "self_attn.q_norm.weight").expand(config.num_heads, -1)
             k_norm = take(p + "self_attn.k_norm.weight").expand(config.num_kv_heads, -1)
             params[p + "qk_norm.weight"] = torch.cat([q_norm, k_norm])
-    model.load_state_dict(params, strict=False, assign=True)
-    for sliding, (inv_freq, _) in tables.items():
-        setattr(model, f"inv_freq_{'sliding' if sliding else 'full'}", inv_freq)
-    missing = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
-    if missing:
-        raise KeyError(f"parameters not loaded: {missing[:5]}")
-    for layer, kept in zip(model.layers, quantized or []):
-        layer.quantized = dict(kept)
+    model.assign(params, tables, quantized)
     # Parameters default to requires_grad=False already; keep them frozen.
     return model.eval().prepare()
 

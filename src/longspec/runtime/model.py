@@ -339,6 +339,19 @@ class Decoder(nn.Module):
     def _head_param(self) -> torch.Tensor:
         return self.embed_weight if self.lm_head_weight is None else self.lm_head_weight
 
+    def assign(self, params: dict[str, torch.Tensor], tables: dict, quantized: list[dict] | None = None) -> None:
+        """Take a model built on the meta device to its loaded parameters: `params` in our
+        fused names, the RoPE tables it was built with, and per layer the products kept in a
+        GGUF file's quantization. Every parameter and buffer must be loaded."""
+        self.load_state_dict(params, strict=False, assign=True)
+        for sliding, (inv_freq, _) in tables.items():
+            setattr(self, f"inv_freq_{'sliding' if sliding else 'full'}", inv_freq)
+        missing = [n for n, t in list(self.named_parameters()) + list(self.named_buffers()) if t.is_meta]
+        if missing:
+            raise KeyError(f"parameters not loaded: {missing[:5]}")
+        for layer, kept in zip(self.layers, quantized or []):
+            layer.quantized = dict(kept)
+
     def new_cache(self, capacity: int, *, batch_size: int = 1, max_forward_tokens: int = 256) -> KVCache:
         return KVCache(
             self.config,
