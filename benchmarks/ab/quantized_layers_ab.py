@@ -24,20 +24,6 @@ from pathlib import Path
 PRODUCTS = ("longspec_native::gguf_linear", "longspec_native::bf16_packed_linear")
 
 
-def read_bandwidth(megabytes: int = 512) -> float:
-    """Bytes per second of a streaming read: a sum over a buffer far larger than the caches."""
-    import torch
-
-    data = torch.ones(megabytes * (1 << 20) // 4, dtype=torch.float32)
-    data.sum()
-    times = []
-    for _ in range(7):
-        start = time.perf_counter()
-        data.sum()
-        times.append(time.perf_counter() - start)
-    return data.numel() * 4 / statistics.median(times)
-
-
 def layer_bytes(decoder) -> int:
     """Bytes of the layer products' weights a step reads (quantized segments or bf16 tiles)."""
     total = 0
@@ -167,7 +153,9 @@ def main() -> None:
     bf16 = longspec.load(args.gguf, dtype="bfloat16", engine=options).model
     assert all(layer.native_steps is not None for layer in quantized.layers), "the quantized layers are not fused"
     decoders = {"quantized": quantized, "quantized-unfused": Unfused(quantized), "bf16": bf16}
-    bandwidth = read_bandwidth()
+    from longspec.bench.floor import read_bandwidth_gbs
+
+    bandwidth = 1e9 * read_bandwidth_gbs()
     rows = []
     for name in ("quantized", "bf16"):
         decoder = decoders[name]

@@ -15,24 +15,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-
-def read_bandwidth(threads: int, megabytes: int = 512) -> float:
-    """Bytes per second of a streaming read: a sum over a buffer far larger than the caches."""
-    data = torch.ones(megabytes * (1 << 20) // 4, dtype=torch.float32)
-    data.sum()
-    times = []
-    for _ in range(7):
-        start = time.perf_counter()
-        data.sum()
-        times.append(time.perf_counter() - start)
-    return data.numel() * 4 / statistics.median(times)
+from longspec.bench.floor import read_bandwidth_gbs
 
 
 def previous_kernel(commit: str):
@@ -99,7 +88,7 @@ def main() -> None:
     from longspec.runtime.quantized import segment, stacked
 
     print(f"path {native_ops().gguf_linear_path()}, threads {args.threads}")
-    bandwidth = read_bandwidth(args.threads)
+    bandwidth = 1e9 * read_bandwidth_gbs()
     print(f"streaming read: {bandwidth / 1e9:.1f} GB/s")
     reader = gguf.GGUFReader(args.gguf)
     tensors = {t.name: t for t in reader.tensors}
