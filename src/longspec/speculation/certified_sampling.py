@@ -36,7 +36,7 @@ import math
 import torch
 
 from longspec.runtime.certified_head import Candidates, Screen
-from longspec.speculation.processors import SamplingParams, min_p_kept
+from longspec.speculation.processors import SamplingParams, min_p_kept, top_p_cut
 
 # Candidates reach this many temperatures below the largest logit; the rows further down
 # are drawn through the tail's bins. A truncation the first selection cannot decide (a
@@ -162,11 +162,9 @@ class _Draw:
         kept = self.logits >= kth  # ties with the k-th survive, as in TopKLogitsWarper
         weights = torch.exp(self.scores - self.top) * kept
         if self.params.top_p is not None and self.params.top_p < 1.0:
-            ranked = torch.sort(self.logits[kept], descending=True).values
-            values = torch.exp(ranked / self.T - self.top)
-            mass_above = torch.cumsum(values, 0) - values
-            last = int((mass_above < self.params.top_p * values.sum()).sum()) - 1
-            kept &= self.logits >= ranked[max(last, 0)]  # ties with the last kept survive
+            ranked = torch.sort(self.scores[kept], descending=True).values.unsqueeze(0)
+            total = torch.exp(ranked - self.top).sum(dim=-1, keepdim=True)
+            kept &= self.scores >= top_p_cut(ranked, total, self.params.top_p)[0]  # ties with the last kept survive
         if self.params.min_p:  # 0 keeps every token, as None does
             kept &= min_p_kept(self.scores, self.top, self.params.min_p)
         weights = torch.exp(self.scores - self.top) * kept
@@ -233,14 +231,15 @@ class _Draw:
         if decided is not None:
             return decided
         self.head.stats.undecided += 1
-        exact = self.full_logits().double() / self.T
-        mass = torch.exp(exact - float(exact.max()))
-        return float(mass[exact > logit / self.T].sum()) < top_p * float(mass.sum())
+        scores = self._scores(self.full_logits())
+        mass = torch.exp(scores - float(scores.max()))
+        above = mass[scores > float(self._scores(torch.tensor([logit]))[0])]
+        return float(above.sum()) < top_p * float(mass.sum())
 
     def _nucleus_by_bounds(self, logit: float, top_p: float) -> bool | None:
         """The rule from the candidates' exact mass and the tail's, which lies between 0 and
         its envelopes (all of it below the cut); None where they leave it open."""
-        above = float(self.weights[self.logits > logit].sum())
+        above = float(self.weights[self.scores > float(self._scores(torch.tensor([logit]))[0])].sum())
         if logit >= self.cut and above < top_p * self.known:
             return True  # decided without the tail's mass
         unknown = float(self.tail()[1].sum())

@@ -253,25 +253,42 @@ _TOP_P_FIRST_CANDIDATES = 256
 
 
 def _top_p(scores: torch.Tensor, top_p: float) -> torch.Tensor:
-    """TopPLogitsWarper's rule — remove a token when the tokens ranked above it
-    already hold at least `top_p` of the mass (so the top token always stays) —
-    computed over the best candidates only: the nucleus lies within the k most likely
-    tokens as soon as they hold `top_p`, so a partial top-k replaces sorting the whole
-    vocabulary (docs/lab-notes/sampling.md#sampling-cost-top-p-without-sorting-the-vocabulary).
+    """TopPLogitsWarper's rule (`top_p_cut`) computed over the best candidates only: the
+    nucleus lies within the k most likely tokens as soon as they hold `top_p`, so a
+    partial top-k replaces sorting the whole vocabulary
+    (docs/lab-notes/sampling.md#sampling-cost-top-p-without-sorting-the-vocabulary).
     Tokens whose score ties the last kept one all survive, as in top-k (a full sort
     would split such ties by its own order; bf16 logits tie often)."""
-    probs = scores.softmax(dim=-1)
+    best = scores.amax(dim=-1, keepdim=True).double()
+    total = torch.exp(scores.double() - best).sum(dim=-1, keepdim=True)
     vocab = scores.shape[-1]
     k = min(_TOP_P_FIRST_CANDIDATES, vocab)
     while True:
-        values, index = torch.topk(probs, k, dim=-1)  # descending
-        if k == vocab or bool((values.sum(dim=-1) >= top_p).all()):
+        ranked = torch.topk(scores, k, dim=-1).values  # descending
+        held = torch.exp(ranked.double() - best).sum(dim=-1, keepdim=True)
+        if k == vocab or bool((held >= top_p * total).all()):
             break
         k = min(4 * k, vocab)
-    mass_above = values.cumsum(dim=-1) - values
-    last_kept = ((mass_above < top_p).sum(dim=-1, keepdim=True) - 1).clamp_(min=0)
-    cut = scores.gather(1, index.gather(1, last_kept))
-    return scores.masked_fill(scores < cut, _NEG_INF)
+    return scores.masked_fill(scores < top_p_cut(ranked, total, top_p), _NEG_INF)
+
+
+def top_p_cut(ranked: torch.Tensor, total: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Top-p's rule, stated once for every sampler (this module's, the native kernel's,
+    the certified head's): a token stays when the tokens scoring strictly above it hold
+    less than `top_p` of the row's mass, decided as  sum_{s_j > s_i} w_j < top_p * total
+    in float64, with w = exp(score - best) over the scores as the samplers hold them
+    (float32 logit / T), and `total` the sum of w over every token the warpers before it
+    left. So the best token always stays, and tokens tied with the last kept one stay
+    too. The samplers sum in different orders, which can move a decision only at a
+    threshold within float64 rounding of a sum.
+
+    `ranked`: [N, k] scores, best first, holding at least the nucleus; `total`: [N, 1]
+    float64. Returns [N, 1]: the lowest score kept."""
+    weights = torch.exp(ranked.double() - ranked[:, :1].double())
+    running = torch.cumsum(weights, dim=-1)  # a running sum in rank order, as the native kernel's
+    above = torch.cat([torch.zeros_like(running[:, :1]), running[:, :-1]], dim=-1)
+    last_kept = ((above < top_p * total).sum(dim=-1, keepdim=True) - 1).clamp_(min=0)
+    return ranked.gather(1, last_kept)
 
 
 def min_p_kept(scores: torch.Tensor, top: torch.Tensor | float, min_p: float) -> torch.Tensor:

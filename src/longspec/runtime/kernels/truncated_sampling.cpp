@@ -12,9 +12,11 @@
 //
 // truncated_probs(scores f32 [N, V], top_k, top_p, min_p) -> probs f32 [N, V]
 //   top_k <= 0, top_p >= 1 and min_p <= 0 switch a warper off. Semantics are the torch
-//   path's (TopK-, TopP-, MinPLogitsWarper with min_tokens_to_keep=1, then a softmax);
-//   probabilities are computed in double from float32 scores, so they agree with it to
-//   float rounding and a token whose fate sits on a cut within rounding may differ.
+//   path's (TopK-, TopP-, MinPLogitsWarper with min_tokens_to_keep=1, then a softmax).
+//   Top-p and min-p decide by the rules processors.top_p_cut and processors.min_p_kept
+//   state for every sampler, in double over the float32 scores, so a token whose fate
+//   sits on a cut is decided alike up to the order of float64 sums; the probabilities
+//   agree with the torch path's to float rounding.
 // draw_rows(probs f32|f64 [N, V], u f64 [N]) -> tokens int64 [N]
 //   The first token whose float64 running sum exceeds u * total (the torch path's
 //   cumsum + searchsorted(right=True), the same sums in the same order, so the same token
@@ -140,6 +142,30 @@ struct Warpers {
   double min_p;   // <= 0: off
 };
 
+// How many ranks top-p keeps: rank r while the weights ranked above it sum to less than `cut`.
+int64_t nucleus_length(const std::vector<double>& weight, int64_t n, double cut) {
+  double above = 0.0;
+  int64_t kept = 0;
+  while (kept < n && above < cut) above += weight[kept++];
+  return kept;
+}
+
+// Relative error bound of avx512_exp_sum against the double sum of std::exp: each float exp
+// is within ~2 ulps and each float lane adds at most 64 positive terms before its fold into
+// double (~4e-6 in all); the bound leaves a factor of 25 to spare.
+constexpr double kNormaliserError = 1e-4;
+
+// Whether a float normaliser's error could move top-p's decision: the sum above the last
+// kept rank, or above the first removed one, lies within the error of the cut.
+bool near_the_cut(const std::vector<double>& weight, int64_t n, int64_t kept, double cut) {
+  double above = 0.0;
+  for (int64_t i = 0; i + 1 < kept; ++i) above += weight[i];
+  const double slack = kNormaliserError * cut;
+  if (kept >= 1 && above >= cut - slack) return true;
+  if (kept < n && above + weight[kept - 1] < cut + slack) return true;
+  return false;
+}
+
 // The first `n` candidates and every later one tied with the n-th (a warper's cut keeps ties).
 int64_t with_ties(const std::vector<Candidate>& c, int64_t n) {
   const float cut = c[n - 1].score;
@@ -178,7 +204,9 @@ void truncate_row(const float* s, float* out, int64_t V, const Warpers& w, bool 
     } else if (top_p_on) {  // the held ranks must reach past the nucleus's last rank
       double held = 0.0;
       for (int64_t i = 0; i + 1 < n; ++i) held += std::exp(static_cast<double>(c[i].score) - top);
-      enough = held / everything >= w.top_p;
+      // Past the nucleus's last rank by more than the float normaliser's error, so the
+      // double one (near_the_cut below) cannot move the cut beyond the held ranks.
+      enough = held >= w.top_p * everything * (vector ? 1.0 + kNormaliserError : 1.0);
     } else {
       enough = false;  // no warper: every token
     }
@@ -195,11 +223,16 @@ void truncate_row(const float* s, float* out, int64_t V, const Warpers& w, bool 
     for (int64_t i = 0; i < n; ++i) mass += weight[i];
   }
   if (top_p_on) {
-    // Keep rank r while the ranks above it hold less than top_p; if every held rank
-    // qualifies, top-p keeps them all (and tokens min-p removes anyway).
-    double above = 0.0;
-    int64_t kept = 0;
-    while (kept < n && above < w.top_p) above += weight[kept++] / mass;
+    // Top-p's rule as processors.top_p_cut states it for every sampler: keep rank r while
+    // the ranks above it (a running sum in rank order) hold less than top_p * mass, in
+    // double. If every held rank qualifies, top-p keeps them all (min-p removes the rest).
+    int64_t kept = nucleus_length(weight, n, w.top_p * mass);
+    if (vector && !top_k_on && near_the_cut(weight, n, kept, w.top_p * mass)) {
+      // The vectorised normaliser is a float sum, within kNormaliserError of the double
+      // one: where a rank lies that close to the cut, decide it with the double sum.
+      mass = scalar_exp_sum(s, V, top);
+      kept = nucleus_length(weight, n, w.top_p * mass);
+    }
     n = with_ties(c, std::max<int64_t>(kept, 1));
   }
   if (min_p_on) {
