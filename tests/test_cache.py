@@ -443,3 +443,18 @@ def test_ring_labels_after_every_kind_of_commit_match_the_plain_relabelling(name
         assert single.ring_positions.tolist() == expected[0], f"step {step}"
         assert batch.ring_positions[: len(rows)].tolist() == expected[1:], f"step {step}"
 
+
+
+def test_a_large_host_cache_starts_as_zeros_and_takes_writes():
+    """Past 16 MiB a host cache tensor comes from zero pages mapped on demand
+    (`cache.zeroed`): it reads as torch.zeros does and holds what is written."""
+    from longspec.runtime.cache import zeroed
+
+    shape = (2, 3, 1, 4096, 1024)  # 48 MiB of float32
+    big = zeroed(shape, torch.float32, torch.device("cpu"))
+    assert big.shape == shape and big.dtype == torch.float32 and big.is_contiguous()
+    assert not big.any()
+    big[1, 2, 0, 4095] = 7.0
+    assert float(big.sum()) == 7.0 * 1024
+    small = zeroed((4, 4), torch.bfloat16, torch.device("cpu"))
+    assert small.dtype == torch.bfloat16 and not small.any()

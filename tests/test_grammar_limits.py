@@ -103,3 +103,15 @@ def test_the_server_refuses_them_with_400_before_any_work(server, extra, message
                                 **extra})
     assert response.status_code == 400, response.text
     assert message in response.json()["error"]["message"]
+
+
+def test_the_grammar_library_imports_without_torch_dynamo():
+    """The matcher's bitmask helpers come from llguidance.numpy: llguidance.torch's import
+    pulls in torch._dynamo, seconds that a server's start or first request paid."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("llguidance")
+    code = ("import sys; from longspec.speculation.grammar import warm_grammar_library; warm_grammar_library(); "
+            "assert 'llguidance' in sys.modules; assert 'torch._dynamo' not in sys.modules, 'torch._dynamo imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -12,7 +12,6 @@ request, 401 missing or wrong key, 404 unknown model, 405 wrong method (with `Al
 from __future__ import annotations
 
 import logging
-import threading
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -49,9 +48,8 @@ def create_app(model: LongSpecModel, options: ServeOptions) -> FastAPI:
     queue_forward_costs(model.model, service.batch.max_rows)  # measured while the server idles, never in a request
     # The grammar matcher's vocabulary is built by the first structured request (seconds for a large
     # vocabulary, holding the tokenizer): built at startup, it held every first request's tokenizing.
-    # Its library is imported beside startup: a first import inside a request held the event loop's GIL
-    # ~2 s, and on the main thread it held the first token back as long (it pulls in torch._dynamo).
-    threading.Thread(target=warm_grammar_library, name="longspec-grammar-import", daemon=True).start()
+    # Its library is imported here, not inside the first structured request.
+    warm_grammar_library()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

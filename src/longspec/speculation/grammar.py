@@ -35,15 +35,15 @@ KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
 def _llguidance():
     try:
         import llguidance
-        import llguidance.torch  # noqa: F401  (the bitmask helpers)
+        import llguidance.numpy  # noqa: F401  (the bitmask helpers; llguidance.torch's pull in torch._dynamo: seconds)
     except ImportError:
         raise ImportError("structured output needs llguidance: pip install 'longspec[structured]'") from None
     return llguidance
 
 
 def warm_grammar_library() -> None:
-    """Import the matcher's library now (about two seconds the first time), where a
-    server starts rather than inside its first structured request; nothing if absent."""
+    """Import the matcher's library now, where a server starts rather than inside its
+    first structured request; nothing if absent."""
     try:
         _llguidance()
     except ImportError:  # structured requests will be refused with the reason
@@ -197,8 +197,8 @@ class GrammarState:
         if self._matcher.is_error():
             raise ValueError(f"the {constraint.kind.replace('_', ' ')} does not compile: "
                              f"{_first_line(self._matcher.get_error())}")
-        self._fill = llguidance.torch.fill_next_token_bitmask
-        self._allocate = llguidance.torch.allocate_token_bitmask
+        self._fill = llguidance.numpy.fill_next_token_bitmask
+        self._allocate = llguidance.numpy.allocate_token_bitmask
 
     def constrain(self, tree: Tree, prune: bool = True) -> tuple[Tree, torch.Tensor, int]:
         """(the tree without the drafts the grammar forbids, its nodes' allowed tokens
@@ -208,7 +208,8 @@ class GrammarState:
         trees it goes. Nodes below a forbidden one always go. Without `prune`, the tree
         stays whole (a forbidden node's parent's mask rejects it)."""
         n = tree.size
-        bitmask = self._allocate(n, self.vocab_size)
+        bits = self._allocate(n, self.vocab_size)  # the matcher writes the NumPy array; torch reads it in place
+        bitmask = torch.from_numpy(bits)
         reachable = [False] * n
         reachable[0] = True
         children: list[list[int]] = [[] for _ in range(n)]
@@ -226,7 +227,7 @@ class GrammarState:
             if node:
                 self._consume(tokens[node])
                 stack.append((node, False))
-            self._fill(self._matcher, bitmask, node)
+            self._fill(self._matcher, bits, node)
             if self._matcher.is_error() or (not node and not bitmask[0].any()):
                 raise GrammarGaveUp(self._stuck())
             for child in reversed(children[node]):

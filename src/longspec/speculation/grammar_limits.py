@@ -61,12 +61,12 @@ def check_not_empty(kind: str, grammar: str) -> None:
     start a matcher over single bytes allows no byte and does not accept the empty text.
     (A grammar whose every text is infinite still starts; it ends at max_tokens.)"""
     import llguidance
-    import llguidance.torch
+    import llguidance.numpy
 
     matcher = llguidance.LLMatcher(_byte_tokenizer(), grammar, log_level=0)
-    bitmask = llguidance.torch.allocate_token_bitmask(1, _BYTES + 1)
+    bitmask = llguidance.numpy.allocate_token_bitmask(1, _BYTES + 1)
     if not matcher.is_error():
-        llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
+        llguidance.numpy.fill_next_token_bitmask(matcher, bitmask, 0)
     starts = not matcher.is_error() and (bool(bitmask[0, : _BYTES // 32].any()) or matcher.is_accepting())
     if not starts:
         raise EmptyLanguage(f"the {kind.replace('_', ' ')} matches no text at all (its language is empty: a "
