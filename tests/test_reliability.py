@@ -109,6 +109,14 @@ def test_a_huge_prompt_is_refused_from_its_size_before_tokenizing(checkpoint, mo
     assert not calls and time.perf_counter() - started < 5
 
 
+def test_a_prompt_shorter_than_the_context_in_bytes_skips_the_vocabulary_scan(checkpoint, monkeypatch):
+    """The size check's bound (bytes / the longest entry) cannot pass the context when the
+    bytes do not: a first short prompt does not wait for a scan of the whole vocabulary."""
+    model = LongSpecModel(load_target(checkpoint, dtype=torch.float32))
+    monkeypatch.setattr(type(model.tokenizer), "get_vocab", lambda *a, **k: pytest.fail("vocabulary scanned"))
+    assert model.encode("def fib(n):").numel() > 0
+
+
 def test_tokenizer_larger_than_the_vocabulary_is_refused_at_load(tmp_path, capsys):
     directory = save_checkpoint(tmp_path / "big-tokenizer", tokenizer_size=VOCAB_SIZE + 40)
     with pytest.raises(ValueError, match=f"tokenizer .* has {VOCAB_SIZE + 40} tokens but the model's vocabulary has {VOCAB_SIZE}"):

@@ -369,14 +369,16 @@ class LongSpecModel:
         tokenizing it (a 20 MB file would take seconds and gigabytes to tokenize): no
         token spells more bytes than the longest vocabulary entry, so bytes / that length
         is a lower bound on the token count."""
+        context = self.config.max_position_embeddings
+        limit = context if limit is None else limit
+        size = len(text.encode("utf-8"))
+        if size <= limit:  # the bound, bytes / longest entry, cannot pass the limit: no scan of the vocabulary
+            return
         if self._max_token_bytes is None:
             with self._encoding_lock:
                 vocabulary = self._encoder.get_vocab()
             self._max_token_bytes = max((len(t.encode("utf-8")) for t in vocabulary), default=1)
-        size = len(text.encode("utf-8"))
         at_least = -(-size // self._max_token_bytes)
-        context = self.config.max_position_embeddings
-        limit = context if limit is None else limit
         if at_least > limit:
             what = f"the model's context of {context:,}" if limit == context else f"the limit of {limit:,}"
             raise ValueError(
