@@ -91,6 +91,9 @@ def forward_seconds(decoder, context: int, width: int, repeats: int = 15) -> flo
 
 
 def checkout(ref: str, into: Path) -> Path:
+    if (into / ".git").exists():  # kept from an earlier run (--worktrees): moved to `ref`, its kernels' build kept
+        subprocess.run(["git", "-C", str(into), "checkout", "--detach", "--quiet", ref], check=True)
+        return into
     subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(into), ref], check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return into
@@ -126,6 +129,9 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--worktrees", type=Path, default=None,
+                        help="keep the two checkouts (and their kernels' builds) here for later runs, e.g. a "
+                             "--pairs 1 --new-tokens 8 run that builds them before the timed one on an idle machine")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -135,8 +141,9 @@ def main() -> None:
     from common import machine
 
     with tempfile.TemporaryDirectory() as scratch:
-        trees = {label: checkout(ref, Path(scratch) / label) for label, ref in (("before", args.before),
-                                                                                  ("after", args.after))}
+        place = args.worktrees or Path(scratch)
+        trees = {label: checkout(ref, place / label) for label, ref in (("before", args.before),
+                                                                         ("after", args.after))}
         try:
             rows = []
             for pair in range(args.pairs):
@@ -149,7 +156,7 @@ def main() -> None:
                         print(f"pair {pair} {label:6s} {row['setting']:13s} {row['method']:10s} {speed}",
                               file=sys.stderr, flush=True)
         finally:
-            for tree in trees.values():
+            for tree in trees.values() if args.worktrees is None else ():
                 subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=False)
     refs = {label: subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", ref], capture_output=True,
                                   text=True).stdout.strip() for label, ref in (("before", args.before),
