@@ -57,6 +57,7 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--shapes", nargs="+", default=["llama-3.2-1b", "qwen2.5-1.5b", "llama-3.2-3b", "llama-3.1-8b"])
     parser.add_argument("--kinds", nargs="+", default=["Q4_K_M", "Q8_0"])
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 turn, 16 tokens, one book, one seed, 1k prompts")
+    parser.add_argument("--ar-only", action="store_true", help="Gemma's AR rows only (no book rows): a kernel change's check")
     parser.add_argument("--work", type=Path, default=Path("bench-out/quantized-peers"), help="GGUF files and prompt files")
     parser.add_argument("--out", type=Path, default=None, help="results prefix (default: <work>/results)")
     args = parser.parse_args()
@@ -114,6 +115,8 @@ def gemma(args, settings) -> list[dict]:
     for model in models.values():
         ours.warm_up(model, text_ids[:max(args.contexts)])
     rows = gemma_rows.ar_rows(settings, models, files, text_ids, args.contexts)
+    if args.ar_only:
+        return rows
     prompts = {name: ids[:args.book_context] for name, ids in list(books.items())[: 1 if args.quick else None]}
     ours.warm_up(models["Q4_K_M"], next(iter(prompts.values())))
     return rows + gemma_rows.book_rows(settings, models["Q4_K_M"], q4, prompts, args.seeds)
