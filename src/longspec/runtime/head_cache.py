@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -94,19 +95,20 @@ def cached_head_arrays(weight: torch.Tensor, group: int, directory: Path | None 
                    "the certified head's int8 copy", _estimated_bytes(weight, group))
 
 
-def _cached(root: Path, name: str, key: dict, build, built: list, in_memory, what: str, needed: int):
+def _cached(root: Path, name: str, key: dict, build, built: list, in_memory, what: str, needed: int,
+            file: str = FILE):
     """The entry `name` (built by `build` where missing), its arrays checked; `in_memory()`
-    where the cache cannot be written."""
+    where the cache cannot be written. Also serves `prepared_weights` (another `file`)."""
     for attempt in range(2):
         try:
             entry = cached_entry(root, name, build, what=what, needed_bytes=needed)
         except CacheWriteError as error:
             log.warning("%s; %s is built in memory this time", error, what)
             return in_memory()
-        arrays, problem = _load(entry / FILE, key["format"])
+        arrays, problem = _load(entry / file, key["format"])
         if problem is None:
             if built:
-                _remove_older_copies(root, name, key)
+                _remove_older_copies(root, name, key, file)
             return arrays
         log.warning("the cached copy at %s is damaged (%s); rebuilding it", entry, problem)
         discard_entry(entry)
@@ -146,15 +148,17 @@ def _estimated_bytes(weight: torch.Tensor, group: int) -> int:
     return V * H + V * (-(-H // group)) * 4 + 3 * V * 4  # codes, scales, three row constants
 
 
-def _remove_older_copies(root: Path, name: str, key: dict) -> None:
-    """Other entries made from the same head weight (another screen kernel, format or group)."""
+def _remove_older_copies(root: Path, name: str, key: dict, file: str = FILE) -> None:
+    """Other entries of the same kind (the name's prefix) made from the same source (another
+    kernel, format or group)."""
     from safetensors import safe_open
 
-    for entry in root.glob("certified-head-*"):
-        if entry.name == name or not (entry / FILE).is_file():
+    kind = name[: name.rindex("-") + 1]
+    for entry in root.glob(kind + "*"):
+        if entry.name == name or not (entry / file).is_file():
             continue
         try:
-            with safe_open(str(entry / FILE), framework="pt") as handle:
+            with safe_open(str(entry / file), framework="pt") as handle:
                 other = json.loads((handle.metadata() or {}).get("key", "{}"))
         except Exception:  # noqa: BLE001 - unreadable: not ours to judge; entry_problem reports it
             continue
@@ -172,17 +176,12 @@ def _save(arrays: dict[str, torch.Tensor], path: Path, key: dict) -> None:
 
 
 def _load(path: Path, expected: str = FORMAT) -> tuple[dict[str, torch.Tensor], str | None]:
-    """The arrays, memory-mapped (safetensors maps the file), and what is wrong with
+    """The arrays, memory-mapped (`map_safetensors`: no copy), and what is wrong with
     them (None: each array's bytes hash to what the build recorded)."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
     try:
-        with safe_open(str(path), framework="pt") as handle:
-            metadata = handle.metadata() or {}
-        arrays = load_file(str(path))
+        arrays, metadata = map_safetensors(path)
         recorded = json.loads(metadata.get("xxh3", "{}"))
-    except Exception as error:  # safetensors raises its own error type for a bad header or short file
+    except Exception as error:  # a bad header or a short file
         return {}, f"unreadable: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
     if metadata.get("format") != expected:
         return {}, f"format {metadata.get('format')!r}, expected {expected!r}"
@@ -192,6 +191,36 @@ def _load(path: Path, expected: str = FORMAT) -> tuple[dict[str, torch.Tensor], 
     if set(recorded) != set(arrays):
         return {}, "its arrays differ from those recorded"
     return arrays, None
+
+
+_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+                       "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+                       "BOOL": torch.bool}
+
+
+def map_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """A safetensors file's arrays as views of one private memory map of it (nothing is read
+    until used; a write to an array copies its page and never reaches the file), and its
+    metadata. safetensors' own `load_file` copies every byte into new memory."""
+    import mmap
+    import struct
+
+    with open(path, "rb") as handle:
+        header_bytes = struct.unpack("<Q", handle.read(8))[0]
+        header = json.loads(handle.read(header_bytes))
+        size = os.fstat(handle.fileno()).st_size
+        mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+    metadata = header.pop("__metadata__", None) or {}
+    start = 8 + header_bytes
+    whole = torch.frombuffer(mapping, dtype=torch.uint8) if mapping is not None else torch.empty(0, dtype=torch.uint8)
+    arrays = {}
+    for name, info in header.items():
+        begin, end = (start + offset for offset in info["data_offsets"])
+        if not start <= begin <= end <= size:
+            raise ValueError(f"{name} lies outside the file ({size} bytes): truncated")
+        dtype = _SAFETENSORS_DTYPES[info["dtype"]]
+        arrays[name] = whole[begin:end].view(dtype).view(info["shape"])
+    return arrays, metadata
 
 
 def cached_entries(directory: Path | None = None) -> list[tuple[Path, int, str | None]]:

@@ -35,30 +35,61 @@ def huge_page_policy() -> str:
     return chosen or "unavailable"
 
 
-def move_to_huge_pages(parameters: list[torch.nn.Parameter]) -> bool:
-    """Copy CPU `parameters` into one anonymous mapping advised for huge pages and
-    point them at it. Returns whether they moved (False, with nothing changed, where
-    the machine offers no huge pages)."""
+def huge_page_buffers(sizes: list[int]) -> list[torch.Tensor] | None:
+    """Byte buffers of `sizes`, each on its own 2 MiB-aligned pages of one anonymous mapping
+    advised for huge pages (untouched: the kernel gives each huge page when it is first
+    written), or None where the machine offers no huge pages."""
     if huge_page_policy() not in ("always", "madvise") or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return False
-    todo = [p for p in parameters if p.device.type == "cpu"]
-    if not todo:
-        return True
+        return None
     offsets, total = [], 0
-    for p in todo:
+    for size in sizes:
         offsets.append(total)
-        total += -(-p.numel() * p.element_size() // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES  # each on its own pages
+        total += -(-size // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES  # each on its own pages
+    if not sizes:
+        return []
     try:
         mapping = mmap.mmap(-1, total + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         mapping.madvise(mmap.MADV_HUGEPAGE)
     except (OSError, ValueError) as error:
         logger.info("weights stay on normal pages (%s)", error)
-        return False
+        return None
     arena = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive as long as any view
     start = -arena.data_ptr() % HUGE_PAGE_BYTES  # huge pages need 2 MiB-aligned addresses
-    for p, offset in zip(todo, offsets):
-        nbytes = p.numel() * p.element_size()
-        moved = arena[start + offset : start + offset + nbytes].view(p.dtype).view(p.shape)
+    return [arena[start + offset : start + offset + size] for size, offset in zip(sizes, offsets)]
+
+
+def move_to_huge_pages(parameters: list[torch.nn.Parameter]) -> bool:
+    """Copy CPU `parameters` into one anonymous mapping advised for huge pages and
+    point them at it. Returns whether they moved (False, with nothing changed, where
+    the machine offers no huge pages)."""
+    todo = [p for p in parameters if p.device.type == "cpu"]
+    buffers = huge_page_buffers([p.numel() * p.element_size() for p in todo])
+    if buffers is None:
+        return False
+    for p, buffer in zip(todo, buffers):
+        moved = buffer.view(p.dtype).view(p.shape)
         moved.copy_(p.data)
         p.data = moved
     return True
+
+
+def huge_page_bytes(tensor: torch.Tensor) -> int | None:
+    """How many bytes of the pages under `tensor` the kernel backs with huge pages
+    (`AnonHugePages` of its mapping in /proc/self/smaps), or None where that cannot be read."""
+    address = tensor.data_ptr()
+    try:
+        text = Path("/proc/self/smaps").read_text()
+    except OSError:
+        return None
+    inside = False
+    for line in text.splitlines():
+        head = line.split(maxsplit=1)[0] if line else ""
+        if "-" in head and not head.endswith(":"):
+            begin, _, end = head.partition("-")
+            try:
+                inside = int(begin, 16) <= address < int(end, 16)
+            except ValueError:
+                inside = False
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1]) * 1024
+    return None

@@ -33,6 +33,7 @@ pieces than its single run gets the same bits
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,17 +52,81 @@ class PackedWeight:
     quantized: QuantizedWeight | None = None  # a GGUF file's own quantization (`runtime.quantized`), for every product
 
 
-def prepack(weight: torch.Tensor, *, native_kernels: bool = True, bulk: bool | None = False) -> PackedWeight | None:
+def prepack(weight: torch.Tensor, *, native_kernels: bool = True, bulk: bool | None = False,
+            tiles: torch.Tensor | None = None) -> PackedWeight | None:
     """The prepared forms of a [out, in] bf16 CPU weight, or None where none applies.
     bulk: also keep oneDNN's copy for prefill's products (None: where `bulk_products_pay`;
-    the decoder's layers ask, the heads, which prefill does not compute, do not)."""
-    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
-        return None
-    ops = bf16_linear_ops() if native_kernels and weight.is_contiguous() else None
-    if ops is not None:
-        wanted = bulk_products_pay() if bulk is None else bulk
-        return PackedWeight(onednn=None, tiles=ops.bf16_pack_weight(weight.detach()),
-                            bulk=_onednn_prepack(weight) if wanted else None)
+    the decoder's layers ask, the heads, which prefill does not compute, do not).
+    tiles: the native kernel's packed copy, already made (`pack_tiles`)."""
+    if not takes_tiles(weight, native_kernels):
+        if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+            return None
+        onednn = _onednn_prepack(weight)
+        return None if onednn is None else PackedWeight(onednn=onednn)
+    wanted = bulk_products_pay() if bulk is None else bulk
+    return PackedWeight(onednn=None, tiles=pack_tiles([weight])[0] if tiles is None else tiles,
+                        bulk=_onednn_prepack(weight) if wanted else None)
+
+
+def takes_tiles(weight: torch.Tensor, native_kernels: bool = True) -> bool:
+    """Whether `prepack` gives this weight the native kernel's packed copy."""
+    return (native_kernels and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+            and weight.dim() == 2 and weight.is_contiguous() and bf16_linear_ops() is not None)
+
+
+_COLUMNS = 16  # output rows per block of the packed layout (`kColumns` in bf16_packed_linear.cpp)
+
+
+def tiles_shape(weight: torch.Tensor) -> tuple[int, int, int, int]:
+    """The packed copy's shape: [blocks of 16 rows, pairs of columns, 16, 2]."""
+    N, K = weight.shape
+    return (-(-N // _COLUMNS), -(-K // 2), _COLUMNS, 2)
+
+
+def tiles_nbytes(weight: torch.Tensor) -> int:
+    blocks, pairs, columns, two = tiles_shape(weight)
+    return blocks * pairs * columns * two * 2
+
+
+def pack_tiles(weights: list[torch.Tensor], outs: list[torch.Tensor | None] | None = None,
+               before_copy: Callable[[], None] | None = None) -> list[torch.Tensor]:
+    """`bf16_pack_weight` of each weight, written into `outs` (byte buffers of at least
+    `tiles_nbytes`, e.g. on huge pages) where given. Without padding (rows a multiple of 16,
+    an even number of columns) the packed copy is a permutation of the weight's 4-byte column
+    pairs: all of those are made by one strided copy (one call that releases the GIL and
+    runs on every thread, as fast as a plain copy), checked once per process against the
+    kernel's own packing; the others by the kernel. `before_copy()` is called right before
+    that call (a load starts its tokenizer's GIL-holding parse there, so the two overlap)."""
+    ops = bf16_linear_ops()
+    outs = outs or [None] * len(weights)
+    tiles, targets, sources = [], [], []
+    for weight, out in zip(weights, outs):
+        shape = tiles_shape(weight)
+        packed = (torch.empty(shape, dtype=torch.bfloat16) if out is None else
+                  out[: tiles_nbytes(weight)].view(torch.bfloat16).view(shape))
+        N, K = weight.shape
+        if N % _COLUMNS == 0 and K % 2 == 0 and N * K > 0 and weight.data_ptr() % 4 == 0 and _pairs_layout():
+            blocks, pairs = shape[0], shape[1]
+            targets.append(packed.view(torch.int32).view(blocks, pairs, _COLUMNS))
+            sources.append(weight.detach().view(torch.int32).view(blocks, _COLUMNS, pairs).transpose(1, 2))
+        else:
+            packed.copy_(ops.bf16_pack_weight(weight.detach()))
+        tiles.append(packed)
+    if before_copy is not None:
+        before_copy()
+    if targets:
+        torch._foreach_copy_(targets, sources)
+    return tiles
+
+
+@functools.cache
+def _pairs_layout() -> bool:
+    """Whether the kernel's packed layout is the permutation `pack_tiles` copies (probed
+    on a small weight, so a change of the kernel's layout falls back to the kernel)."""
+    weight = torch.arange(48 * 10, dtype=torch.int16).view(torch.bfloat16).view(48, 10)  # every value's bits distinct
+    blocks, pairs = 48 // _COLUMNS, 10 // 2
+    permuted = weight.view(torch.int32).view(blocks, _COLUMNS, pairs).transpose(1, 2).contiguous()
+    return torch.equal(bf16_linear_ops().bf16_pack_weight(weight).view(torch.int32).reshape(-1), permuted.reshape(-1))
     onednn = _onednn_prepack(weight)
     return None if onednn is None else PackedWeight(onednn=onednn)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,11 +35,27 @@ def decoder_from_state_dict(hf_config, state_dict: dict[str, torch.Tensor], dtyp
                             quantized: list[dict] | None = None) -> Decoder:
     """Map `transformers` parameter names onto our fused layout. quantized: per layer, the
     products kept in a GGUF file's quantization (`runtime.gguf_layers`)."""
+    return decoder_from_params(hf_config, fused_params(hf_config, state_dict, dtype), quantized)
+
+
+def decoder_from_params(hf_config, params: dict[str, torch.Tensor], quantized: list[dict] | None = None,
+                        before_copy=None) -> Decoder:
+    """A prepared decoder over `params` in our fused names (`fused_params`), used as they are.
+    before_copy: see `Decoder.prepare`."""
     config = DecoderConfig.from_hf(hf_config)
     # Outside the meta-device context: RoPE initialisers must compute real tensors.
     tables = rope_tables(hf_config, config)
     with torch.device("meta"):
         model = Decoder(config, tables)
+    model.assign(params, tables, quantized)
+    # Parameters default to requires_grad=False already; keep them frozen.
+    return model.eval().prepare(before_copy=before_copy)
+
+
+def fused_params(hf_config, state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """`transformers`' parameters in our fused names and layout (q, k, v and gate, up
+    concatenated), cast to `dtype`."""
+    config = DecoderConfig.from_hf(hf_config)
     prefix = "model.language_model." if any(k.startswith("model.language_model.") for k in state_dict) else "model."
 
     def take(name: str) -> torch.Tensor:
@@ -72,9 +89,7 @@ def decoder_from_state_dict(hf_config, state_dict: dict[str, torch.Tensor], dtyp
             q_norm = take(p + "self_attn.q_norm.weight").expand(config.num_heads, -1)
             k_norm = take(p + "self_attn.k_norm.weight").expand(config.num_kv_heads, -1)
             params[p + "qk_norm.weight"] = torch.cat([q_norm, k_norm])
-    model.assign(params, tables, quantized)
-    # Parameters default to requires_grad=False already; keep them frozen.
-    return model.eval().prepare()
+    return params
 
 
 def load_target(source: str | os.PathLike | None = None, *, dtype: torch.dtype | None = None,
@@ -106,7 +121,7 @@ def _load_on_host(source: str | os.PathLike | None, dtype: torch.dtype, keep_qua
     if source is None:
         from longspec.runtime.default_model import default_checkpoint_dir
 
-        return load_checkpoint_dir(default_checkpoint_dir(), dtype=dtype)
+        return load_checkpoint_dir(default_checkpoint_dir(), dtype=dtype, prepared=True)
     text = str(source)
     path = Path(text).expanduser()
     if path.suffix == ".gguf":
@@ -127,9 +142,12 @@ def _load_on_host(source: str | os.PathLike | None, dtype: torch.dtype, keep_qua
     return load_checkpoint_dir(cached, dtype=dtype)
 
 
-def load_checkpoint_dir(directory: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16) -> LoadedTarget:
-    from safetensors.torch import load_file
-
+def load_checkpoint_dir(directory: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16,
+                        prepared: bool = False) -> LoadedTarget:
+    """prepared: keep the weights as the decoder takes them in the model cache and map them
+    from there (`runtime.prepared_weights`; bf16 only): the embedded model's loads do, since
+    its checkpoint is a cache entry already; another checkpoint would cost its size again
+    on disk."""
     from longspec.runtime.checkpoint_config import read_config
     from longspec.runtime.tokenizer import read_tokenizer
 
@@ -149,23 +167,53 @@ def load_checkpoint_dir(directory: str | os.PathLike, *, dtype: torch.dtype = to
         raise FileNotFoundError(f"{directory} holds no *.safetensors weights (PyTorch .bin files are not loaded)")
     # The tokenizer is read on a thread beside the weights: transformers' (Python parsing, where our
     # Rust-only one cannot stand in) overlaps their torch work; the Rust one holds the GIL while it
-    # parses, about a second for Gemma's 262k entries (docs/lab-notes/startup.md).
+    # parses, about a second for Gemma's 262k entries (docs/lab-notes/startup.md), so from prepared
+    # weights its parse starts when the main thread enters the one call that releases the GIL for
+    # long, the packed copies (`Decoder.prepare`'s before_copy): started earlier, it would hold
+    # the main thread's Python back instead.
+    prepared = prepared and dtype == torch.bfloat16
+    go = threading.Event()
+    if not prepared:
+        go.set()
+
+    def read_when_told(directory: Path):
+        go.wait()
+        return read_tokenizer(directory)
+
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="longspec-tokenizer") as pool:
         tokenizer_loaded = None
         if any((directory / name).is_file() for name in _TOKENIZER_FILES):
-            tokenizer_loaded = pool.submit(read_tokenizer, directory)  # Rust `tokenizers` alone where it can
-        state_dict: dict[str, torch.Tensor] = {}
-        for shard in shards:
-            try:
-                state_dict.update(load_file(str(shard)))
-            except Exception as error:  # safetensors raises its own error type for a bad header or short file
-                raise ValueError(f"{shard} is truncated or corrupt ({_first_line(error)}); copy or convert the "
-                                 "checkpoint again") from None
-        model = decoder_from_state_dict(hf_config, state_dict, dtype)
+            tokenizer_loaded = pool.submit(read_when_told, directory)  # Rust `tokenizers` alone where it can
+
+        def params() -> dict[str, torch.Tensor]:
+            return fused_params(hf_config, _read_shards(shards), dtype)
+
+        try:
+            if prepared:
+                from longspec.runtime.prepared_weights import cached_params
+
+                model = decoder_from_params(hf_config, cached_params(directory, dtype, params), before_copy=go.set)
+            else:
+                model = decoder_from_params(hf_config, params())
+        finally:
+            go.set()
         tokenizer = None if tokenizer_loaded is None else tokenizer_loaded.result()
     if tokenizer is not None:
         check_tokenizer_fits(tokenizer, model.config.vocab_size, str(directory))
     return LoadedTarget(model, tokenizer, hf_config, str(directory))
+
+
+def _read_shards(shards: list[Path]) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state_dict: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        try:
+            state_dict.update(load_file(str(shard)))
+        except Exception as error:  # safetensors raises its own error type for a bad header or short file
+            raise ValueError(f"{shard} is truncated or corrupt ({_first_line(error)}); copy or convert the "
+                             "checkpoint again") from None
+    return state_dict
 
 
 # Families whose activations exceed float16's range (65504): Gemma 3 270M's residual

@@ -8,6 +8,7 @@ projections are fused into one matrix each at load time (fewer, larger matmuls).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -21,8 +22,8 @@ from longspec.runtime.certified_head import CertifiedHead
 from longspec.runtime.config import DecoderConfig
 from longspec.runtime.device import HOST
 from longspec.runtime.file_rows import FileRows
-from longspec.runtime.huge_pages import HUGE_PAGE_BYTES, move_to_huge_pages
-from longspec.runtime.linear import PackedWeight, packed_linear, prepack
+from longspec.runtime.huge_pages import HUGE_PAGE_BYTES, huge_page_buffers
+from longspec.runtime.linear import PackedWeight, pack_tiles, packed_linear, prepack, takes_tiles, tiles_nbytes
 from longspec.runtime.native import native_ops
 from longspec.runtime.quantized import QuantizedWeight
 from longspec.runtime.ordered_keys import (
@@ -114,18 +115,26 @@ class DecoderLayer(nn.Module):
         self.native_prefill = False  # whether those calls also run a prefill's products (`bulk`)
         self.step_weights: dict[str, tuple[list, list, list]] = {}  # each product's weight for those calls
 
-    def prepare(self, native_kernels: bool = True, bulk: bool | None = None) -> None:
+    PRODUCTS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+
+    def prepare(self, native_kernels: bool = True, bulk: bool | None = None,
+                tiles: dict[str, torch.Tensor] | None = None) -> None:
         """Load-time derived weights: prepacked matrices and norm scales. bulk: keep
-        prefill's copies (`runtime.linear`; None: where they pay)."""
-        for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
-            if name in self.quantized and self.qkv_weight.device.type == "cpu":
+        prefill's copies (`runtime.linear`; None: where they pay). tiles: packed copies
+        already made (`Decoder._prepare`), by product name."""
+        for name in self.PRODUCTS:
+            if self.keeps_quantized(name):
                 self.packed[name] = PackedWeight(onednn=None, quantized=self.quantized[name])
                 continue
-            self.packed[name] = prepack(getattr(self, name), native_kernels=native_kernels, bulk=bulk)
+            self.packed[name] = prepack(getattr(self, name), native_kernels=native_kernels, bulk=bulk,
+                                        tiles=(tiles or {}).get(name))
         for norm in (self.input_norm, self.pre_mlp_norm, self.post_attn_norm, self.post_mlp_norm, self.qk_norm):
             if norm is not None:
                 norm.prepare(native_kernels)
         self.native_steps = self._native_steps()
+
+    def keeps_quantized(self, name: str) -> bool:
+        return name in self.quantized and self.qkv_weight.device.type == "cpu"
 
     def _native_steps(self):
         """The native ops that run `project`'s and `finish`'s steps in one call each
@@ -521,33 +530,51 @@ class Decoder(nn.Module):
             self.compile_steps(self.static_steps.options)
         return self
 
-    def prepare(self, native_kernels: bool = True) -> "Decoder":
+    def prepare(self, native_kernels: bool = True, before_copy: Callable[[], None] | None = None) -> "Decoder":
         """Derive inference-time weights (prepacked matrices on CPU, norm scales). Call
         after loading, moving or changing weights; the loaders do. native_kernels=False
-        keeps every linear layer on oneDNN / `F.linear` (see `runtime.linear`)."""
+        keeps every linear layer on oneDNN / `F.linear` (see `runtime.linear`).
+        before_copy: called right before the packed copies are made (`linear.pack_tiles`)."""
         with one_time("packing"):
-            return self._prepare(native_kernels)
+            return self._prepare(native_kernels, before_copy)
 
-    def _prepare(self, native_kernels: bool) -> "Decoder":
+    def _prepare(self, native_kernels: bool, before_copy: Callable[[], None] | None = None) -> "Decoder":
         huge_pages = native_kernels and self.device.type == "cpu" and self.dtype == torch.bfloat16
         bulk = None if prefill_copies_fit(self) else False
-        for layer in self.layers:
-            layer.prepare(native_kernels, bulk)
+        tiles, self.on_huge_pages = self._pack_tiles(native_kernels, huge_pages, before_copy)
+        for i, layer in enumerate(self.layers):
+            layer.prepare(native_kernels, bulk, {name: t for (j, name), t in tiles.items() if j == i})
         self.final_norm.prepare(native_kernels)
         self.native_kernels = native_kernels
-        self._packed_head = (prepack(self.head_weight, native_kernels=native_kernels) if self.file_head is None else
-                             PackedWeight(onednn=None, quantized=self.file_head.quantized()))
+        self._packed_head = (prepack(self.head_weight, native_kernels=native_kernels, tiles=tiles.get((None, "head")))
+                             if self.file_head is None else PackedWeight(onednn=None, quantized=self.file_head.quantized()))
         self._certified_head = False  # built again from the prepared head on first use
-        if huge_pages:
-            # Only the packed copies, which every product streams: the plain weights are read a row at a time
-            # (the embedding, a certified head's candidates) or not at all, and moving them took a second
-            # of every load (docs/lab-notes/startup.md).
-            tiles = [packed.tiles for packed in self._packed_weights() if packed.tiles is not None]
-            self.on_huge_pages = move_to_huge_pages([t for t in tiles if t.numel() * t.element_size() >= HUGE_PAGE_BYTES])
         if self.attention in (fused_attention, flash_attention):
             cpu_without_native = self.device.type == "cpu" and not native_kernels
             self.attention = flash_attention if cpu_without_native else fused_attention
         return self
+
+    def _pack_tiles(self, native_kernels: bool, huge_pages: bool,
+                    before_copy: Callable[[], None] | None = None) -> tuple[dict, bool]:
+        """The native kernel's packed copies of every product and the head, by (layer, name)
+        ((None, "head") for the head), all made by one call (`linear.pack_tiles`), and whether
+        they went onto huge pages. Only the packed copies, which every product streams, go there
+        (packed straight into the mapping): the plain weights are read a row at a time (the
+        embedding, a certified head's candidates) or not at all (docs/lab-notes/startup.md)."""
+        weights = {(i, name): getattr(layer, name) for i, layer in enumerate(self.layers)
+                   for name in DecoderLayer.PRODUCTS if not layer.keeps_quantized(name)}
+        if self.file_head is None:
+            weights[(None, "head")] = self.head_weight
+        weights = {key: w for key, w in weights.items() if takes_tiles(w, native_kernels)}
+        if not weights:
+            if before_copy is not None:
+                before_copy()
+            return {}, huge_pages and huge_page_buffers([]) is not None
+        large = [key for key, w in weights.items() if huge_pages and tiles_nbytes(w) >= HUGE_PAGE_BYTES]
+        buffers = huge_page_buffers([tiles_nbytes(weights[key]) for key in large]) if huge_pages else None
+        outs = dict(zip(large, buffers or []))
+        packed = pack_tiles(list(weights.values()), [outs.get(key) for key in weights], before_copy)
+        return dict(zip(weights, packed)), buffers is not None
 
     def _packed_weights(self) -> list[PackedWeight]:
         packed = [p for layer in self.layers for p in layer.packed.values()] + [self._packed_head]
