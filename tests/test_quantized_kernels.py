@@ -98,8 +98,9 @@ def test_each_format_is_within_the_float32_sum_bound_of_the_exact_product(path, 
 @pytest.mark.parametrize("name", list(KINDS))
 def test_a_row_gets_the_same_bits_alone_or_among_1_to_64_rows_and_on_every_path(name):
     """45 rows: a pair of groups and a lone group (the passes over two groups and one);
-    100 rows of x: past the 64 rows a pass holds, and 1-4 rows (accumulators in registers)
-    against 5-64 (a block's codes unpacked once for all of them)."""
+    100 rows of x: past the 64 rows a pass holds, 1-4 rows (accumulators in registers), 5-16
+    (one group a pass, its rows 4 at a time) and 17-64 (two groups a pass, a block's codes
+    unpacked once for all of them)."""
     kind = KINDS[name]
     _, weight = weight_of(kind, 45, 512, seed=7)
     generator = torch.Generator().manual_seed(11)
@@ -107,19 +108,39 @@ def test_a_row_gets_the_same_bits_alone_or_among_1_to_64_rows_and_on_every_path(
     whole = product(weight, x)
     for path in PATHS:
         assert torch.equal(product(weight, x, path), whole), path
-        for begin, end in ((0, 1), (5, 6), (63, 64), (2, 5), (7, 20), (1, 64), (30, 33), (0, 4), (60, 65), (36, 100)):
+        for begin, end in ((0, 1), (5, 6), (63, 64), (2, 5), (7, 20), (1, 64), (30, 33), (0, 4), (60, 65), (36, 100),
+                           (2, 10), (10, 26), (3, 18), (40, 57), (80, 96), (50, 61)):
             assert torch.equal(product(weight, x[begin:end], path), whole[begin:end]), (path, begin, end)
+
+
+def test_a_weight_on_huge_pages_gives_the_bits_of_a_copy_in_ordinary_memory():
+    """A repacked weight of 2 MiB or more gets a mapping of its own (advised for huge pages):
+    its products are a copy's in ordinary memory, a row's alone or among 1-17 rows, and the
+    portable loop's."""
+    rows, cols = 8000, 256
+    _, weight = weight_of(Q8_0, rows, cols, seed=5)
+    packed = weight.segments[0].packed
+    assert packed.numel() >= 2 << 20
+    copy = QuantizedWeight((weight.segments[0].__class__("copy", Q8_0, rows, packed.clone()),), cols)
+    x = torch.randn(17, cols, generator=torch.Generator().manual_seed(3)).bfloat16()
+    whole = product(weight, x)
+    assert torch.equal(product(copy, x), whole)
+    assert torch.equal(product(weight, x[:3], "portable"), whole[:3])
+    for begin, end in ((0, 1), (4, 6), (1, 5), (0, 16), (9, 17)):
+        assert torch.equal(product(weight, x[begin:end]), whole[begin:end]), (begin, end)
 
 
 def test_the_thread_count_does_not_change_the_bits():
     _, weight = weight_of(Q4_K, 130, 512, seed=2)
-    x = torch.randn(6, 512, generator=torch.Generator().manual_seed(0)).bfloat16()
+    x = torch.randn(20, 512, generator=torch.Generator().manual_seed(0)).bfloat16()
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         one = product(weight, x)
         torch.set_num_threads(2)
         assert torch.equal(product(weight, x), one)
+        for begin, end in ((0, 1), (0, 6), (2, 14), (3, 20)):  # one group a unit, and two
+            assert torch.equal(product(weight, x[begin:end]), one[begin:end]), (begin, end)
     finally:
         torch.set_num_threads(threads)
 

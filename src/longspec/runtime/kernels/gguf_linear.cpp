@@ -16,18 +16,23 @@
 // rows. Per group and 32-value block, 4-value runs of the 16 rows are interleaved, so one
 // 64-byte load gives each of 16 lanes (rows) the codes of 4 consecutive values, which
 // `vpdpbusd` (u8 codes x s8 activations) sums into that lane: no reduction across lanes.
-// AVX-512 runs two neighbouring groups a pass over the blocks (a row's broadcasts and scale
-// shared) and unpacks a block's codes once for every row of the call.
+// AVX-512 runs one group a pass over the blocks for up to 16 rows (a step, a tree: one
+// stream of addresses a thread), two neighbouring groups for more (a row's broadcasts and
+// scale shared), and unpacks a block's codes once for every row of the call. Repacked
+// weights of 2 MiB or more lie on transparent huge pages.
 // The same bits as the file's, rearranged; scales stay fp16 and 6-bit scales become bytes.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
 #include <torch/library.h>
+
+#include <sys/mman.h>
 
 #include <cmath>
 #include <cstdint>
@@ -158,6 +163,26 @@ void repack_row(int64_t kind, const uint8_t* row, int64_t K, int64_t lane, uint8
   }
 }
 
+// A zeroed [rows, cols] uint8 tensor; from 2 MiB on, on its own anonymous mapping advised for
+// transparent huge pages (Linux's default "madvise" policy): a product streams the weight once
+// a call, and with 4 KiB pages that stream takes a TLB miss every 4 KiB.
+at::Tensor huge_zeros(int64_t rows, int64_t cols) {
+  constexpr int64_t kHuge = int64_t(2) << 20;
+  const int64_t bytes = rows * cols;
+  if (bytes >= kHuge) {
+    const int64_t mapped = (bytes + 2 * kHuge - 1) / kHuge * kHuge;
+    void* base = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (base != MAP_FAILED) {
+      uint8_t* start = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(base) + kHuge - 1) & ~uintptr_t(kHuge - 1));
+#ifdef MADV_HUGEPAGE
+      madvise(start, mapped - (start - static_cast<uint8_t*>(base)), MADV_HUGEPAGE);  // a refusal leaves 4 KiB pages
+#endif
+      return at::from_blob(start, {rows, cols}, [base, mapped](void*) { munmap(base, mapped); }, at::TensorOptions().dtype(at::kByte));
+    }
+  }
+  return at::zeros({rows, cols}, at::TensorOptions().dtype(at::kByte));
+}
+
 // raw: the file's [N, row bytes] uint8 tensor. Rows past N stay zero (zero scales).
 at::Tensor repack(const at::Tensor& raw, int64_t kind, int64_t K) {
   TORCH_CHECK(raw.scalar_type() == at::kByte && raw.dim() == 2 && raw.is_contiguous(), "raw: contiguous uint8 [N, row bytes]");
@@ -167,7 +192,7 @@ at::Tensor repack(const at::Tensor& raw, int64_t kind, int64_t K) {
   TORCH_CHECK(raw.size(1) == row_bytes, "rows of ", raw.size(1), " bytes where GGML type ", kind, " with ", K,
               " values needs ", row_bytes);
   const int64_t groups = (N + kLanes - 1) / kLanes, group_bytes = K / sv * record_bytes(kind);
-  at::Tensor out = at::zeros({groups, group_bytes}, raw.options());
+  at::Tensor out = huge_zeros(groups, group_bytes);
   const uint8_t* src = raw.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {
@@ -444,6 +469,11 @@ LONGSPEC_AVX512_VNNI void many_rows_avx512(const uint8_t* const* groups, int64_t
     }
 }
 
+// Up to this many rows (a tree), a unit is one group and its rows run 4 at a time, registers
+// holding the accumulators, the group's codes (a few KiB) read again from L1 for each 4 rows;
+// more rows (prefill pieces) take `many_rows_avx512`. The same chains either way.
+constexpr int64_t kTiledRows = 16;
+
 template <int64_t kKind, int G>
 LONGSPEC_AVX512_VNNI void rows_avx512_of(const uint8_t* const* groups, int64_t K, const Act* rows, int64_t M, float* out) {
   switch (M) {
@@ -451,7 +481,19 @@ LONGSPEC_AVX512_VNNI void rows_avx512_of(const uint8_t* const* groups, int64_t K
     case 2: few_rows_avx512<kKind, 2, G>(groups, K, rows, out); break;
     case 3: few_rows_avx512<kKind, 3, G>(groups, K, rows, out); break;
     case 4: few_rows_avx512<kKind, 4, G>(groups, K, rows, out); break;
-    default: many_rows_avx512<kKind, G>(groups, K, rows, M, out); break;
+    default:
+      if (M <= kTiledRows) {
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4) few_rows_avx512<kKind, 4, G>(groups, K, rows + m, out + m * G * kLanes);
+        switch (M - m) {
+          case 1: few_rows_avx512<kKind, 1, G>(groups, K, rows + m, out + m * G * kLanes); break;
+          case 2: few_rows_avx512<kKind, 2, G>(groups, K, rows + m, out + m * G * kLanes); break;
+          case 3: few_rows_avx512<kKind, 3, G>(groups, K, rows + m, out + m * G * kLanes); break;
+        }
+      } else {
+        many_rows_avx512<kKind, G>(groups, K, rows, M, out);
+      }
+      break;
   }
 }
 
@@ -758,6 +800,12 @@ at::Tensor linear_on(Path path, const at::Tensor& x, const std::vector<at::Tenso
   TORCH_CHECK(packed.size() == kinds.size() && kinds.size() == rows.size() && !packed.empty(), "one kind and row count per segment");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % kBlock == 0, "x has ", K, " columns, not a multiple of 32");
+  // Groups a unit: one up to kTiledRows rows (a decode step, a tree), so that a thread reads
+  // the weight as one sequence of addresses: two neighbouring groups read side by side are two
+  // streams, which the hardware prefetchers of a Zen 4 core serve at two thirds of one stream's
+  // rate (docs/lab-notes/quantized-targets.md). Two for more rows (prefill pieces), where
+  // sharing each row's broadcasts between two groups saves more than the stream costs.
+  const int64_t width = M <= kTiledRows ? 1 : 2;
   int64_t N = 0;
   std::vector<int64_t> first_row(packed.size(), 0);
   std::vector<Unit> units;
@@ -769,7 +817,7 @@ at::Tensor linear_on(Path path, const at::Tensor& x, const std::vector<at::Tenso
                 "segment ", i, " is not a repacked [", groups, ", ", K / sv * record_bytes(kinds[i]), "] weight");
     first_row[i] = N;
     N += rows[i];
-    for (int64_t g = 0; g < groups; g += 2) units.push_back({static_cast<int64_t>(i), g, std::min<int64_t>(2, groups - g)});
+    for (int64_t g = 0; g < groups; g += width) units.push_back({static_cast<int64_t>(i), g, std::min<int64_t>(width, groups - g)});
   }
   std::vector<float> bias_f;
   if (bias.has_value()) {
