@@ -43,9 +43,11 @@ def test_lookup_returns_what_followed_the_longest_ngram_with_its_run():
     cache.insert([9], [3, 4, 20, 21])
     # "2 3 4" (n = 3) was seen once: its continuation wins over the newer "3 4"
     assert cache.lookup([50, 1, 2, 3, 4], limit=2) == [([5, 6], 4)]
-    # only "3 4" matches: the newer one, both are candidates with their runs
+    # only "3 4" matches: one vote each, the newer first; both are candidates with their runs
     assert cache.lookup([60, 3, 4], limit=3, max_candidates=2) == [([20, 21], 2), ([5, 6], 2)]
-    assert cache.lookup([99, 4], limit=3) == []  # one token is below min_ngram
+    # one token (min_ngram = 1) still finds what followed it
+    assert cache.lookup([99, 4], limit=3) == [([20, 21], 1)]
+    assert SuffixCache(1 << 20, min_ngram=2).lookup([99, 4], limit=3) == []
     assert cache.lookup([1, 2], limit=0) == []
     # a prompt's tail predicts the output's start
     assert cache.lookup([7, 8], limit=3) == [([1, 2, 3], 2)]
@@ -59,13 +61,44 @@ def test_the_same_sequence_is_kept_once():
     assert cache.lookup([1, 2, 3], limit=2) == [([4, 5], 3)]
 
 
-def test_longest_run_then_frequency_ranks_candidates():
+def test_the_occurrences_vote_token_by_token():
     cache = SuffixCache(1 << 20, max_ngram=2)
     cache.insert([], [1, 5, 6, 7, 8])  # agrees with the suffix 4 tokens back
     cache.insert([], [2, 6, 7, 9, 9])
     cache.insert([], [4, 6, 7, 9, 9, 0])  # the same continuation twice
     cache.insert([], [3, 6, 7, 9, 10])  # the newest
-    assert cache.lookup([1, 5, 6, 7], limit=2, max_candidates=3) == [([8], 4), ([9, 9], 2), ([9, 10], 2)]
+    # "6 7" occurs 4 times: 9 follows in 3 of them (then 9 in 2 of those 3), 8 in 1
+    assert cache.lookup([1, 5, 6, 7], limit=2, max_candidates=3) == [([9, 9], 2), ([8], 4)]
+    # the chain goes on while the product of the majorities is >= min_probability:
+    # 9 (3 of 4), 9 (2 of 3), 0 (1 of 1) keeps 0.5
+    assert cache.lookup([0, 6, 7], limit=4) == [([9, 9, 0], 2)]
+    strict = SuffixCache(1 << 20, max_ngram=2, min_probability=0.6)
+    for tokens in ([1, 5, 6, 7, 8], [2, 6, 7, 9, 9], [4, 6, 7, 9, 9, 0], [3, 6, 7, 9, 10]):
+        strict.insert([], tokens)
+    assert strict.lookup([0, 6, 7], limit=4) == [([9], 2)]  # 0.75 * 2/3 < 0.6: it stops before the split
+    # among equal votes, the newest occurrence's token
+    tie = SuffixCache(1 << 20)
+    tie.insert([], [1, 2, 3])
+    tie.insert([], [1, 2, 4])
+    assert tie.lookup([1, 2], limit=2) == [([4], 2)]
+
+
+def test_a_template_is_copied_to_where_earlier_requests_differ():
+    """Records of one shape with other values: the copy runs through the fixed text and
+    stops before a value, where the newest record's own value used to be copied."""
+    cache = SuffixCache(1 << 20)
+    for value in (50, 51, 52):
+        cache.insert([], [10, 11, 12, 13, 14, value, 15, 16, 17, 18])
+    assert cache.lookup([10, 11], limit=8) == [([12, 13, 14], 2)]
+    # past the value: the fixed text again, from the token after it (n = 1)
+    assert cache.lookup([60], limit=8) == []
+    assert cache.lookup([53, 15], limit=8) == [([16, 17, 18], 1)]
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, "0.5", True])
+def test_a_bad_min_probability_fails(bad):
+    with pytest.raises(ValueError, match="min_probability"):
+        SuffixCache(1 << 20, min_probability=bad)
 
 
 @pytest.mark.parametrize("bad", [-1, -0.5, "8", True, float("nan")])
@@ -129,7 +162,7 @@ def test_concurrent_inserts_and_lookups():
         try:
             for _ in range(1500):
                 for chain, run in cache.lookup([rng.randrange(100) for _ in range(6)], limit=8, max_candidates=3):
-                    assert 1 <= len(chain) <= 8 and run >= 2
+                    assert 1 <= len(chain) <= 8 and run >= cache.min_ngram
         except BaseException as error:  # noqa: BLE001
             errors.append(error)
 
@@ -153,11 +186,16 @@ def test_the_drafter_proposes_copied_chains_within_the_budget():
     cache.insert([], [1, 2, 3, 4, 5, 6, 7, 8])
     cache.insert([], [2, 3, 9, 9])
     drafter = SuffixCacheDrafter(cache, num_tokens=4, max_candidates=2)
-    context = DraftContext(torch.tensor([40, 1, 2, 3]), max_nodes=5)
+    # "1 2 3" occurs once: what followed it alone
+    context = DraftContext(torch.tensor([40, 1, 2, 3]), max_nodes=3)
     drafter.begin(context)
     tree = drafter.propose(context)
-    assert tree.tokens.tolist() == [3, 4, 5, 6, 7, 9] and tree.size - 1 <= 5
-    assert copied_runs(tree).tolist() == [0, 3, 4, 5, 6, 2]
+    assert tree.tokens.tolist() == [3, 4, 5, 6] and tree.size - 1 <= 3
+    assert copied_runs(tree).tolist() == [0, 3, 4, 5]
+    # "2 3" occurs twice: both continuations, the newest first
+    tree = drafter.propose(DraftContext(torch.tensor([40, 2, 3]), max_nodes=5))
+    assert tree.tokens.tolist() == [3, 9, 9, 4, 5, 6] and tree.size - 1 <= 5
+    assert copied_runs(tree).tolist() == [0, 2, 3, 2, 3, 4]
     assert SuffixCacheDrafter(None).propose(context).size == 1  # the model's cache off: nothing
     with pytest.raises(ValueError, match="SuffixCache"):
         SuffixCacheDrafter("cache")

@@ -48,11 +48,11 @@ class SuffixCache:
     `insert(prompt, output)` stores the prompt's last `prompt_tail` tokens and the
     output (so a prompt's ending predicts the output's start); `lookup(suffix, ...)`
     returns the continuations that followed the longest n-gram of `suffix` that was
-    seen before. Each n-gram keeps its `max_occurrences` most recent occurrences, so
+    seen before, as far as most of its occurrences agree. Each n-gram keeps its `max_occurrences` most recent occurrences, so
     a lookup and an eviction cost a bounded amount of work whatever the traffic."""
 
-    def __init__(self, max_bytes: int, *, min_ngram: int = 2, max_ngram: int = 4, prompt_tail: int = 32,
-                 max_occurrences: int = 32, max_run: int = 64) -> None:
+    def __init__(self, max_bytes: int, *, min_ngram: int = 1, max_ngram: int = 4, prompt_tail: int = 32,
+                 max_occurrences: int = 32, max_run: int = 64, min_probability: float = 0.5) -> None:
         self.max_bytes = check_cache_bytes("max_bytes", max_bytes)
         self.min_ngram = check_positive_int("min_ngram", min_ngram, 1)
         self.max_ngram = check_positive_int("max_ngram", max_ngram, 1)
@@ -61,6 +61,10 @@ class SuffixCache:
         self.prompt_tail = check_positive_int("prompt_tail", prompt_tail, 0)
         self.max_occurrences = check_positive_int("max_occurrences", max_occurrences, 1)
         self.max_run = check_positive_int("max_run", max_run, 1)
+        if isinstance(min_probability, bool) or not isinstance(min_probability, (int, float)) \
+                or not 0.0 <= min_probability <= 1.0:
+            raise ValueError(f"min_probability is a share in [0, 1], got {min_probability!r}")
+        self.min_probability = float(min_probability)
         self._lock = threading.Lock()
         self._sequences: OrderedDict[int, array] = OrderedDict()  # id -> tokens, oldest first
         self._digests: dict[int, int] = {}  # hash of a sequence's tokens -> id: the same output is kept once
@@ -160,44 +164,71 @@ class SuffixCache:
 
     # ---------------------------------------------------------------- lookup
     def lookup(self, suffix: Sequence[int], limit: int, max_candidates: int = 1) -> list[tuple[list[int], int]]:
-        """Up to `max_candidates` distinct continuations (each at most `limit` tokens) of
-        the n-grams ending `suffix` that the cache has seen, longest n first, with the
-        copied run of each (how many tokens back from the end `suffix` agrees with the
-        tokens before the continuation, at most `max_run`): longest run first, then the
-        most frequent, then the most recent. Shorter n-grams are read only while fewer
-        than `max_candidates` continuations were found. [] when none matches."""
+        """Up to `max_candidates` continuations (each at most `limit` tokens) of the
+        longest n-gram ending `suffix` that the cache has seen, with the copied run of
+        each (how many tokens back from the end `suffix` agrees with the tokens before
+        the continuation, at most `max_run`; the longest among the occurrences the
+        continuation follows). [] when none matches.
+
+        The occurrences of that n-gram vote, token by token (a suffix tree's walk by
+        frequency, as ArcticInference's suffix decoding does): the candidates start
+        with the most frequent next tokens (the most recent occurrence first among
+        equals), and each goes on with the token most of the occurrences that agree
+        with it so far continue with, while the product of those majorities (the
+        share of the occurrences that agree) stays at least `min_probability`. A
+        template's fixed text is copied whole and the copy stops where earlier
+        requests went different ways (a name, an id), where the old copy of the one
+        most recent occurrence ran on into its own values
+        (docs/lab-notes/serving-load.md#the-suffix-cache-counted-round-by-round-issue-68)."""
         suffix = [int(t) for t in suffix[len(suffix) - min(self.max_run, len(suffix)):]]
         if limit <= 0 or max_candidates <= 0:
             return []
-        found: dict[tuple[int, ...], tuple[int, int, int]] = {}
-        seen: set[int] = set()  # an occurrence of a long n-gram is one of each shorter one too
         with self._lock:
+            matches: list[tuple[int, array, int]] = []  # (run, tokens, end), newest first
             for n in range(min(self.max_ngram, len(suffix)), self.min_ngram - 1, -1):
                 occurrences = self._index.get(hash(tuple(suffix[-n:])))
                 if occurrences:
-                    self._continuations(suffix, n, occurrences, limit, found, seen)
-                if len(found) >= max_candidates:
-                    break
-        ranked = sorted(found.items(), key=lambda item: (-item[1][0], -item[1][1], item[1][2]))
-        return [(list(chain), run) for chain, (run, _, _) in ranked[:max_candidates]]
+                    matches = self._matches(suffix, n, occurrences)
+                    if matches:
+                        break
+            return self._vote(matches, limit, max_candidates)
 
-    def _continuations(self, suffix: list[int], n: int, occurrences: list[int], limit: int,
-                       found: dict, seen: set[int]) -> None:
-        """Adds to `found` continuation -> (longest run, count, order first seen) over the
-        occurrences (newest first) not in `seen`; an occurrence whose n-gram only shares
-        a hash is skipped."""
-        last = len(suffix) - 1
+    def _matches(self, suffix: list[int], n: int, occurrences: list[int]) -> list[tuple[int, array, int]]:
+        """(run, sequence, end) of the occurrences (newest first) that are followed by a
+        token; one whose n-gram only shares a hash is skipped."""
+        last, found = len(suffix) - 1, []
         for packed in reversed(occurrences):
-            if packed in seen:
-                continue
-            seen.add(packed)
             tokens = self._sequences[packed >> _POSITION_BITS]
             end = packed & _POSITION_MASK
             run = 0
             while run <= end and run <= last and run < self.max_run and tokens[end - run] == suffix[last - run]:
                 run += 1
-            if run < n:
-                continue  # a hash collision, not the n-gram
-            chain = tuple(tokens[end + 1 : end + 1 + limit])
-            best, count, first = found.get(chain, (0, 0, len(found)))
-            found[chain] = (max(best, run), count + 1, first)
+            if run >= n and end + 1 < len(tokens):
+                found.append((run, tokens, end))
+        return found
+
+    def _vote(self, matches: list[tuple[int, array, int]], limit: int, max_candidates: int) -> list[tuple[list[int], int]]:
+        firsts: dict[int, int] = {}  # first token -> votes, in the order first seen (newest first)
+        for _, tokens, end in matches:
+            firsts[tokens[end + 1]] = firsts.get(tokens[end + 1], 0) + 1
+        ranked = sorted(firsts, key=lambda token: -firsts[token])[:max_candidates]  # stable: newest among equals
+        out = []
+        for first in ranked:
+            alive = [(tokens, end + 1) for _, tokens, end in matches if tokens[end + 1] == first]
+            run = max(r for r, tokens, end in matches if tokens[end + 1] == first)
+            chain, probability = [first], firsts[first] / len(matches)
+            while len(chain) < limit:
+                votes: dict[int, int] = {}
+                for tokens, at in alive:
+                    if at + 1 < len(tokens):
+                        votes[tokens[at + 1]] = votes.get(tokens[at + 1], 0) + 1
+                if not votes:
+                    break
+                token = max(votes, key=votes.__getitem__)  # the first seen among equals: the newest
+                probability *= votes[token] / sum(votes.values())
+                if probability < self.min_probability:
+                    break
+                chain.append(token)
+                alive = [(tokens, at + 1) for tokens, at in alive if at + 1 < len(tokens) and tokens[at + 1] == token]
+            out.append((chain, run))
+        return out
