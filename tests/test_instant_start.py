@@ -282,3 +282,31 @@ def test_the_default_curve_prices_trees_at_or_above_every_recorded_curve():
             assert 1 + slope(kind, context) * (k - 1) >= relative, (kind, context, k, relative)
             checked += 1
     assert checked > 50
+
+
+def test_a_cli_run_uses_the_default_curve_and_measures_nothing_in_its_process(monkeypatch, tmp_path):
+    """Under "later" (`longspec generate`) a missing curve gives the default and starts no
+    thread: a CLI run's only quiet moment is its exit, which would wait for the forward."""
+    monkeypatch.setattr(cost_measurement, "_policy", "later")
+    monkeypatch.setattr(cost_measurement, "_pending", {})
+    monkeypatch.setattr(cost_measurement, "_thread", None)
+    monkeypatch.setattr(cost_model, "default_directory", lambda: tmp_path)  # no curve measured yet
+    model = tiny_decoder("gemma3", dtype=torch.bfloat16)
+    monkeypatch.setattr(cost_model, "measure_forward_cost", lambda *a, **k: pytest.fail("measured"))
+    cost = cost_model.forward_cost_at(model, 40, ks=(1, 2, 4))
+    assert cost_model.is_default(cost)
+    assert cost_measurement.pending() == 0 and cost_measurement._thread is None
+
+
+def test_the_cli_defers_a_missing_curve_unless_the_environment_chooses(checkpoint_with_tokenizer, monkeypatch):
+    from longspec.cli.main import main
+
+    chosen = []
+    monkeypatch.setattr(cost_measurement, "set_policy", chosen.append)
+    monkeypatch.delenv(cost_measurement.VARIABLE, raising=False)
+    args = ["generate", "abc", "--model", str(checkpoint_with_tokenizer), "--max-new-tokens", "2", "--method", "ar",
+            "--quiet"]
+    assert main(args) == 0 and chosen == ["later"]
+    chosen.clear()
+    monkeypatch.setenv(cost_measurement.VARIABLE, "now")
+    assert main(args) == 0 and chosen == []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import re
 import sys
@@ -120,6 +121,10 @@ def _cmd_generate(args) -> int:
     from longspec.runtime import progress
 
     progress.set_enabled(not (args.quiet or args.json) and sys.stderr.isatty())
+    from longspec.speculation import cost_measurement
+
+    if cost_measurement.VARIABLE not in os.environ:
+        cost_measurement.set_policy("later")  # a missing forward-cost curve waits for `longspec doctor`
     model = longspec.load(args.model, dtype=args.dtype, engine=engine, device=args.device, compile=args.compile)
     stream = model.stream(prompt, request)
     for chunk in stream:

@@ -8,8 +8,11 @@ is missing, the policy says what a lookup does:
   this process's quiet moments: when no decoding round has run for `QUIET_S`. A
   round that starts while it measures makes it wait for quiet again and time the
   current size anew (`pause_while_decoding`), so a request waits for at most one
-  measured forward, and a curve timed beside decoding is never kept. A CLI run decodes
-  without pause and exits: there the queue waits for `longspec doctor`.
+  measured forward, and a curve timed beside decoding is never kept.
+- "later" (`longspec generate`): the default curve, and nothing measured in this process.
+  A CLI run decodes without pause and exits: its only quiet moment is its exit, where a
+  measurement started would only hold the exit for a forward and be dropped. The curve
+  waits for `longspec doctor` or a server's idle time.
 - "now": the lookup measures before returning (benchmarks, which time after their
   warm-up; `longspec doctor`; the test suite). Also `LONGSPEC_COST_MEASUREMENT=now`.
 """
@@ -23,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 
-POLICIES = ("background", "now")
+POLICIES = ("background", "later", "now")
 VARIABLE = "LONGSPEC_COST_MEASUREMENT"
 QUIET_S = 0.5  # no round for this long: the process is idle, the measurement may run
 
@@ -73,8 +76,10 @@ def pending() -> int:
 
 
 def request(key: str, measure: Callable[[], object]) -> None:
-    """Queue a measurement (once per key) for the background thread."""
+    """Queue a measurement (once per key) for the background thread; nothing under "later"."""
     global _thread
+    if policy() == "later":
+        return
     with _lock:
         if key in _pending:
             return
