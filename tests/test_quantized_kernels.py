@@ -113,21 +113,28 @@ def test_a_row_gets_the_same_bits_alone_or_among_1_to_64_rows_and_on_every_path(
             assert torch.equal(product(weight, x[begin:end], path), whole[begin:end]), (path, begin, end)
 
 
-def test_a_weight_on_huge_pages_gives_the_bits_of_a_copy_in_ordinary_memory():
-    """A repacked weight of 2 MiB or more gets a mapping of its own (advised for huge pages):
-    its products are a copy's in ordinary memory, a row's alone or among 1-17 rows, and the
-    portable loop's."""
-    rows, cols = 8000, 256
+def test_a_streamed_weight_on_huge_pages_gives_the_bits_of_a_copy_in_ordinary_memory():
+    """A repacked weight of 2 MiB or more gets a mapping of its own (advised for huge pages);
+    from 16 MiB (an output layer) up to 16 rows run one group a pass, 4 rows at a time: its
+    products are a copy's in ordinary memory, a row's alone or among 1-17 rows (17: two groups
+    a pass), on one thread or two, and the portable loop's."""
+    rows, cols = 64000, 256
     _, weight = weight_of(Q8_0, rows, cols, seed=5)
     packed = weight.segments[0].packed
-    assert packed.numel() >= 2 << 20
+    assert packed.numel() >= 16 << 20
     copy = QuantizedWeight((weight.segments[0].__class__("copy", Q8_0, rows, packed.clone()),), cols)
     x = torch.randn(17, cols, generator=torch.Generator().manual_seed(3)).bfloat16()
     whole = product(weight, x)
     assert torch.equal(product(copy, x), whole)
     assert torch.equal(product(weight, x[:3], "portable"), whole[:3])
-    for begin, end in ((0, 1), (4, 6), (1, 5), (0, 16), (9, 17)):
-        assert torch.equal(product(weight, x[begin:end]), whole[begin:end]), (begin, end)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for begin, end in ((0, 1), (4, 6), (1, 5), (0, 16), (9, 17), (3, 10), (0, 17)):
+                assert torch.equal(product(weight, x[begin:end]), whole[begin:end]), (count, begin, end)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_the_thread_count_does_not_change_the_bits():

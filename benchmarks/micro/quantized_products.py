@@ -9,6 +9,10 @@ dequantized (what a dequantizing load runs). Also a few-row product (a verified 
 --previous COMMIT builds that commit's `kernels/gguf_linear.cpp` as a library of its own and
 times it beside today's kernel in the same process, the two alternated call by call (the
 repacked layout is the same): the ratio previous / today per product and row count.
+
+--head: the output layer instead (the file's `output.weight`, else the tied `token_embd.weight`:
+Gemma 3 270M's 262,144 x 640 Q8_0 rows), at --rows, against its floor; with --previous, each
+kernel on its own repack (where the weight lies in memory is the repack's choice).
 """
 
 from __future__ import annotations
@@ -78,6 +82,7 @@ def main() -> None:
     parser.add_argument("--layer", type=int, default=0)
     parser.add_argument("--rows", type=int, nargs="*", default=[1, 4, 16])
     parser.add_argument("--previous", default=None, help="a commit whose gguf_linear.cpp to time beside today's")
+    parser.add_argument("--head", action="store_true", help="the output layer's product instead of a layer's")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     previous = previous_kernel(args.previous) if args.previous else None
@@ -92,6 +97,8 @@ def main() -> None:
     print(f"streaming read: {bandwidth / 1e9:.1f} GB/s")
     reader = gguf.GGUFReader(args.gguf)
     tensors = {t.name: t for t in reader.tensors}
+    if args.head:
+        return head_rows(tensors, args.rows, bandwidth, previous)
     p = f"blk.{args.layer}."
     products = {"qkv": ["attn_q", "attn_k", "attn_v"], "o": ["attn_output"], "gate_up": ["ffn_gate", "ffn_up"],
                 "down": ["ffn_down"]}
@@ -127,6 +134,31 @@ def main() -> None:
                       f"same bits {same}, load {os.getloadavg()[0]:.1f}", flush=True)
     print(f"one layer, one row: quantized {total_q * 1e6:.0f} us (floor {floor_q * 1e6:.0f}),"
           f" bf16 {total_b * 1e6:.0f} us (floor {floor_b * 1e6:.0f})")
+
+
+def head_rows(tensors: dict, row_counts: list[int], bandwidth: float, previous) -> None:
+    from longspec.runtime.native import native_ops
+
+    t = tensors.get("output.weight") or tensors["token_embd.weight"]
+    cols, rows = (int(n) for n in t.shape)
+    raw = torch.from_numpy(np.array(np.asarray(t.data).reshape(rows, -1)))
+    kind, ops = int(t.tensor_type), native_ops()
+    today = ops.gguf_repack(raw, kind, cols)
+    floor = today.numel() / bandwidth
+    print(f"{t.name} [{rows} x {cols}] GGML type {kind}: {today.numel() / 1e6:.1f} MB, floor {floor * 1e3:.2f} ms")
+    before = previous.gguf_repack(raw, kind, cols) if previous is not None else None
+    for m in row_counts:
+        x = torch.randn(m, cols).bfloat16()
+        run = lambda: ops.gguf_linear(x, [today], [kind], [rows], None)  # noqa: E731
+        if previous is None:
+            tt = timed(run, calls=100)
+            print(f"head rows {m:3d}: {tt * 1e3:6.2f} ms = {tt / floor:.2f}x floor, load {os.getloadavg()[0]:.1f}", flush=True)
+            continue
+        old = lambda: previous.gguf_linear(x, [before], [kind], [rows], None)  # noqa: E731
+        tn, tp = alternated(run, old, calls=100)
+        same = torch.equal(run(), old())
+        print(f"head rows {m:3d}: today {tn * 1e3:6.2f} ms ({tn / floor:.2f}x floor), previous {tp * 1e3:6.2f} ms: "
+              f"previous / today {tp / tn:.2f}x, same bits {same}, load {os.getloadavg()[0]:.1f}", flush=True)
 
 
 if __name__ == "__main__":

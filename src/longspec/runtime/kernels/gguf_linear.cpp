@@ -16,9 +16,9 @@
 // rows. Per group and 32-value block, 4-value runs of the 16 rows are interleaved, so one
 // 64-byte load gives each of 16 lanes (rows) the codes of 4 consecutive values, which
 // `vpdpbusd` (u8 codes x s8 activations) sums into that lane: no reduction across lanes.
-// AVX-512 runs one group a pass over the blocks for up to 16 rows (a step, a tree: one
-// stream of addresses a thread), two neighbouring groups for more (a row's broadcasts and
-// scale shared), and unpacks a block's codes once for every row of the call. Repacked
+// AVX-512 runs two neighbouring groups a pass over the blocks (a row's broadcasts and scale
+// shared), or one for up to 16 rows of a weight streamed from memory (the output layer: one
+// stream of addresses a thread), and unpacks a block's codes once for every row of the call. Repacked
 // weights of 2 MiB or more lie on transparent huge pages.
 // The same bits as the file's, rearranged; scales stay fp16 and 6-bit scales become bytes.
 
@@ -469,20 +469,23 @@ LONGSPEC_AVX512_VNNI void many_rows_avx512(const uint8_t* const* groups, int64_t
     }
 }
 
-// Up to this many rows (a tree), a unit is one group and its rows run 4 at a time, registers
-// holding the accumulators, the group's codes (a few KiB) read again from L1 for each 4 rows;
-// more rows (prefill pieces) take `many_rows_avx512`. The same chains either way.
+// A weight streamed from memory (the output layer), up to this many rows (a tree): a unit is
+// one group and its rows run 4 at a time, registers holding the accumulators, the group's
+// codes (a few KiB) read again from L1 for each 4 rows; more rows (prefill pieces), and the
+// weights that stay in cache, take `many_rows_avx512`. The same chains either way.
 constexpr int64_t kTiledRows = 16;
+constexpr int64_t kStreamedBytes = int64_t(16) << 20;
 
 template <int64_t kKind, int G>
-LONGSPEC_AVX512_VNNI void rows_avx512_of(const uint8_t* const* groups, int64_t K, const Act* rows, int64_t M, float* out) {
+LONGSPEC_AVX512_VNNI void rows_avx512_of(const uint8_t* const* groups, int64_t K, const Act* rows, int64_t M, float* out,
+                                         bool tiled) {
   switch (M) {
     case 1: few_rows_avx512<kKind, 1, G>(groups, K, rows, out); break;
     case 2: few_rows_avx512<kKind, 2, G>(groups, K, rows, out); break;
     case 3: few_rows_avx512<kKind, 3, G>(groups, K, rows, out); break;
     case 4: few_rows_avx512<kKind, 4, G>(groups, K, rows, out); break;
     default:
-      if (M <= kTiledRows) {
+      if (tiled) {
         int64_t m = 0;
         for (; m + 4 <= M; m += 4) few_rows_avx512<kKind, 4, G>(groups, K, rows + m, out + m * G * kLanes);
         switch (M - m) {
@@ -498,13 +501,14 @@ LONGSPEC_AVX512_VNNI void rows_avx512_of(const uint8_t* const* groups, int64_t K
 }
 
 // M rows (any number) against G (1 or 2) groups of one format; out [M][G][16].
-void rows_avx512(int64_t kind, const uint8_t* const* groups, int G, int64_t K, const Act* rows, int64_t M, float* out) {
+void rows_avx512(int64_t kind, const uint8_t* const* groups, int G, int64_t K, const Act* rows, int64_t M, float* out,
+                 bool tiled) {
   const bool two = G == 2;
   switch (kind) {
-    case kQ8_0: two ? rows_avx512_of<kQ8_0, 2>(groups, K, rows, M, out) : rows_avx512_of<kQ8_0, 1>(groups, K, rows, M, out); break;
-    case kQ5_0: two ? rows_avx512_of<kQ5_0, 2>(groups, K, rows, M, out) : rows_avx512_of<kQ5_0, 1>(groups, K, rows, M, out); break;
-    case kQ4_K: two ? rows_avx512_of<kQ4_K, 2>(groups, K, rows, M, out) : rows_avx512_of<kQ4_K, 1>(groups, K, rows, M, out); break;
-    default: two ? rows_avx512_of<kQ6_K, 2>(groups, K, rows, M, out) : rows_avx512_of<kQ6_K, 1>(groups, K, rows, M, out); break;
+    case kQ8_0: two ? rows_avx512_of<kQ8_0, 2>(groups, K, rows, M, out, tiled) : rows_avx512_of<kQ8_0, 1>(groups, K, rows, M, out, tiled); break;
+    case kQ5_0: two ? rows_avx512_of<kQ5_0, 2>(groups, K, rows, M, out, tiled) : rows_avx512_of<kQ5_0, 1>(groups, K, rows, M, out, tiled); break;
+    case kQ4_K: two ? rows_avx512_of<kQ4_K, 2>(groups, K, rows, M, out, tiled) : rows_avx512_of<kQ4_K, 1>(groups, K, rows, M, out, tiled); break;
+    default: two ? rows_avx512_of<kQ6_K, 2>(groups, K, rows, M, out, tiled) : rows_avx512_of<kQ6_K, 1>(groups, K, rows, M, out, tiled); break;
   }
 }
 
@@ -770,8 +774,8 @@ constexpr int64_t kRowChunk = 64;
 // M rows against G groups of one format: out [M][G][16]. AVX-512 VNNI runs the G groups in one
 // pass over the blocks; the other paths a group and up to kRowTile rows at a time.
 void run_unit(Path path, int64_t kind, const uint8_t* const* groups, int G, int64_t K, const Act* rows, int64_t M,
-              float* out) {
-  if (path == Path::kAvx512Vnni) return rows_avx512(kind, groups, G, K, rows, M, out);
+              float* out, bool tiled) {
+  if (path == Path::kAvx512Vnni) return rows_avx512(kind, groups, G, K, rows, M, out, tiled);
   float tile_out[kRowTile * kLanes];
   for (int g = 0; g < G; ++g)
     for (int64_t m = 0; m < M; m += kRowTile) {
@@ -800,12 +804,15 @@ at::Tensor linear_on(Path path, const at::Tensor& x, const std::vector<at::Tenso
   TORCH_CHECK(packed.size() == kinds.size() && kinds.size() == rows.size() && !packed.empty(), "one kind and row count per segment");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % kBlock == 0, "x has ", K, " columns, not a multiple of 32");
-  // Groups a unit: one up to kTiledRows rows (a decode step, a tree), so that a thread reads
-  // the weight as one sequence of addresses: two neighbouring groups read side by side are two
-  // streams, which the hardware prefetchers of a Zen 4 core serve at two thirds of one stream's
-  // rate (docs/lab-notes/quantized-targets.md). Two for more rows (prefill pieces), where
-  // sharing each row's broadcasts between two groups saves more than the stream costs.
-  const int64_t width = M <= kTiledRows ? 1 : 2;
+  // Groups a unit: for a weight streamed from memory (kStreamedBytes or more: the output layer)
+  // and up to kTiledRows rows (a decode step, a tree), one, so that a thread reads the weight as
+  // one sequence of addresses: two neighbouring groups read side by side are two streams, which
+  // the hardware prefetchers of a Zen 4 core serve at two thirds of one stream's rate
+  // (docs/lab-notes/quantized-targets.md). Else two, sharing each row's broadcasts.
+  int64_t weight_bytes = 0;
+  for (const at::Tensor& p : packed) weight_bytes += p.numel();
+  const bool tiled = weight_bytes >= kStreamedBytes && M <= kTiledRows;
+  const int64_t width = tiled ? 1 : 2;
   int64_t N = 0;
   std::vector<int64_t> first_row(packed.size(), 0);
   std::vector<Unit> units;
@@ -842,7 +849,7 @@ at::Tensor linear_on(Path path, const at::Tensor& x, const std::vector<at::Tenso
       const int G = static_cast<int>(unit.count);
       for (int64_t m = 0; m < M; m += kRowChunk) {
         const int64_t R = std::min(kRowChunk, M - m);
-        run_unit(path, kinds[unit.segment], groups, G, K, act_rows.data() + m, R, out.data());
+        run_unit(path, kinds[unit.segment], groups, G, K, act_rows.data() + m, R, out.data(), tiled);
         for (int g = 0; g < G; ++g) {
           const int64_t n0 = first_row[unit.segment] + (unit.group + g) * kLanes;
           const int64_t lanes = std::min<int64_t>(kLanes, first_row[unit.segment] + rows[unit.segment] - n0);
