@@ -314,3 +314,17 @@ def test_changed_corpus_never_reuses_stale_token_shards(tmp_path):
     (corpus / "b.txt").write_text("second corpus " * 20)
     with pytest.raises(ValueError, match="built from another corpus"):
         build()
+
+
+def test_the_command_exits_with_its_status_and_all_its_output(checkpoint, tmp_path):
+    """`longspec` (console_main) skips the interpreter's teardown: its output is still all
+    there, flushed, and its exit status is the command's."""
+    done = subprocess.run([sys.executable, "-m", "longspec.cli.main", "generate", "--model", str(checkpoint),
+                           "--max-new-tokens", "5", "--method", "ar", "--json", "abc"], capture_output=True,
+                          env={**os.environ, "LONGSPEC_CACHE": str(tmp_path)}, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert len(json.loads(done.stdout)["token_ids"]) == 5
+    refused = subprocess.run([sys.executable, "-m", "longspec.cli.main", "generate", "--model", str(checkpoint),
+                              "--max-new-tokens", "0", "abc"], capture_output=True,
+                             env={**os.environ, "LONGSPEC_CACHE": str(tmp_path)}, timeout=600)
+    assert refused.returncode == 2 and b"longspec: error:" in refused.stderr
