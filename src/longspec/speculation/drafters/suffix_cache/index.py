@@ -177,9 +177,9 @@ class SuffixCache:
         with it so far continue with, while the product of those majorities (the
         share of the occurrences that agree) stays at least `min_probability`. A
         template's fixed text is copied whole and the copy stops where earlier
-        requests went different ways (a name, an id), where the old copy of the one
-        most recent occurrence ran on into its own values
-        (docs/lab-notes/serving-load.md#the-suffix-cache-counted-round-by-round-issue-68)."""
+        requests went different ways (a name, an id); a copy of the one occurrence
+        that agreed longest ran on into that record's own values, and was rejected
+        there (docs/lab-notes/serving-load.md#the-suffix-cache-counted-round-by-round-issue-68)."""
         suffix = [int(t) for t in suffix[len(suffix) - min(self.max_run, len(suffix)):]]
         if limit <= 0 or max_candidates <= 0:
             return []
@@ -208,6 +208,7 @@ class SuffixCache:
         return found
 
     def _vote(self, matches: list[tuple[int, array, int]], limit: int, max_candidates: int) -> list[tuple[list[int], int]]:
+        """The continuations `lookup` describes, built from `matches`' votes."""
         firsts: dict[int, int] = {}  # first token -> votes, in the order first seen (newest first)
         for _, tokens, end in matches:
             firsts[tokens[end + 1]] = firsts.get(tokens[end + 1], 0) + 1
