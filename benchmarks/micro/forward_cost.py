@@ -47,7 +47,7 @@ def forward_flops(model, k: int, context: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="bfloat16", help="'file': a GGUF's own quantization (dtype unset)")
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -57,7 +57,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = longspec.load(args.model, dtype=args.dtype).model
+    model = longspec.load(args.model, dtype=None if args.dtype == "file" else args.dtype).model
     bandwidth = read_bandwidth_gbs()
     rate = matmul_rate_gflops(model.dtype)
     header = {"benchmark": "forward_cost", "machine": machine(), "dtype": str(model.dtype), "bandwidth_gbs": bandwidth,
