@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from longspec.runtime import huge_pages, prepared_weights
+from longspec.runtime import head_cache, huge_pages, prepared_weights
 from longspec.runtime.head_cache import tensor_digest
 from longspec.runtime.linear import pack_tiles, tiles_nbytes
 from longspec.runtime.loading import _read_shards, fused_params, load_checkpoint_dir
@@ -68,10 +68,10 @@ def assert_same_model(a, b):
 
 
 def test_a_load_from_the_cached_entry_is_the_built_model_bit_for_bit(checkpoint, tmp_path, monkeypatch):
-    monkeypatch.setenv("LONGSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(head_cache, "default_directory", lambda: tmp_path / "prepared")
     built = load_checkpoint_dir(checkpoint).model  # from the checkpoint, no entry
     first = load_checkpoint_dir(checkpoint, prepared=True).model  # builds the entry
-    (entry,) = entries(tmp_path / "cache" / "prepared")
+    (entry,) = entries(tmp_path / "prepared")
     assert entry_problem(entry) is None
     mapped = load_checkpoint_dir(checkpoint, prepared=True).model  # maps it
     assert_same_model(built, first)

@@ -34,7 +34,8 @@ from pathlib import Path
 
 import torch
 
-from longspec.runtime.head_cache import _cached, _save, default_directory
+from longspec.runtime import head_cache
+from longspec.runtime.head_cache import _cached, _save
 from longspec.runtime.model_cache import MANIFEST
 from longspec.runtime.progress import phase
 
@@ -63,7 +64,11 @@ def checkpoint_identity(directory: Path) -> dict:
 def entry_key(directory: Path, dtype: torch.dtype) -> dict:
     from longspec.runtime.loading import fused_params
 
-    code = hashlib.sha256(inspect.getsource(fused_params).encode()).hexdigest()[:16]
+    try:
+        source = inspect.getsource(fused_params).encode()
+    except (OSError, TypeError):  # installed without its sources: the function's bytecode stands in
+        source = fused_params.__code__.co_code
+    code = hashlib.sha256(source).hexdigest()[:16]
     return {"format": FORMAT, "source": checkpoint_identity(directory), "dtype": str(dtype), "code": code}
 
 
@@ -76,7 +81,7 @@ def cached_params(directory: Path, dtype: torch.dtype, build_params: Callable[[]
     """The fused parameters of the checkpoint in `directory` in `dtype`: mapped from the
     cache, or made by `build_params()` and stored there first. A cache that cannot be
     written (read-only, full) costs the build every time, with one warning naming why."""
-    root = root or default_directory()
+    root = root or head_cache.default_directory()  # beside the certified head's copies
     key = entry_key(directory, dtype)
     # _remove_older_copies compares sources as strings (the certified head's are digests).
     key["source"] = json.dumps(key["source"], sort_keys=True)
