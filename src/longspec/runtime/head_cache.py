@@ -224,12 +224,13 @@ def map_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
 
 
 def cached_entries(directory: Path | None = None) -> list[tuple[Path, int, str | None]]:
-    """Every certified-head entry under the cache: path, bytes, and what is wrong with it."""
+    """Every entry under the cache's prepared/ (certified heads' copies, prepared weights):
+    path, bytes, and what is wrong with it."""
     root = directory or default_directory()
     if not root.is_dir():
         return []
     entries = []
-    for entry in sorted(root.glob("certified-head-*")):
+    for entry in sorted([*root.glob("certified-head-*"), *root.glob("weights-*")]):
         if entry.is_dir():
             size = sum(p.stat().st_size for p in entry.iterdir() if p.is_file())
             entries.append((entry, size, entry_problem(entry)))
