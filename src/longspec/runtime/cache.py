@@ -72,7 +72,7 @@ _MAPPED_ZEROS_BYTES = 16 << 20
 
 def zeroed(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """torch.zeros(shape), from zero pages mapped on demand where it is large and on the host."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if device.type != "cpu" or nbytes < _MAPPED_ZEROS_BYTES:
         return torch.zeros(shape, dtype=dtype, device=device)
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
