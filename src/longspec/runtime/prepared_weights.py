@@ -100,7 +100,7 @@ def cached_params(directory: Path, dtype: torch.dtype, build_params: Callable[[]
 
 def _estimated_bytes(directory: Path, dtype: torch.dtype) -> int:
     """The entry's size: every tensor of the checkpoint in `dtype` (read from the headers)."""
-    itemsize = torch.empty(0, dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     total = 0
     for shard in directory.glob("*.safetensors"):
         try:
