@@ -298,15 +298,16 @@ def test_a_cli_run_uses_the_default_curve_and_measures_nothing_in_its_process(mo
     assert cost_measurement.pending() == 0 and cost_measurement._thread is None
 
 
-def test_the_cli_defers_a_missing_curve_unless_the_environment_chooses(checkpoint_with_tokenizer, monkeypatch):
+def test_the_cli_defers_a_missing_curve_unless_a_policy_was_chosen(checkpoint_with_tokenizer, monkeypatch):
     from longspec.cli.main import main
 
-    chosen = []
-    monkeypatch.setattr(cost_measurement, "set_policy", chosen.append)
-    monkeypatch.delenv(cost_measurement.VARIABLE, raising=False)
     args = ["generate", "abc", "--model", str(checkpoint_with_tokenizer), "--max-new-tokens", "2", "--method", "ar",
             "--quiet"]
-    assert main(args) == 0 and chosen == ["later"]
-    chosen.clear()
-    monkeypatch.setenv(cost_measurement.VARIABLE, "now")
-    assert main(args) == 0 and chosen == []
+    monkeypatch.delenv(cost_measurement.VARIABLE, raising=False)
+    monkeypatch.setattr(cost_measurement, "_policy", None)  # nothing chosen, as in a user's `longspec generate`
+    assert main(args) == 0 and cost_measurement.policy() == "later"
+    monkeypatch.setattr(cost_measurement, "_policy", "now")  # chosen by the caller (here, the suite)
+    assert main(args) == 0 and cost_measurement.policy() == "now"
+    monkeypatch.setattr(cost_measurement, "_policy", None)
+    monkeypatch.setenv(cost_measurement.VARIABLE, "background")  # chosen in the environment
+    assert main(args) == 0 and cost_measurement.policy() == "background"

@@ -125,8 +125,7 @@ def _cmd_generate(args) -> int:
     progress.set_enabled(not (args.quiet or args.json) and sys.stderr.isatty())
     from longspec.speculation import cost_measurement
 
-    if cost_measurement.VARIABLE not in os.environ:
-        cost_measurement.set_policy("later")  # a missing forward-cost curve waits for `longspec doctor`
+    cost_measurement.prefer("later")  # a missing forward-cost curve waits for `longspec doctor`
     model = longspec.load(args.model, dtype=args.dtype, engine=engine, device=args.device, compile=args.compile)
     stream = model.stream(prompt, request)
     for chunk in stream:

@@ -56,6 +56,13 @@ def policy() -> str:
     return chosen
 
 
+def prefer(chosen: str) -> None:
+    """`chosen` for this process unless a policy was already chosen (`set_policy` or the
+    environment): a command's default that a caller's choice overrides."""
+    if _policy is None and VARIABLE not in os.environ:
+        set_policy(chosen)
+
+
 def set_policy(chosen: str | None) -> None:
     """"background" or "now" for this process; None: back to the environment's."""
     global _policy
