@@ -64,7 +64,7 @@ def prefer(chosen: str) -> None:
 
 
 def set_policy(chosen: str | None) -> None:
-    """"background" or "now" for this process; None: back to the environment's."""
+    """One of POLICIES for this process; None: back to the environment's."""
     global _policy
     if chosen is not None and chosen not in POLICIES:
         raise ValueError(f"the cost-measurement policy must be one of {', '.join(POLICIES)}, got {chosen!r}")
