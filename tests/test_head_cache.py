@@ -10,42 +10,26 @@ import json
 import logging
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import torch
 
+from cache_builders import TIMEOUT_S, builds, start_builder
+from cache_builders import wait_for_a_build as wait_for
 from head_cache_worker import seeded_head
 from longspec.runtime import head_cache
 from longspec.runtime.certified_head import GROUP, CertifiedHead, quantize_head
 from longspec.runtime.model_cache import entry_problem
 
 WORKER = Path(__file__).with_name("head_cache_worker.py")
-TIMEOUT_S = 120
 
 
 def start_worker(root: Path, delay: float) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(WORKER), str(root), str(delay)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-
-
-def builds(root: Path) -> int:
-    log = root / "builds.log"
-    return len(log.read_text().splitlines()) if log.exists() else 0
+    return start_builder(WORKER, root, delay)
 
 
 def wait_for_a_build(root: Path, worker: subprocess.Popen) -> None:
-    deadline = time.monotonic() + TIMEOUT_S
-    while time.monotonic() < deadline:
-        if builds(root) and list(root.glob(".certified-head-*.partial")):
-            return
-        if worker.poll() is not None:
-            out, err = worker.communicate()
-            raise AssertionError(f"the builder exited ({worker.returncode}) before building: {out}{err}")
-        time.sleep(0.02)
-    raise AssertionError("the builder never started building")
+    wait_for(root, worker, ".certified-head-*.partial")
 
 
 def expected_digests() -> dict[str, str]:

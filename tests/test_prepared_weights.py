@@ -14,13 +14,13 @@ import json
 import logging
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from cache_builders import TIMEOUT_S, builds, start_builder
+from cache_builders import wait_for_a_build as wait_for
 from longspec.runtime import head_cache, huge_pages, prepared_weights
 from longspec.runtime.head_cache import tensor_digest
 from longspec.runtime.linear import pack_tiles, tiles_nbytes
@@ -30,7 +30,6 @@ from longspec.runtime.native import bf16_linear_ops
 from tiny_models import random_ids, save_checkpoint
 
 WORKER = Path(__file__).with_name("prepared_weights_worker.py")
-TIMEOUT_S = 120
 
 
 @pytest.fixture
@@ -117,26 +116,11 @@ def test_a_damaged_entry_is_found_by_its_hashes_and_rebuilt(checkpoint, tmp_path
 
 def start_worker(checkpoint: Path, root: Path, delay: float) -> subprocess.Popen:
     root.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen([sys.executable, str(WORKER), str(checkpoint), str(root), str(delay)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-
-
-def builds(root: Path) -> int:
-    log = root / "builds.log"
-    return len(log.read_text().splitlines()) if log.exists() else 0
+    return start_builder(WORKER, checkpoint, root, delay)
 
 
 def wait_for_a_build(root: Path, worker: subprocess.Popen) -> None:
-    deadline = time.monotonic() + TIMEOUT_S
-    while time.monotonic() < deadline:
-        if builds(root) and list(root.glob(f".{prepared_weights.PREFIX}*.partial")):
-            return
-        if worker.poll() is not None:
-            out, err = worker.communicate()
-            raise AssertionError(f"the builder exited ({worker.returncode}) before building: {out}{err}")
-        time.sleep(0.02)
-    raise AssertionError("the builder never started building")
+    wait_for(root, worker, f".{prepared_weights.PREFIX}*.partial")
 
 
 def test_two_processes_building_at_once_build_once_and_map_the_same_weights(checkpoint, tmp_path):
