@@ -11,16 +11,12 @@ import math
 import pytest
 import torch
 
-from longspec.runtime.certified_head import CertifiedHead
-from longspec.runtime.linear import prepack
 from longspec.runtime.native import bf16_linear_ops, native_ops
-from longspec.speculation.certified_sampling import certified_draw
-from longspec.speculation.processors import SamplingParams, min_p_kept, processed_logits, processed_probs
+from longspec.speculation.processors import SamplingParams, min_p_kept
+from sampler_rules import HeadRow
 
 pytestmark = pytest.mark.skipif(bf16_linear_ops() is None or native_ops() is None,
                                 reason="the certified head needs the native bf16 product (reason logged)")
-
-V, H, DRAWS = 600, 64, 1500
 
 
 def _crafted_min_p(logits: torch.Tensor, token: int) -> float | None:
@@ -38,28 +34,14 @@ def _crafted_min_p(logits: torch.Tensor, token: int) -> float | None:
 
 
 def test_a_min_p_threshold_between_the_precisions_keeps_the_same_set_in_every_sampler():
-    g = torch.Generator().manual_seed(21)
-    weight = (torch.randn(V, H, generator=g) * 0.08).bfloat16()
-    hidden = (torch.randn(H, generator=g) * 2).bfloat16()
-    head = CertifiedHead(weight)
-    tiles = prepack(weight).tiles
-    logits = bf16_linear_ops().bf16_packed_linear(hidden.unsqueeze(0), tiles, V, None)[0]  # float32
+    row = HeadRow()
+    logits = row.logits  # float32
     second = int(torch.topk(logits, 2).indices[1])
     min_p = _crafted_min_p(logits, second)
     assert min_p is not None, "no threshold between the precisions found for this row"
-    params = SamplingParams(temperature=1.0, min_p=min_p)
     rule = min_p_kept(logits, logits.max(), min_p)  # the one rule
-
-    by_torch = processed_logits(logits.unsqueeze(0), None, params)[0].isfinite()
-    by_native = processed_probs(logits.unsqueeze(0), None, params)[0] > 0
-    assert torch.equal(by_torch, rule) and torch.equal(by_native, rule)
     assert int(rule.sum()) in (1, 2)  # the best token, and the second exactly at the threshold or not
-
-    screen = head.screen(hidden.unsqueeze(0))
-    generator = torch.Generator().manual_seed(0)
-    full = lambda: bf16_linear_ops().bf16_packed_linear(hidden.unsqueeze(0), tiles, V, None)[0]  # noqa: E731
-    drawn = {certified_draw(screen, 0, hidden, params, generator, full) for _ in range(DRAWS)}
-    assert drawn == set(torch.nonzero(rule).flatten().tolist())
+    row.assert_every_sampler_keeps(rule, SamplingParams(temperature=1.0, min_p=min_p))
 
 
 def test_min_p_zero_keeps_every_token():

@@ -10,16 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from longspec.runtime.certified_head import CertifiedHead
-from longspec.runtime.linear import prepack
 from longspec.runtime.native import bf16_linear_ops, native_ops
-from longspec.speculation.certified_sampling import certified_draw
 from longspec.speculation.processors import SamplingParams, processed_logits, processed_probs, top_p_cut
+from sampler_rules import HeadRow
 
 pytestmark = pytest.mark.skipif(bf16_linear_ops() is None or native_ops() is None,
                                 reason="the certified head needs the native bf16 product (reason logged)")
-
-V, H, DRAWS = 600, 64, 1500
 
 
 def _crafted_top_p(logits: torch.Tensor) -> float | None:
@@ -46,28 +42,14 @@ def _rule(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def test_a_top_p_threshold_between_the_precisions_keeps_the_same_set_in_every_sampler():
-    g = torch.Generator().manual_seed(21)
-    weight = (torch.randn(V, H, generator=g) * 0.08).bfloat16()
-    hidden = (torch.randn(H, generator=g) * 2).bfloat16()
-    head = CertifiedHead(weight)
-    tiles = prepack(weight).tiles
-    logits = bf16_linear_ops().bf16_packed_linear(hidden.unsqueeze(0), tiles, V, None)[0]  # float32
+    row = HeadRow()
+    logits = row.logits  # float32
     top_p = _crafted_top_p(logits)
     assert top_p is not None, "no threshold between the precisions found for this row"
-    params = SamplingParams(temperature=1.0, top_p=top_p)
     rule = _rule(logits, top_p)
     assert int(rule.sum()) == 2 if 1.0 < top_p * float(torch.exp(logits.double() - float(logits.max())).sum()) \
         else int(rule.sum()) == 1
-
-    by_torch = processed_logits(logits.unsqueeze(0), None, params)[0].isfinite()
-    by_native = processed_probs(logits.unsqueeze(0), None, params)[0] > 0
-    assert torch.equal(by_torch, rule) and torch.equal(by_native, rule)
-
-    screen = head.screen(hidden.unsqueeze(0))
-    generator = torch.Generator().manual_seed(0)
-    full = lambda: bf16_linear_ops().bf16_packed_linear(hidden.unsqueeze(0), tiles, V, None)[0]  # noqa: E731
-    drawn = {certified_draw(screen, 0, hidden, params, generator, full) for _ in range(DRAWS)}
-    assert drawn == set(torch.nonzero(rule).flatten().tolist())
+    row.assert_every_sampler_keeps(rule, SamplingParams(temperature=1.0, top_p=top_p))
 
 
 @pytest.mark.parametrize("top_k", [0, 50])
